@@ -1,0 +1,124 @@
+"""Backbone loading: the tokenizer and the (frozen) transformer of the configured ``model``.
+
+A backbone is loaded lazily: a run whose features are all in the cache never loads the weights. Loading never
+executes remote code unless the model config turns ``trust_remote_code`` on explicitly (DESIGN section 6).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from rewarduq_exp.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise UserError(f"device={device!r} is invalid: use auto, cpu, cuda or cuda:N ({err})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={device!r} was asked for but no CUDA GPU is visible; use device=auto or cpu")
+    return dev
+
+
+class Backbone:
+    """The configured model: ``name``, ``hub_id`` (or a local ``path``), ``revision``, ``dtype``, ``hidden_size``."""
+
+    def __init__(self, model_cfg, cache_dir: str | Path = "outputs/cache", device: str = "auto"):
+        self.cfg = model_cfg
+        self.name = str(model_cfg.name)
+        self.cache_dir = Path(cache_dir)
+        self.device = resolve_device(device)
+        if str(model_cfg.dtype) not in DTYPES:
+            raise UserError(f"model.dtype={model_cfg.dtype} is invalid; allowed: {', '.join(DTYPES)}")
+        self.dtype = DTYPES[str(model_cfg.dtype)]
+        if self.device.type == "cpu" and self.dtype != torch.float32 and not model_cfg.get("keep_dtype_on_cpu", False):
+            # bf16 matmuls on CPU are slow and inexact; GPUs get the configured dtype.
+            self.dtype = torch.float32
+
+    # -------------------------------------------------------------------- where the weights live
+    @cached_property
+    def source(self) -> str:
+        """A local folder or a hub id that ``from_pretrained`` understands."""
+        if self.cfg.get("builder") == "tiny-qwen3":
+            from rewarduq_exp.tiny_qwen3 import ensure_tiny_qwen3
+
+            return str(ensure_tiny_qwen3(self.cache_dir, **dict(self.cfg.get("build", {}))))
+        if self.cfg.get("path"):
+            return str(self.cfg.path)
+        if not self.cfg.get("hub_id"):
+            raise UserError(f"model '{self.name}' has neither hub_id nor path; set model.path=<local checkpoint>")
+        return str(self.cfg.hub_id)
+
+    def identity(self) -> dict:
+        """Everything about the backbone that changes its numbers (part of every feature-cache key)."""
+        ident = {
+            "name": self.name,
+            "source": self.cfg.get("hub_id") or self.cfg.get("path") or self.cfg.get("builder"),
+            "revision": self.cfg.get("revision"),
+            "dtype": str(self.dtype),
+        }
+        if self.cfg.get("builder") == "tiny-qwen3":
+            spec = Path(self.source) / "build_spec.json"
+            ident["build"] = json.loads(spec.read_text())
+        return ident
+
+    def _pretrained_kwargs(self) -> dict:
+        kw = {"trust_remote_code": bool(self.cfg.get("trust_remote_code", False))}
+        if self.cfg.get("revision") and not Path(self.source).exists():
+            kw["revision"] = str(self.cfg.revision)
+        return kw
+
+    def _load(self, what: str, fn):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own bars say what is happening; HF's per-shard bars are noise
+        try:
+            return fn()
+        except OSError as err:
+            raise UserError(
+                f"could not load the {what} of model '{self.name}' from '{self.source}' "
+                f"({str(err).splitlines()[0][:200]}); without hub access, download it beforehand or point "
+                f"model.path at a local checkpoint, or use model=tiny-qwen3"
+            ) from None
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        tok = self._load("tokenizer", lambda: AutoTokenizer.from_pretrained(self.source, **self._pretrained_kwargs()))
+        if tok.chat_template is None:
+            raise UserError(f"the tokenizer of model '{self.name}' has no chat template; choose a chat model")
+        if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:
+            # Never pad with eos: pooling by "last real token" must not confuse the final eos with padding.
+            raise UserError(f"the tokenizer of model '{self.name}' has no pad token distinct from eos")
+        tok.padding_side = "right"
+        return tok
+
+    def load_encoder(self) -> torch.nn.Module:
+        """The headless transformer (e.g. ``Qwen3Model``), frozen, in eval mode, on the device."""
+        from transformers import AutoModel
+
+        model = self._load(
+            "weights",
+            lambda: AutoModel.from_pretrained(self.source, dtype=self.dtype, **self._pretrained_kwargs()),
+        )
+        hidden = int(model.config.hidden_size)
+        if self.cfg.get("hidden_size") and int(self.cfg.hidden_size) != hidden:
+            raise UserError(f"model.hidden_size={self.cfg.hidden_size} but the checkpoint has hidden size {hidden}")
+        model.requires_grad_(False)
+        return model.eval().to(self.device)
+
+
+def stable_hash(obj, n: int = 16) -> str:
+    """Hash of a JSON-able object, independent of dict order (used for cache keys and run identities)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]

@@ -1,0 +1,129 @@
+"""The preference-data contract (DESIGN section 3) and the steps every source goes through.
+
+After loading, every preference dataset is a DataFrame with columns ``id`` (str), ``prompt`` (list of
+``{role, content}`` messages), ``chosen`` and ``rejected`` (lists of assistant messages), ``weight`` (float, default
+1) and ``subset`` (str, may be empty). Extra columns (e.g. the synthetic world's ``true_margin``) travel along.
+
+Rendering uses the backbone tokenizer's own chat template. The length filter drops (never truncates) a pair whose
+prompt + chosen or prompt + rejected exceeds ``max_length`` tokens, and reports how many pairs it dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from rewarduq_exp.errors import UserError
+
+PREFERENCE_COLUMNS = ("id", "prompt", "chosen", "rejected", "weight", "subset")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def make_preference_frame(ids, prompts, chosen, rejected, weight=None, subset=None) -> pd.DataFrame:
+    n = len(ids)
+    return pd.DataFrame(
+        {
+            "id": [str(i) for i in ids],
+            "prompt": list(prompts),
+            "chosen": list(chosen),
+            "rejected": list(rejected),
+            "weight": np.ones(n) if weight is None else np.asarray(weight, dtype=float),
+            "subset": [""] * n if subset is None else [str(s) for s in subset],
+        }
+    )
+
+
+def as_messages(value, default_role: str, *, source: str, column: str) -> list[dict]:
+    """Normalise a plain string, one message dict or a list of messages into a list of messages."""
+    if isinstance(value, str):
+        return [{"role": default_role, "content": value}]
+    if isinstance(value, dict):
+        value = [value]
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)) and all(isinstance(m, dict) for m in value):
+        out = []
+        for m in value:
+            if "role" not in m or "content" not in m or m["role"] not in ROLES:
+                raise UserError(
+                    f"{source}: column '{column}' holds a message without a valid role/content "
+                    f"(got keys {sorted(m)}; roles allowed: {', '.join(ROLES)})"
+                )
+            out.append({"role": str(m["role"]), "content": str(m["content"])})
+        return out
+    raise UserError(
+        f"{source}: column '{column}' must hold a string or a list of {{role, content}} messages, "
+        f"got {type(value).__name__}"
+    )
+
+
+def validate_preferences(frame: pd.DataFrame, source: str) -> pd.DataFrame:
+    missing = [c for c in PREFERENCE_COLUMNS if c not in frame.columns]
+    if missing:
+        raise UserError(f"{source}: missing column(s) {', '.join(missing)}; found: {', '.join(map(str, frame.columns))}")
+    if len(frame) == 0:
+        raise UserError(f"{source}: no preference pairs")
+    weight = frame["weight"].to_numpy(dtype=float)
+    if not np.all(np.isfinite(weight)) or (weight < 0).any():
+        raise UserError(f"{source}: column 'weight' must hold finite numbers >= 0")
+    return frame
+
+
+# ---------------------------------------------------------------------------------------------------- rendering
+def render(tokenizer, prompt: list[dict], completion: list[dict]) -> str:
+    """One conversation rendered by the backbone's chat template (the same text the backbone is scored on)."""
+    return tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
+
+
+def render_all(tokenizer, prompts, completions) -> list[str]:
+    return [render(tokenizer, p, c) for p, c in zip(prompts, completions)]
+
+
+def token_lengths(tokenizer, texts: list[str]) -> np.ndarray:
+    # The template already holds the special tokens; adding them again would change the text being scored.
+    enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return np.fromiter((len(ids) for ids in enc), dtype=np.int64, count=len(texts))
+
+
+@dataclass
+class FilterReport:
+    dataset: str
+    before: int
+    after: int
+    max_length: int
+    dropped_by_subset: dict[str, int] = field(default_factory=dict)
+    length_percentiles: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def dropped(self) -> int:
+        return self.before - self.after
+
+    def line(self) -> str:
+        pct = ", ".join(f"p{k}={v:.0f}" for k, v in self.length_percentiles.items())
+        return (f"{self.dataset}: {self.after}/{self.before} pairs kept, {self.dropped} dropped by the "
+                f"max_length={self.max_length} filter (token lengths {pct})")
+
+
+def filter_by_length(frame: pd.DataFrame, tokenizer, max_length: int, dataset: str) -> tuple[pd.DataFrame, FilterReport]:
+    """Drop pairs whose rendered prompt+chosen or prompt+rejected exceeds ``max_length`` tokens (never truncate)."""
+    len_c = token_lengths(tokenizer, render_all(tokenizer, frame["prompt"], frame["chosen"]))
+    len_r = token_lengths(tokenizer, render_all(tokenizer, frame["prompt"], frame["rejected"]))
+    keep = np.maximum(len_c, len_r) <= max_length
+    dropped = frame.loc[~keep, "subset"].value_counts()
+    both = np.concatenate([len_c, len_r])
+    report = FilterReport(
+        dataset=dataset,
+        before=len(frame),
+        after=int(keep.sum()),
+        max_length=max_length,
+        dropped_by_subset={str(k): int(v) for k, v in dropped.items()},
+        length_percentiles={str(q): float(np.percentile(both, q)) for q in (50, 90, 99, 100)},
+    )
+    if report.after == 0:
+        raise UserError(
+            f"dataset '{dataset}' is empty after the length filter: all {report.before} pairs exceed "
+            f"max_length={max_length} tokens (longest {int(both.max())}); raise max_length"
+        )
+    return frame.loc[keep].reset_index(drop=True), report

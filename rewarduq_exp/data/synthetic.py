@@ -1,0 +1,161 @@
+"""The synthetic preference world (``dataset=synthetic``): preference data whose ground truth is known.
+
+No public anchor dataset tells us the true reward of a completion; this world does. A completion is a sequence of
+words, each with a hidden utility; its true reward is ``utility_scale`` times the mean utility of its words, where a
+word's utility is a global part plus ``prompt_dependence`` times a part that depends on the prompt's topic. For each
+pair, the label is sampled from the Bradley-Terry model ``P(y1 > y2) = sigmoid((r1 - r2) / noise_scale)``; so some
+labels disagree with the true reward, exactly as human labels do. Every pair records its true margin (chosen minus
+rejected, in logit units) and true preference probability, so metrics can be checked against the truth.
+
+Splits: ``train`` and ``eval`` draw words from a Zipf distribution over the common words (the rare tail is almost
+never seen); ``ood`` builds completions mostly from the rare tail, where a model has seen little data and its
+epistemic uncertainty should be larger. Everything is a pure function of the seed and the sizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from rewarduq_exp.data.contract import make_preference_frame
+from rewarduq_exp.data.vocabulary import TOPIC_WORDS, WORDS
+from rewarduq_exp.errors import UserError
+
+SPLITS = ("train", "eval", "ood")
+# Fixed offsets so that the splits use independent random streams of the same world.
+_SPLIT_STREAM = {"train": 1, "eval": 2, "ood": 3}
+
+
+class SyntheticWorld:
+    """Loader for the synthetic world; ``load(split)`` returns a frame in the preference-data contract."""
+
+    name = "synthetic"
+
+    def __init__(
+        self,
+        seed: int = 0,
+        n_train: int = 8000,
+        n_eval: int = 1000,
+        n_ood: int = 1000,
+        vocab_size: int = 64,
+        rare_fraction: float = 0.25,
+        rare_weight: float = 0.01,
+        ood_rare_share: float = 0.8,
+        zipf_exponent: float = 0.5,
+        num_topics: int = 8,
+        prompt_dependence: float = 0.2,
+        utility_scale: float = 6.0,
+        noise_scale: float = 1.0,
+        min_words: int = 8,
+        max_words: int = 12,
+        train_split: str = "train",
+        eval_splits: tuple[str, ...] = ("eval", "ood"),
+        name: str = "synthetic",
+    ):
+        self.name = name
+        self.seed = int(seed)
+        self.sizes = {"train": int(n_train), "eval": int(n_eval), "ood": int(n_ood)}
+        self.vocab_size = int(vocab_size)
+        self.rare_fraction = float(rare_fraction)
+        self.rare_weight = float(rare_weight)
+        self.ood_rare_share = float(ood_rare_share)
+        self.zipf_exponent = float(zipf_exponent)
+        self.num_topics = int(num_topics)
+        self.prompt_dependence = float(prompt_dependence)
+        self.utility_scale = float(utility_scale)
+        self.noise_scale = float(noise_scale)
+        self.min_words, self.max_words = int(min_words), int(max_words)
+        self.train_split = train_split
+        self.eval_splits = tuple(eval_splits)
+        self._validate()
+
+        rng = np.random.default_rng([self.seed, 0])
+        self.words = WORDS[: self.vocab_size]
+        self.topics = TOPIC_WORDS[: self.num_topics]
+        self.global_utility = rng.standard_normal(self.vocab_size)
+        self.topic_utility = rng.standard_normal((self.num_topics, self.vocab_size))
+        # Which words are rare is itself random (not "the last ones"), so rarity is not tied to token ids.
+        order = rng.permutation(self.vocab_size)
+        n_rare = int(round(self.rare_fraction * self.vocab_size))
+        self.rare_words = np.sort(order[:n_rare])
+        common = order[n_rare:]
+        freq = np.zeros(self.vocab_size)
+        freq[common] = 1.0 / np.arange(1, len(common) + 1) ** self.zipf_exponent
+        freq[self.rare_words] = self.rare_weight * freq[common].min()
+        self.train_word_probs = freq / freq.sum()
+        rare_probs = np.zeros(self.vocab_size)
+        rare_probs[self.rare_words] = 1.0 / max(n_rare, 1)
+        self.ood_word_probs = self.ood_rare_share * rare_probs + (1 - self.ood_rare_share) * self.train_word_probs
+
+    def _validate(self) -> None:
+        checks = [
+            (self.vocab_size, 2 <= self.vocab_size <= len(WORDS), f"an integer in [2, {len(WORDS)}]",
+             "dataset.vocab_size"),
+            (self.num_topics, 1 <= self.num_topics <= len(TOPIC_WORDS), f"an integer in [1, {len(TOPIC_WORDS)}]",
+             "dataset.num_topics"),
+            (self.noise_scale, self.noise_scale > 0, "a number > 0", "dataset.noise_scale"),
+            (self.rare_fraction, 0 < self.rare_fraction < 1, "a number in (0, 1)", "dataset.rare_fraction"),
+            (self.ood_rare_share, 0 <= self.ood_rare_share <= 1, "a number in [0, 1]", "dataset.ood_rare_share"),
+            (self.min_words, 1 <= self.min_words <= self.max_words, "an integer with 1 <= min_words <= max_words",
+             "dataset.min_words"),
+        ]
+        for split, n in self.sizes.items():
+            checks.append((n, n >= 1, "an integer >= 1", f"dataset.n_{split}"))
+        for value, ok, allowed, key in checks:
+            if not ok:
+                raise UserError(f"{key}={value} is invalid: must be {allowed}")
+        for split in (self.train_split, *self.eval_splits):
+            if split not in SPLITS:
+                raise UserError(f"synthetic split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
+
+    # ------------------------------------------------------------------ truth
+    def true_reward(self, topic: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Reward of padded word-index arrays ``tokens`` (n, max_words) under ``topic`` (n,)."""
+        utility = self.global_utility[tokens] + self.prompt_dependence * self.topic_utility[topic[:, None], tokens]
+        mask = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        return self.utility_scale * (utility * mask).sum(1) / lengths
+
+    # ------------------------------------------------------------------ sampling
+    def _completions(self, rng: np.random.Generator, n: int, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lengths = rng.integers(self.min_words, self.max_words + 1, size=n)
+        tokens = rng.choice(self.vocab_size, size=(n, self.max_words), p=probs)
+        return tokens, lengths
+
+    def _text(self, tokens: np.ndarray, length: int) -> str:
+        return " ".join(self.words[t] for t in tokens[:length])
+
+    def load(self, split: str) -> pd.DataFrame:
+        if split not in SPLITS:
+            raise UserError(f"synthetic split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
+        n = self.sizes[split]
+        rng = np.random.default_rng([self.seed, _SPLIT_STREAM[split]])
+        probs = self.ood_word_probs if split == "ood" else self.train_word_probs
+        topic = rng.integers(0, self.num_topics, size=n)
+        tok_a, len_a = self._completions(rng, n, probs)
+        tok_b, len_b = self._completions(rng, n, probs)
+        margin_ab = (self.true_reward(topic, tok_a, len_a) - self.true_reward(topic, tok_b, len_b)) / self.noise_scale
+        a_wins = rng.random(n) < 1.0 / (1.0 + np.exp(-margin_ab))  # Bradley-Terry label
+
+        prompts, chosen, rejected = [], [], []
+        for i in range(n):
+            text_a, text_b = self._text(tok_a[i], len_a[i]), self._text(tok_b[i], len_b[i])
+            winner, loser = (text_a, text_b) if a_wins[i] else (text_b, text_a)
+            prompts.append([{"role": "user", "content": f"Topic {self.topics[topic[i]]}: write a reply."}])
+            chosen.append([{"role": "assistant", "content": winner}])
+            rejected.append([{"role": "assistant", "content": loser}])
+        true_margin = np.where(a_wins, margin_ab, -margin_ab)
+        frame = make_preference_frame(
+            ids=[f"synthetic-{self.seed}-{split}-{i}" for i in range(n)],
+            prompts=prompts,
+            chosen=chosen,
+            rejected=rejected,
+            subset=[split] * n,
+        )
+        frame["true_margin"] = true_margin
+        frame["true_prob"] = 1.0 / (1.0 + np.exp(-true_margin))
+        # Share of words from the rare tail: lets tests and users check the ood split really is out of distribution.
+        positions = np.arange(self.max_words)[None, :]
+        rare_a = (np.isin(tok_a, self.rare_words) & (positions < len_a[:, None])).sum(1)
+        rare_b = (np.isin(tok_b, self.rare_words) & (positions < len_b[:, None])).sum(1)
+        frame["rare_share"] = (rare_a + rare_b) / (len_a + len_b)
+        return frame

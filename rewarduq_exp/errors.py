@@ -1,0 +1,18 @@
+"""User-facing errors: one clear line, non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input from the user (config value, data file, dataset name).
+
+    The entry points print ``error: <message>`` on one line and exit with status 2. The message names what is
+    wrong and what is allowed, so the user can fix the command without reading code.
+    """
+
+    exit_code = 2
+
+
+def one_line(message: str) -> str:
+    """Collapse a message to a single line (error output must stay one line)."""
+    return " ".join(str(message).split())

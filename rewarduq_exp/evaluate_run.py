@@ -1,0 +1,91 @@
+"""What ``python evaluate.py`` does.
+
+* ``run=<run folder> [dataset=<name>]``: rebuild the saved method from the run's config and ``model/``, score the
+  dataset, and add its predictions, diagrams and metrics block to that run folder (metrics.json is merged, not
+  replaced), so selection and tables see the new evaluation.
+* ``predictions=<file.parquet>``: re-score a predictions file (from any source) with the chosen metric config; the
+  metrics and diagrams go to this evaluation's own output folder.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pandas as pd
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+from rewarduq_exp.backbone import Backbone
+from rewarduq_exp.cli import report_user_error
+from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.evaluation import diagrams, evaluate_method, score_predictions
+from rewarduq_exp.features import FeatureEncoder
+from rewarduq_exp.metrics import check_alphas, check_n_bins
+from rewarduq_exp.run_folder import RunFolder, write_json
+from rewarduq_exp.summary import summary_table
+from rewarduq_exp.train_run import load_split
+
+log = logging.getLogger("rewarduq_exp")
+
+
+def evaluate(cfg) -> dict | None:
+    try:
+        check_n_bins(cfg.metric.n_bins)
+        check_alphas(cfg.metric.alphas)
+        if cfg.run and cfg.predictions:
+            raise UserError("pass either run=<run folder> or predictions=<file.parquet>, not both")
+        if cfg.predictions:
+            return rescore_predictions(cfg)
+        if cfg.run:
+            return evaluate_run_folder(cfg)
+        raise UserError("nothing to evaluate: pass run=<run folder> [dataset=<name>] or predictions=<file.parquet>")
+    except UserError as err:
+        report_user_error(err)
+        return None
+
+
+def rescore_predictions(cfg) -> dict:
+    path = Path(cfg.predictions)
+    if not path.is_file():
+        raise UserError(f"predictions={path}: file not found")
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as err:
+        raise UserError(f"predictions={path}: not a readable parquet file ({type(err).__name__})") from None
+    name = path.stem
+    metrics = score_predictions(frame, cfg.metric)  # validates the columns with one-line errors
+    out = Path(HydraConfig.get().runtime.output_dir)
+    diagrams(frame, out / "figures" / name, cfg.metric, title=name)
+    write_json(out / "metrics.json", {name: metrics})
+    print(f"re-scored {path} -> {out / 'metrics.json'}\n{summary_table({name: metrics})}", flush=True)
+    return {name: metrics}
+
+
+def evaluate_run_folder(cfg) -> dict:
+    folder = RunFolder(cfg.run)
+    config_path = folder.root / ".hydra" / "config.yaml"
+    if not config_path.exists():
+        raise UserError(f"run={folder.root} is not a run folder (no .hydra/config.yaml)")
+    if folder.status().get("state") != "completed":
+        raise UserError(f"run={folder.root} did not complete (status: {folder.status().get('state', 'missing')}); "
+                        "train it first")
+    run_cfg = OmegaConf.load(config_path)
+    names = cfg.dataset if cfg.dataset is not None else run_cfg.eval_datasets
+    eval_sets = resolve_eval_sets(names, run_cfg.dataset, int(run_cfg.seed))
+    run_cfg.method.device = cfg.device
+    run_cfg.method.show_progress = bool(cfg.progress)
+    method = build(run_cfg.method, "method", encoder=None)
+    max_length = int(cfg.max_length or run_cfg.max_length)
+    backbone = Backbone(run_cfg.model, cache_dir=cfg.paths.cache_dir, device=cfg.device)
+    method.encoder = FeatureEncoder(backbone, run_cfg.probe, Path(cfg.paths.cache_dir) / "features", max_length,
+                                    show_progress=bool(cfg.progress))
+    method.load(folder.model_dir)
+    blocks = {}
+    for es in eval_sets:
+        frame, _ = load_split(build_loader(es.config), es.split, es.name, backbone.tokenizer, max_length)
+        blocks[es.name], _ = evaluate_method(method, frame, es.name, folder, cfg.metric)
+    folder.write_metrics(blocks, merge=True)
+    print(f"evaluated {folder.root}\n{summary_table(blocks)}", flush=True)
+    return blocks

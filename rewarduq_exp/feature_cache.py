@@ -1,0 +1,70 @@
+"""On-disk cache of backbone features shared by every run and every process (DESIGN section 3).
+
+An entry is one tensor file plus a JSON sidecar describing what it holds. Entries are written to a temporary name
+and renamed, under a per-entry file lock, so that 27 sweep jobs asking for the same features compute them once: the
+first takes the lock and extracts, the others wait on the lock and then read the finished file. A reader never sees a
+half-written tensor, and a killed writer leaves only a stray temp file (ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+
+class FeatureCache:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.pt"
+
+    def get(self, key: str) -> torch.Tensor | None:
+        path = self.path(key)
+        if not path.exists():
+            return None
+        # weights_only: loading a cache entry must never execute code (DESIGN section 6).
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    def get_or_compute(self, key: str, compute: Callable[[], torch.Tensor], meta: dict) -> tuple[torch.Tensor, bool]:
+        """Return ``(tensor, hit)``; ``compute`` runs at most once per key across all processes."""
+        cached = self.get(key)
+        if cached is not None:
+            return cached, True
+        self.root.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.path(key)) + ".lock"):
+            cached = self.get(key)  # another process may have finished it while we waited for the lock
+            if cached is not None:
+                return cached, True
+            tensor = compute().contiguous()
+            write_atomic(self.root / f"{key}.json", json.dumps({**meta, "shape": list(tensor.shape),
+                                                                 "dtype": str(tensor.dtype)}, indent=1, default=str))
+            fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=self.root)
+            os.close(fd)
+            try:
+                torch.save(tensor, tmp)
+                os.replace(tmp, self.path(key))
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            return tensor, False
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write text to ``path`` via a temp file in the same folder and a rename (no half-written files)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

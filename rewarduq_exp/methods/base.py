@@ -1,0 +1,240 @@
+"""The method contract (DESIGN section 3) and the shared machinery of frozen-backbone methods.
+
+A method is built by ``hydra.utils.instantiate`` from ``conf/method/<name>.yaml``. It exposes ``fit(train, eval)``,
+``score(prompts, completions) -> Scores`` and ``save(dir)`` / ``load(dir)``, which store only what was trained plus
+the configuration needed to rebuild it (never the frozen backbone). Bounds are ``reward ± beta * u`` (paper eq. 9).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from rewarduq_exp.backbone import resolve_device
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.feature_cache import write_atomic
+
+
+@dataclass
+class Scores:
+    """Per-completion reward with its lower and upper bound (paper eq. 9)."""
+
+    reward: np.ndarray
+    lower: np.ndarray
+    upper: np.ndarray
+
+    def __post_init__(self):
+        self.reward, self.lower, self.upper = (np.asarray(a, dtype=np.float64) for a in (self.reward, self.lower,
+                                                                                         self.upper))
+
+    def __len__(self) -> int:
+        return len(self.reward)
+
+
+def check_positive(value, key: str, *, integer: bool = False, minimum: float = 0.0, inclusive: bool = False):
+    ok = (value >= minimum) if inclusive else (value > minimum)
+    if integer and (int(value) != value):
+        ok = False
+    if not ok or (isinstance(value, float) and not math.isfinite(value)):
+        kind = "an integer" if integer else "a number"
+        rel = ">=" if inclusive else ">"
+        raise UserError(f"{key}={value} is invalid: must be {kind} {rel} {minimum:g}")
+    return value
+
+
+@dataclass
+class TrainingSchedule:
+    """AdamW with a cosine schedule and linear warm-up (RewardUQ Appendix B.2)."""
+
+    learning_rate: float
+    batch_size: int = 64
+    num_epochs: float = 1.0
+    warmup_ratio: float = 0.05
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+
+    def validate(self, prefix: str = "method") -> None:
+        check_positive(self.learning_rate, f"{prefix}.learning_rate")
+        check_positive(self.batch_size, f"{prefix}.batch_size", integer=True, minimum=1, inclusive=True)
+        check_positive(self.num_epochs, f"{prefix}.num_epochs")
+        if not 0 <= self.warmup_ratio < 1:
+            raise UserError(f"{prefix}.warmup_ratio={self.warmup_ratio} is invalid: must be in [0, 1)")
+        check_positive(self.weight_decay, f"{prefix}.weight_decay", inclusive=True)
+
+
+def weighted_mean(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (values * weight).sum() / weight.sum()
+
+
+def bradley_terry_nll(margin: torch.Tensor) -> torch.Tensor:
+    """-log sigmoid(r_chosen - r_rejected), elementwise (the Bradley-Terry likelihood of the label)."""
+    return -F.logsigmoid(margin)
+
+
+def distributed_shard() -> tuple[int, int]:
+    """(rank, world size) when running under torch.distributed, else (0, 1)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class FeatureHeadMethod(ABC):
+    """A head trained on frozen backbone features read through the shared :class:`FeatureEncoder`."""
+
+    name = "feature_head"
+    beta: float = 1.0  # bound width in units of u (eq. 9); set by each method
+
+    def __init__(self, encoder=None, seed: int = 0, device: str = "auto", score_batch_size: int = 4096,
+                 show_progress: bool = True, log_every: int = 10):
+        self.encoder = encoder
+        self.seed = int(seed)
+        self.device = resolve_device(device)
+        self.score_batch_size = int(score_batch_size)
+        self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
+        self.log_every = int(log_every)
+        self.history: list[dict] = []
+        self.fit_summary: dict = {}
+
+    # ------------------------------------------------------------------ subclass hooks
+    @abstractmethod
+    def hyperparameters(self) -> dict:
+        """The configuration that rebuilds this method (saved beside the weights)."""
+
+    @abstractmethod
+    def _build(self, feature_dim: int) -> None:
+        """Create the trainable parts for features of size ``feature_dim``."""
+
+    @abstractmethod
+    def _fit_features(self, zc: torch.Tensor, zr: torch.Tensor, weight: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _score_features(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(reward, u) for features ``z`` (B, d); bounds are reward ± beta * u."""
+
+    @abstractmethod
+    def state_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    @abstractmethod
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    # ------------------------------------------------------------------ contract
+    def _require_encoder(self):
+        if self.encoder is None:
+            raise RuntimeError(f"{type(self).__name__} needs a feature encoder (pass encoder=...)")
+        return self.encoder
+
+    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # noqa: A002 (contract name)
+        encoder = self._require_encoder()
+        t0 = time.perf_counter()
+        zc, zr = encoder.encode_pairs(train, desc="features (train)")
+        t_features = time.perf_counter() - t0
+        self._build(zc.shape[1])
+        weight = torch.tensor(train["weight"].to_numpy(dtype=np.float32))
+        t1 = time.perf_counter()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            self._fit_features(zc.to(self.device), zr.to(self.device), weight.to(self.device))
+        self.fit_summary = {"train_pairs": len(train), "feature_dim": int(zc.shape[1]),
+                            "seconds_features": t_features, "seconds_training": time.perf_counter() - t1}
+        if self.history:
+            self.fit_summary["final_train_loss"] = self.history[-1]["loss"]
+        if eval is not None:
+            ec, er = encoder.encode_pairs(eval, desc="features (eval)")
+            m = self._rewards(ec) - self._rewards(er)
+            self.fit_summary["eval_bt_loss"] = float(bradley_terry_nll(torch.as_tensor(m)).mean())
+            self.fit_summary["eval_win_rate"] = float((m > 0).float().mean())
+        return self.fit_summary
+
+    @torch.no_grad()
+    def _rewards(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self._score_features(z[i:i + self.score_batch_size].to(self.device))[0].cpu()
+                          for i in range(0, len(z), self.score_batch_size)])
+
+    @torch.no_grad()
+    def score_features(self, z: torch.Tensor) -> Scores:
+        rewards, us = [], []
+        for i in range(0, len(z), self.score_batch_size):
+            r, u = self._score_features(z[i:i + self.score_batch_size].to(self.device))
+            rewards.append(r.double().cpu())
+            us.append(u.double().cpu())
+        reward, u = torch.cat(rewards).numpy(), torch.cat(us).numpy()
+        return Scores(reward=reward, lower=reward - self.beta * u, upper=reward + self.beta * u)
+
+    def score(self, prompts, completions) -> Scores:
+        return self.score_features(self._require_encoder().encode(prompts, completions, desc="features (score)"))
+
+    def score_pairs(self, frame: pd.DataFrame) -> tuple[Scores, Scores]:
+        """Chosen and rejected scores of a preference frame (one feature-cache entry for both)."""
+        zc, zr = self._require_encoder().encode_pairs(frame, desc="features (score)")
+        return self.score_features(zc), self.score_features(zr)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / ".state.safetensors.tmp"
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_tensors().items()}, str(tmp))
+        os.replace(tmp, directory / "state.safetensors")
+        info = {"class": f"{type(self).__module__}.{type(self).__qualname__}", "method": self.name,
+                "hyperparameters": self.hyperparameters(), "fit_summary": self.fit_summary}
+        if self.encoder is not None:
+            info["backbone"] = self.encoder.backbone.identity()
+            info["probe"] = self.encoder.probe_identity()
+        write_atomic(directory / "method.json", json.dumps(info, indent=1, default=str))
+
+    def load(self, directory: str | os.PathLike) -> FeatureHeadMethod:
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        info_path = directory / "method.json"
+        if not info_path.exists():
+            raise UserError(f"no saved method in {directory} (method.json missing); is this a completed run folder?")
+        info = json.loads(info_path.read_text())
+        if info["method"] != self.name:
+            raise UserError(f"{directory} holds a '{info['method']}' model, not '{self.name}'")
+        tensors = load_file(str(directory / "state.safetensors"))
+        self.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()})
+        self.fit_summary = info.get("fit_summary", {})
+        return self
+
+    # ------------------------------------------------------------------ training loop
+    def _train_loop(self, params, loss_fn, n: int, schedule: TrainingSchedule, desc: str) -> None:
+        """Minibatch AdamW over ``n`` pairs; ``loss_fn(index) -> (loss, parts)`` computes one batch's loss."""
+        from transformers import get_cosine_schedule_with_warmup
+
+        steps_per_epoch = math.ceil(n / schedule.batch_size)
+        total = max(1, math.ceil(steps_per_epoch * schedule.num_epochs))
+        optimizer = torch.optim.AdamW(params, lr=schedule.learning_rate, betas=tuple(schedule.adam_betas),
+                                      eps=schedule.adam_eps, weight_decay=schedule.weight_decay)
+        scheduler = get_cosine_schedule_with_warmup(optimizer, int(round(schedule.warmup_ratio * total)), total)
+        generator = torch.Generator().manual_seed(self.seed)
+        order = torch.empty(0, dtype=torch.long)
+        bar = tqdm(range(total), desc=desc, unit="step", disable=not self.show_progress, leave=False)
+        for step in bar:
+            start = (step % steps_per_epoch) * schedule.batch_size
+            if start == 0:
+                order = torch.randperm(n, generator=generator)
+            index = order[start:start + schedule.batch_size].to(self.device)
+            loss, parts = loss_fn(index)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            if step % self.log_every == 0 or step == total - 1:
+                record = {"step": step + 1, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
+                          **{k: float(v) for k, v in parts.items()}}
+                self.history.append(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}")

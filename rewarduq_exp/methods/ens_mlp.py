@@ -1,0 +1,129 @@
+"""ENS-MLP: an ensemble of K MLP reward heads on frozen backbone features (RewardUQ section 4.1, eqs. 10-11).
+
+The K heads are one module with stacked weights, evaluated with one einsum and batched matmuls; there is no Python
+loop over heads (``scripts/bench_heads.py`` measures the difference). Each head is
+Linear(d, h)-ReLU-Linear(h, h)-ReLU-Linear(h, 1) with Xavier-uniform init; the output layer has no bias, because a
+constant shift cancels in every Bradley-Terry margin and the centring term already pins the reward level.
+Diversity comes from the random init alone: every head sees the same minibatch, as in the paper.
+
+Loss (eq. 11): Bradley-Terry NLL averaged over pairs and heads + lambda * mean over heads of the per-parameter mean
+squared deviation from the head's initial parameters + gamma * mean of (r_chosen + r_rejected)^2.
+reward = mean over heads, u = unbiased standard deviation over heads, bounds reward ± beta * u (eq. 10).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.methods.base import (FeatureHeadMethod, TrainingSchedule, bradley_terry_nll, check_positive,
+                                       weighted_mean)
+
+
+class BatchedMLPHeads(nn.Module):
+    """K independent MLPs sharing nothing but the input, stored as (K, fan_in, fan_out) weight stacks."""
+
+    def __init__(self, num_heads: int, in_dim: int, hidden_dim: int = 128, num_hidden_layers: int = 2,
+                 gain: float = 1.0, generator: torch.Generator | None = None):
+        super().__init__()
+        dims = [in_dim] + [hidden_dim] * num_hidden_layers + [1]
+        self.num_heads = num_heads
+        self.weights = nn.ParameterList()
+        self.biases = nn.ParameterList()
+        for fan_in, fan_out in zip(dims[:-1], dims[1:]):
+            bound = gain * math.sqrt(6.0 / (fan_in + fan_out))  # Xavier-uniform, per head
+            w = (torch.rand(num_heads, fan_in, fan_out, generator=generator) * 2 - 1) * bound
+            self.weights.append(nn.Parameter(w))
+        for _ in range(num_hidden_layers):
+            self.biases.append(nn.Parameter(torch.zeros(num_heads, hidden_dim)))
+        self.params_per_head = sum(p[0].numel() for p in self.parameters())
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        """Rewards (K, B) of features ``z`` (B, d)."""
+        h = torch.relu(torch.einsum("bd,kdh->kbh", z, self.weights[0]) + self.biases[0][:, None, :])
+        for w, b in zip(self.weights[1:-1], self.biases[1:]):
+            h = torch.relu(torch.baddbmm(b[:, None, :], h, w))
+        return torch.bmm(h, self.weights[-1]).squeeze(-1)
+
+
+class EnsMLP(FeatureHeadMethod):
+    name = "ens_mlp"
+
+    def __init__(self, num_heads: int = 20, hidden_dim: int = 128, num_hidden_layers: int = 2, init_gain: float = 1.0,
+                 learning_rate: float = 1e-3, reg_lambda: float = 0.1, center_gamma: float = 0.01,
+                 beta: float = 2.0, batch_size: int = 64, num_epochs: float = 1.0, warmup_ratio: float = 0.05,
+                 weight_decay: float = 0.0, adam_betas=(0.9, 0.999), adam_eps: float = 1e-8, **common):
+        super().__init__(**common)
+        self.num_heads = check_positive(num_heads, "method.num_heads", integer=True, minimum=2, inclusive=True)
+        self.hidden_dim = check_positive(hidden_dim, "method.hidden_dim", integer=True, minimum=1, inclusive=True)
+        self.num_hidden_layers = check_positive(num_hidden_layers, "method.num_hidden_layers", integer=True,
+                                                minimum=1, inclusive=True)
+        self.init_gain = check_positive(init_gain, "method.init_gain")
+        self.reg_lambda = check_positive(reg_lambda, "method.reg_lambda", inclusive=True)
+        self.center_gamma = check_positive(center_gamma, "method.center_gamma", inclusive=True)
+        self.beta = check_positive(beta, "method.beta")
+        self.schedule = TrainingSchedule(learning_rate, batch_size, num_epochs, warmup_ratio, weight_decay,
+                                         tuple(adam_betas), adam_eps)
+        self.schedule.validate()
+        self.heads: BatchedMLPHeads | None = None
+        self.initial: list[torch.Tensor] = []
+
+    def hyperparameters(self) -> dict:
+        return {"num_heads": self.num_heads, "hidden_dim": self.hidden_dim,
+                "num_hidden_layers": self.num_hidden_layers, "init_gain": self.init_gain,
+                "reg_lambda": self.reg_lambda, "center_gamma": self.center_gamma, "beta": self.beta,
+                **vars(self.schedule), "seed": self.seed}
+
+    def _build(self, feature_dim: int) -> None:
+        generator = torch.Generator().manual_seed(self.seed)
+        self.heads = BatchedMLPHeads(self.num_heads, feature_dim, self.hidden_dim, self.num_hidden_layers,
+                                     self.init_gain, generator).to(self.device)
+        # The anchor of eq. 11: each head is pulled towards its own initial parameters.
+        self.initial = [p.detach().clone() for p in self.heads.parameters()]
+
+    def anchor_penalty(self) -> torch.Tensor:
+        """Mean over heads of the per-parameter mean squared deviation from the initial parameters."""
+        sq = sum((p - p0).pow(2).flatten(1).sum(1) for p, p0 in zip(self.heads.parameters(), self.initial))
+        return (sq / self.heads.params_per_head).mean()
+
+    def loss(self, zc: torch.Tensor, zr: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        n = zc.shape[0]
+        rewards = self.heads(torch.cat([zc, zr]))  # one pass for chosen and rejected: (K, 2B)
+        rc, rr = rewards[:, :n], rewards[:, n:]
+        bt = weighted_mean(bradley_terry_nll(rc - rr).mean(0), weight)
+        center = weighted_mean((rc + rr).pow(2).mean(0), weight)
+        anchor = self.anchor_penalty() if self.reg_lambda > 0 else torch.zeros((), device=zc.device)
+        total = bt + self.reg_lambda * anchor + self.center_gamma * center
+        return total, {"loss_bt": bt.detach(), "loss_anchor": anchor.detach(), "loss_center": center.detach()}
+
+    def _fit_features(self, zc, zr, weight) -> None:
+        def batch_loss(index):
+            return self.loss(zc[index], zr[index], weight[index])
+
+        self._train_loop(self.heads.parameters(), batch_loss, len(zc), self.schedule, desc=f"{self.name} training")
+
+    def _score_features(self, z):
+        rewards = self.heads(z)  # (K, B)
+        return rewards.mean(0), rewards.std(0, unbiased=True)
+
+    def member_rewards(self, z: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.heads(z.to(self.device)).cpu()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        state = {f"heads.{k}": v for k, v in self.heads.state_dict().items()}
+        # The anchor is part of the trained state: continuing training must pull towards the same point.
+        state.update({f"initial.{i}": p for i, p in enumerate(self.initial)})
+        return state
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        feature_dim = tensors["heads.weights.0"].shape[1]
+        num_heads = tensors["heads.weights.0"].shape[0]
+        if num_heads != self.num_heads:
+            raise UserError(f"saved model has {num_heads} heads but method.num_heads={self.num_heads}")
+        self._build(feature_dim)
+        self.heads.load_state_dict({k[len("heads."):]: v for k, v in tensors.items() if k.startswith("heads.")})
+        self.initial = [tensors[f"initial.{i}"] for i in range(len(self.initial))]

@@ -1,0 +1,178 @@
+"""Calibration of preference probabilities and their bounds (RewardUQ paper, eqs. 7-8, appendix A.3-A.5).
+
+Probabilities are Bradley-Terry: ``p = sigmoid(m)`` with bounds ``sigmoid(m_lower)``, ``sigmoid(m_upper)``. Every
+metric here is computed on the symmetrised set: each pair contributes its row ``(p, p_lo, p_hi, y)`` and the flipped
+row ``(1-p, 1-p_hi, 1-p_lo, 1-y)`` (the bounds swap), both with the pair's weight. This makes the metrics
+independent of which response is listed first. Bins are ``n_bins`` equal-width, left-closed bins on [0, 1] with
+1.0 in the last bin; predictions, lower and upper bounds are each binned by their own value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.metrics.preference import check_n_bins, pairs_from_table, preference_probabilities
+
+# Probabilities from a valid table are ordered exactly (rounding is monotone); this only absorbs caller noise.
+_ORDER_TOL = 1e-12
+
+
+@dataclass(frozen=True, eq=False)
+class CalibrationCurve:
+    """Per-bin reliability statistics of one kind of probability (prediction, lower or upper bound).
+
+    ``edges`` has n_bins+1 entries; ``confidence`` (weighted mean probability), ``accuracy`` (weighted mean label)
+    and ``weight`` (total weight) have n_bins. Empty bins have NaN confidence/accuracy and weight 0.
+    """
+
+    edges: np.ndarray
+    confidence: np.ndarray
+    accuracy: np.ndarray
+    weight: np.ndarray
+
+    @property
+    def occupied(self) -> np.ndarray:
+        return self.weight > 0
+
+    @property
+    def share(self) -> np.ndarray:
+        """Each bin's share of the total weight."""
+        return self.weight / self.weight.sum()
+
+    def _weighted(self, gap: np.ndarray) -> float:
+        occ = self.occupied
+        return float(np.dot(self.share[occ], gap[occ]))
+
+    def ece(self) -> float:
+        """Expected calibration error (eq. 7): sum_b share_b * |acc_b - conf_b|."""
+        return self._weighted(np.abs(self.accuracy - self.confidence))
+
+    def mce(self) -> float:
+        """Maximum calibration error: max over non-empty bins of |acc_b - conf_b|."""
+        return float(np.max(np.abs(self.accuracy - self.confidence)[self.occupied]))
+
+    def lower_error(self) -> float:
+        """ELCE form (eq. 8): sum_b share_b * max(conf_b - acc_b, 0); a lower bound above the frequency is an error."""
+        return self._weighted(np.maximum(self.confidence - self.accuracy, 0.0))
+
+    def upper_error(self) -> float:
+        """EUCE form (eq. 8): sum_b share_b * max(acc_b - conf_b, 0); an upper bound below the frequency is an error."""
+        return self._weighted(np.maximum(self.accuracy - self.confidence, 0.0))
+
+
+def binned_curve(q: np.ndarray, y: np.ndarray, w: np.ndarray, n_bins: int) -> CalibrationCurve:
+    """Bin probabilities ``q`` (labels ``y`` in [0, 1], weights ``w``) into a :class:`CalibrationCurve`.
+
+    No symmetrisation here; callers pass the symmetrised rows.
+    """
+    n_bins = check_n_bins(n_bins)
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    b = np.digitize(q, edges[1:-1])
+    sw = np.bincount(b, weights=w, minlength=n_bins)
+    swq = np.bincount(b, weights=w * q, minlength=n_bins)
+    swy = np.bincount(b, weights=w * y, minlength=n_bins)
+    # A bin holding only zero-weight rows is empty: weight w must equal repeating the row w times.
+    occ = sw > 0
+    conf = np.full(n_bins, np.nan)
+    acc = np.full(n_bins, np.nan)
+    conf[occ] = swq[occ] / sw[occ]
+    acc[occ] = swy[occ] / sw[occ]
+    return CalibrationCurve(edges=edges, confidence=conf, accuracy=acc, weight=sw)
+
+
+def symmetrise(
+    p: np.ndarray, p_lo: np.ndarray, p_hi: np.ndarray, y: np.ndarray, w: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Append each pair's flip ``(1-p, 1-p_hi, 1-p_lo, 1-y)``; return ``(p, p_lo, p_hi, y, w)`` of length 2N."""
+    return (
+        np.concatenate([p, 1.0 - p]),
+        np.concatenate([p_lo, 1.0 - p_hi]),
+        np.concatenate([p_hi, 1.0 - p_lo]),
+        np.concatenate([y, 1.0 - y]),
+        np.concatenate([w, w]),
+    )
+
+
+def _validate_probabilities(p, p_lo, p_hi, y, weight) -> tuple[np.ndarray, ...]:
+    arrays = {}
+    for name, v in (("p", p), ("p_lo", p_lo), ("p_hi", p_hi), ("y", y)):
+        a = np.array(v, dtype=float).reshape(-1)
+        if not np.isfinite(a).all() or (a < 0).any() or (a > 1).any():
+            raise UserError(f"{name} must hold finite values in [0, 1]")
+        arrays[name] = a
+    n = len(arrays["p"])
+    if n == 0:
+        raise UserError("no preference pairs: calibration metrics need at least one pair")
+    lengths = {k: len(a) for k, a in arrays.items()}
+    w = np.ones(n) if weight is None else np.array(weight, dtype=float).reshape(-1)
+    lengths["weight"] = len(w)
+    if len(set(lengths.values())) != 1:
+        raise UserError(f"p, p_lo, p_hi, y and weight must have the same length, got {lengths}")
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise UserError("weight must hold finite values >= 0")
+    if not w.sum() > 0:
+        raise UserError("all weights are zero; at least one pair needs a positive weight")
+    if (arrays["p_lo"] > arrays["p"] + _ORDER_TOL).any() or (arrays["p"] > arrays["p_hi"] + _ORDER_TOL).any():
+        raise UserError("probability bounds must satisfy p_lo <= p <= p_hi")
+    return arrays["p"], arrays["p_lo"], arrays["p_hi"], arrays["y"], w
+
+
+def _curves(p, p_lo, p_hi, y, w, n_bins: int) -> dict[str, CalibrationCurve]:
+    q, q_lo, q_hi, ys, ws = symmetrise(p, p_lo, p_hi, y, w)
+    return {
+        "pred": binned_curve(q, ys, ws, n_bins),
+        "lower": binned_curve(q_lo, ys, ws, n_bins),
+        "upper": binned_curve(q_hi, ys, ws, n_bins),
+    }
+
+
+def _calibration(p, p_lo, p_hi, y, w, n_bins: int) -> dict[str, float]:
+    curves = _curves(p, p_lo, p_hi, y, w, n_bins)
+    elce = curves["lower"].lower_error()
+    euce = curves["upper"].upper_error()
+    # The flipped row has the same squared error, so this equals the plain Brier score.
+    brier = float(np.dot(w, (p - y) ** 2) / w.sum())
+    return {
+        "ece": curves["pred"].ece(),
+        "mce": curves["pred"].mce(),
+        "elce": elce,
+        "euce": euce,
+        "ebce": 0.5 * (elce + euce),
+        "brier": brier,
+        "pref_bound_width": float(np.dot(w, p_hi - p_lo) / w.sum()),
+    }
+
+
+def calibration_metrics(p, p_lo, p_hi, y, weight=None, *, n_bins: int = 20) -> dict[str, float]:
+    """Calibration metrics of preference probabilities ``p`` with bounds ``[p_lo, p_hi]`` and labels ``y``.
+
+    ``y`` is 1 where the first response was preferred, 0 otherwise (soft labels in [0, 1] are accepted). The set is
+    symmetrised internally, so passing the flipped pairs (``1-p``, ``1-p_hi``, ``1-p_lo``, ``1-y``) gives the same
+    result. Keys:
+
+    - ``ece`` (eq. 7) and ``mce`` on the predicted probabilities;
+    - ``elce`` = sum_b share_b * max(conf_b - acc_b, 0) on lower-bound probabilities, ``euce`` =
+      sum_b share_b * max(acc_b - conf_b, 0) on upper-bound probabilities (eq. 8);
+    - ``ebce`` = (elce + euce) / 2, the paper's selection metric. Symmetrisation maps the lower-bound rows onto the
+      mirrored upper-bound rows, so elce == euce == ebce except for points exactly on bin edges;
+    - ``brier``: weighted mean of (p - y)^2;
+    - ``pref_bound_width``: weighted mean of p_hi - p_lo.
+    """
+    n_bins = check_n_bins(n_bins)
+    return _calibration(*_validate_probabilities(p, p_lo, p_hi, y, weight), n_bins)
+
+
+def calibration_curves(predictions: pd.DataFrame, *, n_bins: int = 20) -> dict[str, CalibrationCurve]:
+    """Reliability curves of a predictions table on the symmetrised set: keys ``pred``, ``lower``, ``upper``.
+
+    ``curves["pred"].ece()`` is the table's ECE (eq. 7); ``curves["lower"].lower_error()`` its ELCE and
+    ``curves["upper"].upper_error()`` its EUCE (eq. 8).
+    """
+    n_bins = check_n_bins(n_bins)
+    c, r, w = pairs_from_table(predictions)
+    p, p_lo, p_hi = preference_probabilities(c, r)
+    return _curves(p, p_lo, p_hi, np.ones_like(p), w, n_bins)

@@ -1,0 +1,116 @@
+"""Reliability diagrams in the style of the RewardUQ paper's Figure 3.
+
+Bars show the empirical preference frequency per probability bin, markers the bin's mean predicted probability,
+and the bar colour the bin's share of the total weight. Curves come from
+:func:`rewarduq_exp.metrics.calibration.calibration_curves`, so the errors in the titles equal those of
+``compute_metrics``. Figures are built on ``matplotlib.figure.Figure`` with the Agg canvas: no pyplot, no GUI,
+and no global figure registry to leak into.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from rewarduq_exp.metrics.calibration import CalibrationCurve, calibration_curves
+
+PRED_FILE = "calibration_pred.png"
+BOUNDS_FILE = "calibration_bounds.png"
+_CMAP = colormaps["Blues"]
+_DPI = 150
+
+
+def _draw(fig: Figure, ax: Axes, curve: CalibrationCurve, *, heading: str, xlabel: str, marker_label: str) -> None:
+    edges = curve.edges
+    centers = 0.5 * (edges[:-1] + edges[1:])
+    occ = curve.occupied
+    share = curve.share
+    norm = Normalize(vmin=0.0, vmax=float(share.max()))
+    # Dark edges keep bins with a tiny share visible although their fill is almost white.
+    ax.bar(centers[occ], curve.accuracy[occ], width=np.diff(edges)[occ], color=_CMAP(norm(share[occ])),
+           edgecolor="0.25", linewidth=0.6, zorder=2)
+    # Drawn above the bars so it stays visible where frequencies exceed the diagonal.
+    ax.plot([0, 1], [0, 1], "--", color="0.3", linewidth=1.0, zorder=3)
+    # Markers only: a connecting line would hide the diagonal it usually lies on.
+    ax.plot(centers[occ], curve.confidence[occ], "o", color="tab:red", markersize=4.5, zorder=4)
+    handles = [
+        Patch(facecolor=_CMAP(0.6), edgecolor="0.25", label="empirical frequency"),
+        Line2D([], [], marker="o", linestyle="", color="tab:red", label=marker_label),
+        Line2D([], [], linestyle="--", color="0.3", label="perfect calibration"),
+    ]
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_aspect("equal")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("empirical preference frequency")
+    ax.set_title(heading)
+    ax.grid(alpha=0.3, zorder=0)
+    ax.legend(handles=handles, loc="best", fontsize=8, framealpha=0.9)
+    fig.colorbar(ScalarMappable(norm=norm, cmap=_CMAP), ax=ax, shrink=0.8, label="share of weight")
+
+
+def _save_atomic(fig: Figure, path: Path) -> None:
+    # Readers (e.g. a dashboard polling the run dir) never see a half-written PNG.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=_DPI)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the plot should be readable like any other output
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def plot_calibration_diagrams(
+    predictions: pd.DataFrame, out_dir: Path, *, n_bins: int = 20, title: str = ""
+) -> list[Path]:
+    """Write ``calibration_pred.png`` (ECE, eq. 7) and ``calibration_bounds.png`` (ELCE and EUCE, eq. 8) into
+    ``out_dir`` (created if needed) and return their paths.
+
+    Both use the symmetrised set, as the metrics do; ``title`` is added above the panels when given.
+    """
+    curves = calibration_curves(predictions, n_bins=n_bins)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / PRED_FILE, out_dir / BOUNDS_FILE]
+
+    fig = Figure(figsize=(5.6, 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    try:
+        _draw(fig, fig.add_subplot(), curves["pred"], heading=f"Predictions: ECE = {curves['pred'].ece():.4f}",
+              xlabel="predicted preference probability", marker_label="mean predicted probability")
+        if title:
+            fig.suptitle(title)
+        _save_atomic(fig, paths[0])
+    finally:
+        fig.clear()
+
+    fig = Figure(figsize=(11.0, 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    try:
+        ax_lo, ax_hi = fig.subplots(1, 2)
+        _draw(fig, ax_lo, curves["lower"], heading=f"Lower bound: ELCE = {curves['lower'].lower_error():.4f}",
+              xlabel="lower-bound preference probability", marker_label="mean lower bound")
+        _draw(fig, ax_hi, curves["upper"], heading=f"Upper bound: EUCE = {curves['upper'].upper_error():.4f}",
+              xlabel="upper-bound preference probability", marker_label="mean upper bound")
+        if title:
+            fig.suptitle(title)
+        _save_atomic(fig, paths[1])
+    finally:
+        fig.clear()
+    return paths

@@ -1,0 +1,39 @@
+"""The table printed at the end of a run: one row per evaluated dataset, the paper's headline metrics."""
+
+from __future__ import annotations
+
+# (metric key, column title); truth/* columns appear only when the data has a ground truth (synthetic world).
+COLUMNS = (
+    ("n_pairs", "pairs"),
+    ("win_rate", "win_rate"),
+    ("truth/bayes_win_rate", "bayes_win"),
+    ("ct_rate", "CT"),
+    ("cf_rate", "CF"),
+    ("rs_0.2", "RS_0.2"),
+    ("ece", "ECE"),
+    ("ebce", "EBCE"),
+    ("brier", "brier"),
+    ("bound_width", "mean_width"),
+    ("truth/margin_coverage", "coverage"),
+)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if value is None:
+        return "-"
+    return f"{value:.4f}"
+
+
+def summary_table(blocks: dict[str, dict]) -> str:
+    """Plain-text table of ``{dataset: metrics}``; ``mean_width`` is the mean reward-interval width (upper - lower)."""
+    if not blocks:
+        return "(no datasets evaluated)"
+    keys = [(k, t) for k, t in COLUMNS if any(k in m for m in blocks.values())]
+    header = ["dataset"] + [t for _, t in keys]
+    rows = [[name] + [_fmt(m.get(k)) for k, _ in keys] for name, m in blocks.items()]
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    sep = "-" * len(line(header))
+    return "\n".join([sep, line(header), sep] + [line(r) for r in rows] + [sep])

@@ -1,0 +1,139 @@
+"""What ``python train.py`` does (DESIGN section 4):
+
+compose -> validate -> load datasets (normalise, filter) -> backbone + tokenizer -> method.fit (features from the
+cache) -> method.score on each eval dataset -> metrics -> run folder -> wandb (if enabled).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from rewarduq_exp.backbone import Backbone
+from rewarduq_exp.cli import report_user_error
+from rewarduq_exp.data.contract import filter_by_length, validate_preferences
+from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.evaluation import evaluate_method
+from rewarduq_exp.features import FeatureEncoder
+from rewarduq_exp.loggers import make_logger
+from rewarduq_exp.metrics import check_alphas, check_n_bins
+from rewarduq_exp.run_folder import RunFolder, config_hash, write_json
+from rewarduq_exp.summary import summary_table
+
+log = logging.getLogger("rewarduq_exp")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def validate_run_config(cfg: DictConfig) -> None:
+    """Checks that need no data or model, done before any heavy work."""
+    check_n_bins(cfg.metric.n_bins)
+    check_alphas(cfg.metric.alphas)
+    if int(cfg.max_length) < 1:
+        raise UserError(f"max_length={cfg.max_length} is invalid: must be an integer >= 1")
+
+
+def load_split(loader, split: str, name: str, tokenizer, max_length: int):
+    frame = validate_preferences(loader.load(split), f"dataset '{name}'")
+    frame, report = filter_by_length(frame, tokenizer, max_length, name)
+    log.info(report.line())
+    return frame, report
+
+
+def train(cfg: DictConfig) -> dict | None:
+    out = Path(HydraConfig.get().runtime.output_dir)
+    folder = RunFolder(out)
+    chash = config_hash(cfg)
+    if not cfg.force and folder.is_completed(chash):
+        log.info("skipping %s: already completed with this config (force=true re-runs it)", out)
+        blocks = folder.read_metrics()
+        print(summary_table(blocks), flush=True)
+        return blocks
+    folder.start(chash)
+    try:
+        return _train(cfg, out, folder)
+    except UserError as err:
+        folder.fail(err, with_traceback=False)
+        report_user_error(err)
+        return None
+    except BaseException as err:
+        folder.fail(err)
+        raise
+
+
+def _train(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
+    t0 = time.perf_counter()
+    validate_run_config(cfg)
+    # Build the method first: its hyperparameters are validated before any data or model is touched.
+    method = build(cfg.method, "method", encoder=None)
+    loader = build_loader(cfg.dataset)
+    eval_sets = resolve_eval_sets(cfg.eval_datasets, cfg.dataset, int(cfg.seed))
+    seed_everything(int(cfg.seed))
+    logger = make_logger(cfg, out, out.name)
+    failed = True
+    try:
+        blocks = _fit_and_evaluate(cfg, out, folder, method, loader, eval_sets, logger, t0)
+        failed = False
+        return blocks
+    finally:
+        logger.finish(failed=failed)  # always finished, also on error
+
+
+def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_sets, logger, t0: float) -> dict:
+    backbone = Backbone(cfg.model, cache_dir=cfg.paths.cache_dir, device=cfg.device)
+    tokenizer = backbone.tokenizer
+    max_length = int(cfg.max_length)
+    train_frame, train_report = load_split(loader, loader.train_split, f"{cfg.dataset.name}_{loader.train_split}",
+                                           tokenizer, max_length)
+    eval_frames, reports = {}, [train_report]
+    for es in eval_sets:
+        es_loader = loader if es.config is cfg.dataset else build_loader(es.config)
+        eval_frames[es.name], report = load_split(es_loader, es.split, es.name, tokenizer, max_length)
+        reports.append(report)
+    write_json(out / "data_summary.json", [vars(r) | {"dropped": r.dropped} for r in reports])
+
+    encoder = FeatureEncoder(backbone, cfg.probe, Path(cfg.paths.cache_dir) / "features", max_length,
+                             show_progress=bool(cfg.progress))
+    method.encoder = encoder
+    first_eval = next(iter(eval_frames.values()), None)
+    fit_summary = method.fit(train_frame, first_eval)
+    log.info("trained %s: %s", cfg.method._target_.rsplit(".", 1)[-1], fit_summary)
+    method.save(folder.model_dir)
+    write_json(out / "train_history.json", method.history)
+    logger.log_history(method.history)
+
+    blocks = {}
+    for name, frame in eval_frames.items():
+        metrics, figures = evaluate_method(method, frame, name, folder, cfg.metric)
+        blocks[name] = metrics
+        logger.log_metrics(name, metrics, figures)
+    folder.write_metrics(blocks)
+    info = {"fit": fit_summary, "features": encoder.stats, "seconds_total": round(time.perf_counter() - t0, 2)}
+    folder.finish(**info)
+    logger.log_summary({"features/backbone_forward_passes": encoder.stats["backbone_forward_passes"]})
+    _print_summary(out, blocks, encoder)
+    return blocks
+
+
+def _print_summary(out: Path, blocks: dict, encoder) -> None:
+    lines = [f"run folder: {out}", summary_table(blocks)]
+    widths = {name: m.get("bound_width") for name, m in blocks.items()}
+    if len(widths) > 1:
+        lines.append("mean uncertainty (reward-interval width): "
+                     + ", ".join(f"{k} {v:.4f}" for k, v in widths.items()))
+    stats = encoder.stats
+    lines.append(f"backbone forward passes: {stats['backbone_forward_passes']} "
+                 f"(feature cache: {stats['cache_hits']} hits, {stats['cache_misses']} misses)")
+    print("\n".join(lines), flush=True)
