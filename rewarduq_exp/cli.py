@@ -78,7 +78,7 @@ def in_multirun() -> bool:
 
 
 def report_user_error(err: UserError) -> None:
-    """Log the error; in a single run also exit 2 (a sweep records it and goes on with the other runs)."""
-    log.error("error: %s", one_line(err))
+    """Single run: one line on stderr and exit 2. Sweep: log it and go on (the run folder records it)."""
     if not in_multirun():
         fail(str(err), err.exit_code)
+    log.error("error: %s", one_line(err))

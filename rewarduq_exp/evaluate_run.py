@@ -22,18 +22,16 @@ from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.evaluation import diagrams, evaluate_method, score_predictions
 from rewarduq_exp.features import FeatureEncoder
-from rewarduq_exp.metrics import check_alphas, check_n_bins
 from rewarduq_exp.run_folder import RunFolder, write_json
 from rewarduq_exp.summary import summary_table
-from rewarduq_exp.train_run import load_split
+from rewarduq_exp.train_run import load_split, validate_metric_config
 
 log = logging.getLogger("rewarduq_exp")
 
 
 def evaluate(cfg) -> dict | None:
     try:
-        check_n_bins(cfg.metric.n_bins)
-        check_alphas(cfg.metric.alphas)
+        validate_metric_config(cfg.metric)
         if cfg.run and cfg.predictions:
             raise UserError("pass either run=<run folder> or predictions=<file.parquet>, not both")
         if cfg.predictions:
@@ -72,7 +70,7 @@ def evaluate_run_folder(cfg) -> dict:
         raise UserError(f"run={folder.root} did not complete (status: {folder.status().get('state', 'missing')}); "
                         "train it first")
     run_cfg = OmegaConf.load(config_path)
-    names = cfg.dataset if cfg.dataset is not None else run_cfg.eval_datasets
+    names = cfg.eval_datasets if cfg.eval_datasets is not None else run_cfg.eval_datasets
     eval_sets = resolve_eval_sets(names, run_cfg.dataset, int(run_cfg.seed))
     run_cfg.method.device = cfg.device
     run_cfg.method.show_progress = bool(cfg.progress)

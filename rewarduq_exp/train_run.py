@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rewarduq_exp.backbone import Backbone
 from rewarduq_exp.cli import report_user_error
@@ -37,10 +37,28 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def require_complete(cfg: DictConfig) -> None:
+    """Mandatory values (``???`` in a config, e.g. ``dataset.path`` of ``dataset=local``) must be given."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise UserError(f"missing required setting(s): {', '.join(missing)}; pass them on the command line, "
+                        f"e.g. {missing[0]}=<value>")
+
+
+def validate_metric_config(metric_cfg) -> None:
+    try:
+        check_n_bins(metric_cfg.n_bins)
+    except UserError:
+        raise UserError(f"metric.n_bins={metric_cfg.n_bins} is invalid: must be an integer >= 1") from None
+    try:
+        check_alphas(metric_cfg.alphas)
+    except UserError:
+        raise UserError(f"metric.alphas={list(metric_cfg.alphas)} is invalid: each alpha must be in [0, 1]") from None
+
+
 def validate_run_config(cfg: DictConfig) -> None:
     """Checks that need no data or model, done before any heavy work."""
-    check_n_bins(cfg.metric.n_bins)
-    check_alphas(cfg.metric.alphas)
+    validate_metric_config(cfg.metric)
     if int(cfg.max_length) < 1:
         raise UserError(f"max_length={cfg.max_length} is invalid: must be an integer >= 1")
 
@@ -55,6 +73,11 @@ def load_split(loader, split: str, name: str, tokenizer, max_length: int):
 def train(cfg: DictConfig) -> dict | None:
     out = Path(HydraConfig.get().runtime.output_dir)
     folder = RunFolder(out)
+    try:
+        require_complete(cfg)
+    except UserError as err:
+        report_user_error(err)
+        return None
     chash = config_hash(cfg)
     if not cfg.force and folder.is_completed(chash):
         log.info("skipping %s: already completed with this config (force=true re-runs it)", out)

@@ -39,6 +39,8 @@ class LocalPreferenceFile:
     def load(self, split: str):
         import datasets
 
+        datasets.disable_progress_bars()
+
         if split not in self.paths:
             raise UserError(f"dataset '{self.name}' has splits train and eval, not '{split}'")
         path = self.paths[split]
