@@ -21,7 +21,7 @@ from filelock import FileLock
 from rewarduq_exp.data.vocabulary import TOPIC_WORDS, WORDS
 
 # Bump when the build below changes: it is part of the cache key of every feature computed with this model.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -38,15 +38,17 @@ _ENGLISH = (
 
 
 def _corpus() -> list[str]:
-    # Each synthetic word is repeated so BPE merges it into a single token: the synthetic world's per-token
-    # utilities then map one-to-one onto backbone tokens.
-    lines = [" ".join(WORDS[i : i + 16]) for i in range(0, len(WORDS), 16)] * 20
-    lines += [" ".join(TOPIC_WORDS)] * 20
+    # Each synthetic word is repeated so BPE merges it into a single token, in both forms it takes in a rendered
+    # conversation: after a space ("Ġword") and at the start of a line (the first word of a completion follows the
+    # template's "\n"). The synthetic world's per-token utilities then map one-to-one onto backbone tokens.
+    words = WORDS + TOPIC_WORDS
+    lines = [" " + " ".join(words[i : i + 16]) for i in range(0, len(words), 16)] * 20
+    lines += ["\n".join(words)] * 20
     lines += [_ENGLISH] * 5
     return lines
 
 
-def build_tokenizer(vocab_size: int = 1024):
+def build_tokenizer(vocab_size: int = 2048):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -128,7 +130,7 @@ def ensure_tiny_qwen3(
     num_heads: int = 4,
     num_kv_heads: int = 4,
     seed: int = 0,
-    vocab_size: int = 1024,
+    vocab_size: int = 2048,
     attention_temperature: float = 0.01,
 ) -> Path:
     """Build the tiny checkpoint once (under a lock, written atomically) and return its folder."""

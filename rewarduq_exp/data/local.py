@@ -20,6 +20,12 @@ REQUIRED = ("prompt", "chosen", "rejected")
 OPTIONAL = ("id", "weight", "subset")
 
 
+def _text_if_scalar(value):
+    if isinstance(value, (int, float, np.integer, np.floating)) and not (isinstance(value, float) and np.isnan(value)):
+        return str(value)
+    return value
+
+
 def _completion(prompt: list[dict], value, source: str, column: str) -> list[dict]:
     msgs = as_messages(value, "assistant", source=source, column=column)
     if len(msgs) > len(prompt) and msgs[: len(prompt)] == prompt:
@@ -57,8 +63,15 @@ class LocalPreferenceFile:
         try:
             table = datasets.load_dataset(fmt, data_files=str(path), split="train").to_pandas()
         except Exception as err:  # malformed file: report it as the user's input, in one line
-            raise UserError(f"{source}: could not be read as {fmt} ({type(err).__name__}: {err})") from None
+            root = err
+            while root.__cause__ is not None:  # the parser's own message (e.g. pyarrow's) says what is wrong
+                root = root.__cause__
+            raise UserError(f"{source}: could not be read as {fmt} ({type(root).__name__}: {root})") from None
         found = ", ".join(map(str, table.columns))
+        if fmt == "csv":  # CSV infers numbers for texts such as the answer "4"; the text columns must stay text
+            for col in REQUIRED:
+                if self.columns[col] in table.columns:
+                    table[self.columns[col]] = table[self.columns[col]].map(_text_if_scalar)
         for col in REQUIRED:
             if self.columns[col] not in table.columns:
                 raise UserError(f"{source}: missing column '{self.columns[col]}' (for {col}); found: {found}; "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from scipy.special import expit  # overflow-free sigmoid
 
 from rewarduq_exp.data.contract import make_preference_frame
 from rewarduq_exp.data.vocabulary import TOPIC_WORDS, WORDS
@@ -99,6 +100,10 @@ class SyntheticWorld:
             (self.min_words, 1 <= self.min_words <= self.max_words, "an integer with 1 <= min_words <= max_words",
              "dataset.min_words"),
         ]
+        n_rare = int(round(self.rare_fraction * self.vocab_size))
+        checks.append((self.rare_fraction, 1 <= n_rare <= self.vocab_size - 1,
+                       f"such that rare_fraction * vocab_size ({self.vocab_size}) rounds to 1..{self.vocab_size - 1} "
+                       "rare words (the world needs both rare and common words)", "dataset.rare_fraction"))
         for split, n in self.sizes.items():
             checks.append((n, n >= 1, "an integer >= 1", f"dataset.n_{split}"))
         for value, ok, allowed, key in checks:
@@ -134,7 +139,7 @@ class SyntheticWorld:
         tok_a, len_a = self._completions(rng, n, probs)
         tok_b, len_b = self._completions(rng, n, probs)
         margin_ab = (self.true_reward(topic, tok_a, len_a) - self.true_reward(topic, tok_b, len_b)) / self.noise_scale
-        a_wins = rng.random(n) < 1.0 / (1.0 + np.exp(-margin_ab))  # Bradley-Terry label
+        a_wins = rng.random(n) < expit(margin_ab)  # Bradley-Terry label
 
         prompts, chosen, rejected = [], [], []
         for i in range(n):
@@ -152,7 +157,7 @@ class SyntheticWorld:
             subset=[split] * n,
         )
         frame["true_margin"] = true_margin
-        frame["true_prob"] = 1.0 / (1.0 + np.exp(-true_margin))
+        frame["true_prob"] = expit(true_margin)
         # Share of words from the rare tail: lets tests and users check the ood split really is out of distribution.
         positions = np.arange(self.max_words)[None, :]
         rare_a = (np.isin(tok_a, self.rare_words) & (positions < len_a[:, None])).sum(1)

@@ -1,0 +1,244 @@
+"""The command line as a user runs it: train.py / evaluate.py in subprocesses, run folders, sweeps, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from conftest import ROOT
+from rewarduq_exp.metrics import METRIC_NAMES
+
+SMALL = ["progress=false", "dataset.n_train=600", "dataset.n_eval=200", "dataset.n_ood=200"]
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory, tiny_backbone):
+    """One cache per module: the tiny model is built once and features are shared, as in a real sweep."""
+    cache = tmp_path_factory.mktemp("cli_cache")
+    (cache / "models").mkdir()
+    built = Path(tiny_backbone.source)
+    (cache / "models" / built.name).symlink_to(built)
+    return cache
+
+
+def run(script, args, cwd, cache, check=True, env=None, flags=()):
+    cmd = [sys.executable, str(ROOT / script), *flags, f"paths.output_root={cwd / 'outputs'}",
+           f"paths.cache_dir={cache}", *args]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def run_dirs(root: Path) -> list[Path]:
+    return sorted(p.parent for p in root.glob("outputs/runs/*/status.json"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, shared_cache):
+    """A default-config ENS-MLP run and a BAY-LIN run on a small synthetic world."""
+    cwd = tmp_path_factory.mktemp("trained")
+    out = {}
+    for method in ("ens_mlp", "bay_lin"):
+        proc = run("train.py", [f"method={method}", *SMALL, f"hydra.run.dir={cwd}/outputs/runs/{method}"], cwd,
+                   shared_cache)
+        out[method] = (cwd / "outputs" / "runs" / method, proc)
+    return out
+
+
+@pytest.mark.parametrize("method", ["ens_mlp", "bay_lin"])
+def test_train_writes_complete_run_folder(trained, method):
+    folder, proc = trained[method]
+    status = json.loads((folder / "status.json").read_text())
+    assert status["state"] == "completed" and len(status["config_hash"]) == 12
+    assert (folder / ".hydra" / "config.yaml").exists() and (folder / ".hydra" / "overrides.yaml").exists()
+    assert (folder / "train.log").exists()
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert list(metrics) == ["synthetic_eval", "synthetic_ood"]
+    for block in metrics.values():
+        assert set(METRIC_NAMES) <= set(block) and "truth/bayes_win_rate" in block
+        assert abs(block["ct_rate"] + block["ut_rate"] + block["cf_rate"] + block["uf_rate"] - 1) < 1e-9
+    preds = pd.read_parquet(folder / "predictions" / "synthetic_eval.parquet")
+    assert list(preds.columns[:9]) == ["id", "subset", "weight", "chosen_reward", "chosen_lower", "chosen_upper",
+                                       "rejected_reward", "rejected_lower", "rejected_upper"]
+    assert len(preds) == 200 and (preds.chosen_lower <= preds.chosen_upper).all()
+    for name in ("synthetic_eval", "synthetic_ood"):
+        for png in ("calibration_pred.png", "calibration_bounds.png"):
+            assert (folder / "figures" / name / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (folder / "model").iterdir()) == ["method.json", "state.safetensors"]
+    # the summary table is printed at the end, with the truth column beside the win rate
+    assert "win_rate" in proc.stdout and "bayes_win" in proc.stdout and "synthetic_ood" in proc.stdout
+    assert not list(folder.rglob("*.tmp"))
+
+
+def test_second_run_does_no_backbone_forward(trained):
+    # ens_mlp ran first and extracted; bay_lin used the same backbone, probe and data
+    status = json.loads((trained["bay_lin"][0] / "status.json").read_text())
+    assert status["features"]["backbone_forward_passes"] == 0
+    assert status["features"]["cache_misses"] == 0
+    first = json.loads((trained["ens_mlp"][0] / "status.json").read_text())
+    assert first["features"]["backbone_forward_passes"] > 0
+
+
+def test_evaluate_run_folder_reproduces_training_metrics(trained, tmp_path, shared_cache):
+    folder, _ = trained["ens_mlp"]
+    before = json.loads((folder / "metrics.json").read_text())
+    proc = run("evaluate.py", [f"run={folder}", "dataset=synthetic_ood", "progress=false"], tmp_path, shared_cache)
+    after = json.loads((folder / "metrics.json").read_text())
+    assert set(after) == set(before)  # merged, not replaced
+    for key in METRIC_NAMES:
+        assert after["synthetic_ood"][key] == pytest.approx(before["synthetic_ood"][key], abs=1e-9)
+    assert "synthetic_ood" in proc.stdout
+
+
+def test_evaluate_rescores_predictions_with_other_metric_config(trained, tmp_path, shared_cache):
+    folder, _ = trained["bay_lin"]
+    pred = folder / "predictions" / "synthetic_eval.parquet"
+    run("evaluate.py", [f"predictions={pred}", "metric.n_bins=10", "hydra.run.dir=" + str(tmp_path / "ev")], tmp_path,
+        shared_cache)
+    metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())["synthetic_eval"]
+    original = json.loads((folder / "metrics.json").read_text())["synthetic_eval"]
+    assert metrics["win_rate"] == original["win_rate"]  # binning does not touch accuracy ...
+    assert metrics["ece"] != original["ece"]  # ... but 10 bins give another ECE than 20
+    assert (tmp_path / "ev" / "figures" / "synthetic_eval" / "calibration_pred.png").exists()
+
+
+def test_multirun_and_relaunch_skips_completed(tmp_path, shared_cache):
+    args = ["method=ens_mlp,bay_lin", "seed=0,1", *SMALL]
+    run("train.py", args, tmp_path, shared_cache, flags=["-m"])
+    folders = sorted((tmp_path / "outputs" / "multirun" / "default").glob("*/status.json"))
+    assert len(folders) == 4
+    assert all(json.loads(f.read_text())["state"] == "completed" for f in folders)
+    stamps = {f: f.stat().st_mtime_ns for f in folders}
+    again = run("train.py", args, tmp_path, shared_cache, flags=["-m"])
+    assert (again.stdout + again.stderr).count("skipping") == 4
+    assert all(f.stat().st_mtime_ns == stamps[f] for f in folders)  # nothing was re-run or rewritten
+
+
+def test_failed_run_in_sweep_is_recorded_and_others_complete(tmp_path, shared_cache):
+    proc = run("train.py", ["method.num_heads=1,3", *SMALL], tmp_path, shared_cache, flags=["-m"])
+    sweep = tmp_path / "outputs" / "multirun" / "default"
+    failed_dir, ok_dir = (next(sweep.glob(f"*method.num_heads={k}-*")) for k in (1, 3))
+    failed = json.loads((failed_dir / "status.json").read_text())
+    assert failed["state"] == "failed" and "method.num_heads=1 is invalid" in failed["error"]
+    assert not (failed_dir / "metrics.json").exists()
+    assert json.loads((ok_dir / "status.json").read_text())["state"] == "completed"
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("method, expected", [
+    ("ens_mlp", {"learning_rate": 0.001, "reg_lambda": 0.1, "center_gamma": 0.0}),
+    ("bay_lin", {"learning_rate": 0.001, "reg_lambda": 0.001}),
+])
+def test_tuned_hyperparameters_applied(tmp_path, shared_cache, method, expected):
+    import yaml
+
+    proc = run("train.py", [f"method={method}", "model=qwen3-4b"], tmp_path, shared_cache, flags=["--cfg", "job"])
+    cfg = yaml.safe_load(proc.stdout)
+    for key, value in expected.items():
+        assert cfg["method"][key] == pytest.approx(value), key
+    assert cfg["model"]["hub_id"] == "Qwen/Qwen3-4B"
+    # a command-line value wins over the tuned file
+    proc = run("train.py", [f"method={method}", "model=qwen3-4b", "method.learning_rate=0.5"], tmp_path,
+               shared_cache, flags=["--cfg", "job"])
+    assert yaml.safe_load(proc.stdout)["method"]["learning_rate"] == 0.5
+
+
+def test_every_backbone_has_tuned_configs_for_both_methods():
+    models = {p.stem for p in (ROOT / "conf/model").glob("*.yaml")} - {"tiny-qwen3"}
+    assert len(models) == 10
+    for method in ("ens_mlp", "bay_lin"):
+        assert {p.stem for p in (ROOT / "conf/tuned" / method).glob("*.yaml")} == models
+
+
+def test_local_file_training_with_named_eval_datasets(tmp_path, shared_cache):
+    from rewarduq_exp.data.synthetic import SyntheticWorld
+
+    world = SyntheticWorld(n_train=300, n_eval=100)
+    for split, name in (("train", "pairs.jsonl"), ("eval", "held_out.jsonl")):
+        frame = world.load(split)
+        rows = [{"prompt": p[0]["content"], "chosen": c[0]["content"], "rejected": r[0]["content"], "source": "x"}
+                for p, c, r in zip(frame.prompt, frame.chosen, frame.rejected)]
+        pd.DataFrame(rows).to_json(tmp_path / name, orient="records", lines=True)
+    folder = tmp_path / "outputs" / "runs" / "local"
+    run("train.py", ["dataset=local", f"dataset.path={tmp_path / 'pairs.jsonl'}",
+                     f"dataset.eval_path={tmp_path / 'held_out.jsonl'}", "eval_datasets=[local_eval,synthetic_ood]",
+                     "progress=false", f"hydra.run.dir={folder}"], tmp_path, shared_cache)
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert list(metrics) == ["local_eval", "synthetic_ood"]
+    assert metrics["local_eval"]["n_pairs"] == 100
+    assert "truth/bayes_win_rate" not in metrics["local_eval"]  # a user file has no ground truth
+    assert (folder / "predictions" / "local_eval.parquet").exists()
+
+
+BAD_INPUTS = [
+    (["model=gpt-5"], "unknown model 'gpt-5'; allowed:"),
+    (["method=ens_foo"], "unknown method 'ens_foo'; allowed: bay_lin, ens_mlp"),
+    (["dataset=nope"], "unknown dataset 'nope'; allowed:"),
+    (["method.num_heads=1"], "method.num_heads=1 is invalid"),
+    (["method.beta=0"], "method.beta=0 is invalid"),
+    (["method=bay_lin", "method.beta=-0.5"], "method.beta=-0.5 is invalid"),
+    (["metric.n_bins=0"], "metric.n_bins=0 is invalid"),
+    (["max_length=5"], "empty after the length filter"),
+    (["eval_datasets=[synthetic_test]"], "synthetic split 'test' does not exist"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_one_line_nonzero_no_metrics(tmp_path, shared_cache, args, message):
+    folder = tmp_path / "outputs" / "runs" / "bad"
+    proc = run("train.py", [*args, *SMALL, f"hydra.run.dir={folder}"], tmp_path, shared_cache, check=False)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: ") and message in lines[-1]
+    assert sum(line.startswith("error:") for line in lines) == 1
+    assert "Traceback" not in proc.stderr
+    assert not (folder / "metrics.json").exists()
+
+
+def test_local_dataset_without_path(tmp_path, shared_cache):
+    proc = run("train.py", ["dataset=local", "progress=false"], tmp_path, shared_cache, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("error: missing required setting(s): dataset.path; pass them on "
+                                                    "the command line, e.g. dataset.path=<value>")
+
+
+def test_data_file_missing_a_column(tmp_path, shared_cache):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "hi", "chosen": "a"}\n{"prompt": "yo", "chosen": "b"}\n')
+    folder = tmp_path / "outputs" / "runs" / "bad"
+    proc = run("train.py", ["dataset=local", f"dataset.path={path}", "progress=false", f"hydra.run.dir={folder}"],
+               tmp_path, shared_cache, check=False)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "missing column 'rejected'" in last and "found: prompt, chosen" in last
+    assert json.loads((folder / "status.json").read_text())["state"] == "failed"
+    assert not (folder / "metrics.json").exists()
+
+
+def test_wandb_offline_logging(tmp_path, shared_cache):
+    pytest.importorskip("wandb")
+    folder = tmp_path / "outputs" / "runs" / "wb"
+    run("train.py", ["logger=wandb", *SMALL, f"hydra.run.dir={folder}"], tmp_path, shared_cache,
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    runs = list((folder / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("run-*.wandb"))
+    images = list(runs[0].rglob("files/media/images/**/*.png"))
+    assert len(images) >= 4  # two diagrams per evaluated dataset
+    assert (folder / "metrics.json").exists()
+
+
+def test_wandb_run_is_finished_when_the_run_fails(tmp_path, shared_cache):
+    pytest.importorskip("wandb")
+    folder = tmp_path / "outputs" / "runs" / "wbfail"
+    proc = run("train.py", ["logger=wandb", "max_length=5", *SMALL, f"hydra.run.dir={folder}"], tmp_path,
+               shared_cache, check=False, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert proc.returncode == 2
+    log = next((folder / "wandb").glob("offline-run-*/logs/debug.log")).read_text()
+    assert "finishing run" in log

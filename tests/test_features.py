@@ -1,0 +1,142 @@
+"""Feature extraction and the shared feature cache (DESIGN section 3)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rewarduq_exp.data.contract import render_all
+from rewarduq_exp.data.synthetic import SyntheticWorld
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.features import FeatureEncoder, pool
+
+
+def probe(layer=-1, pooling="last", batch_size=8):
+    return OmegaConf.create({"layer": layer, "pooling": pooling, "batch_size": batch_size})
+
+
+@pytest.fixture(scope="module")
+def frame():
+    return SyntheticWorld(n_train=24, n_eval=1, n_ood=1, min_words=2, max_words=12).load("train")
+
+
+def manual_features(backbone, frame, layer, pooling):
+    """One unpadded sequence at a time: the reference the batched, length-sorted extraction must match."""
+    model = backbone.load_encoder()
+    texts = render_all(backbone.tokenizer, frame["prompt"], frame["chosen"])
+    out = []
+    for t in texts:
+        ids = backbone.tokenizer(t, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        o = model(input_ids=ids, output_hidden_states=True)
+        h = o.hidden_states[layer][0] if layer != -1 else o.last_hidden_state[0]
+        out.append(h[-1] if pooling == "last" else h.mean(0))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("layer, pooling", [(-1, "last"), (-1, "mean"), (0, "mean"), (1, "last")])
+def test_batched_extraction_matches_one_by_one(tiny_backbone, frame, tmp_path, layer, pooling):
+    enc = FeatureEncoder(tiny_backbone, probe(layer, pooling, batch_size=5), tmp_path, max_length=2048,
+                         show_progress=False)
+    feats = enc.encode(frame["prompt"], frame["chosen"])
+    with torch.no_grad():
+        expected = manual_features(tiny_backbone, frame, layer, pooling)
+    torch.testing.assert_close(feats, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_last_hidden_layer_index_equals_final_norm_output(tiny_backbone, frame, tmp_path):
+    # hidden_states[num_layers] is the final-norm output in transformers 5, so layer=-1 and layer=L agree
+    a = FeatureEncoder(tiny_backbone, probe(-1), tmp_path, 2048, show_progress=False).encode(frame["prompt"], frame["chosen"])
+    b = FeatureEncoder(tiny_backbone, probe(1), tmp_path, 2048, show_progress=False).encode(frame["prompt"], frame["chosen"])
+    torch.testing.assert_close(a, b)
+
+
+def test_pool_by_attention_mask():
+    h = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    torch.testing.assert_close(pool(h, mask, "last"), torch.stack([h[0, 1], h[1, 3]]))
+    torch.testing.assert_close(pool(h, mask, "mean"), torch.stack([h[0, :2].mean(0), h[1].mean(0)]))
+
+
+def test_second_encoder_does_no_forward_pass(tiny_backbone, frame, tmp_path):
+    first = FeatureEncoder(tiny_backbone, probe(), tmp_path, 2048, show_progress=False)
+    zc, zr = first.encode_pairs(frame)
+    assert first.stats["backbone_forward_passes"] > 0 and first.stats["cache_misses"] == 1
+    second = FeatureEncoder(tiny_backbone, probe(), tmp_path, 2048, show_progress=False)
+    zc2, zr2 = second.encode_pairs(frame)
+    assert second.stats == {"backbone_forward_passes": 0, "cache_hits": 1, "cache_misses": 0}
+    assert second._model is None  # the weights were not even loaded
+    torch.testing.assert_close(zc, zc2)
+    torch.testing.assert_close(zr, zr2)
+
+
+def test_cache_key_covers_probe_data_and_length(tiny_backbone, frame, tmp_path):
+    enc = FeatureEncoder(tiny_backbone, probe(), tmp_path, 2048, show_progress=False)
+    enc.encode_pairs(frame)
+    for other in (FeatureEncoder(tiny_backbone, probe(pooling="mean"), tmp_path, 2048, show_progress=False),
+                  FeatureEncoder(tiny_backbone, probe(), tmp_path, 1024, show_progress=False)):
+        other.encode_pairs(frame)
+        assert other.stats["cache_misses"] == 1
+    changed = frame.copy()
+    changed.loc[0, "chosen"] = [[{"role": "assistant", "content": "baba"}]]
+    enc.encode_pairs(changed)
+    assert enc.stats["cache_misses"] == 2
+    entries = sorted(p.suffix for p in tmp_path.iterdir())
+    assert entries.count(".pt") == 4 and entries.count(".json") == 4
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+
+
+CONCURRENT = textwrap.dedent("""
+    import sys, json
+    from omegaconf import OmegaConf
+    from rewarduq_exp.backbone import Backbone
+    from rewarduq_exp.data.synthetic import SyntheticWorld
+    from rewarduq_exp.features import FeatureEncoder
+    cache, model_yaml = sys.argv[1], sys.argv[2]
+    frame = SyntheticWorld(n_train=2000).load("train")  # extraction outlasts the start-up jitter
+    bb = Backbone(OmegaConf.load(model_yaml), cache_dir=cache, device="cpu")
+    enc = FeatureEncoder(bb, OmegaConf.create(dict(layer=-1, pooling="last", batch_size=16)), cache + "/features",
+                         2048, show_progress=False)
+    zc, zr = enc.encode_pairs(frame)
+    print(json.dumps({**enc.stats, "sum": float(zc.sum() + zr.sum())}))
+""")
+
+
+def test_two_processes_extract_one_entry(tmp_path, tiny_backbone):
+    from conftest import ROOT
+
+    script = tmp_path / "extract.py"
+    script.write_text(CONCURRENT)
+    # share the session's tiny model so both processes start extracting at about the same time
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    built = Path(tiny_backbone.source)
+    (cache / "models" / built.name).symlink_to(built)
+    cmd = [sys.executable, str(script), str(cache), str(ROOT / "conf/model/tiny-qwen3.yaml")]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["cache_misses"] for r in results) == [0, 1]  # exactly one process extracted
+    assert min(r["backbone_forward_passes"] for r in results) == 0
+    assert results[0]["sum"] == results[1]["sum"]
+    entries = list((cache / "features").glob("*.pt"))
+    assert len(entries) == 1
+    torch.load(entries[0], weights_only=True)  # a complete, loadable tensor
+    assert not list((cache / "features").glob("*.tmp"))
+
+
+def test_bad_probe_settings(tiny_backbone, tmp_path, frame):
+    with pytest.raises(UserError, match="probe.pooling"):
+        FeatureEncoder(tiny_backbone, probe(pooling="max"), tmp_path, 2048)
+    with pytest.raises(UserError, match="probe.batch_size"):
+        FeatureEncoder(tiny_backbone, probe(batch_size=0), tmp_path, 2048)
+    with pytest.raises(UserError, match="probe.layer=7"):
+        FeatureEncoder(tiny_backbone, probe(layer=7), tmp_path, 2048, show_progress=False).encode(
+            frame["prompt"], frame["chosen"])

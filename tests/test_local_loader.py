@@ -1,0 +1,328 @@
+"""Users' own preference files (dataset=local) and dataset names (registry): formats, layouts, mappings, errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rewarduq_exp.data.contract import PREFERENCE_COLUMNS
+from rewarduq_exp.data.local import LocalPreferenceFile
+from rewarduq_exp.data.registry import available, build_loader, load_dataset_config, resolve_eval_sets
+from rewarduq_exp.errors import UserError
+
+
+@pytest.fixture(autouse=True)
+def private_datasets_cache(tmp_path, monkeypatch):
+    """datasets.load_dataset writes an Arrow cache: keep it inside the test's temp folder."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets_cache"))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def msg(role, content):
+    return {"role": role, "content": content}
+
+
+def contents(messages):
+    return [(m["role"], m["content"]) for m in messages]
+
+
+STRING_ROWS = [
+    {"prompt": "What is 2+2?", "chosen": "Four.", "rejected": "Five."},
+    {"prompt": "Name a colour.", "chosen": "Blue, of course", "rejected": "Seven"},
+]
+
+
+def check_contract(frame):
+    assert tuple(frame.columns) == PREFERENCE_COLUMNS
+    assert frame["weight"].dtype == np.float64
+    assert all(isinstance(x, str) for x in frame["id"]) and all(isinstance(x, str) for x in frame["subset"])
+
+
+# ---------------------------------------------------------------------------------------------- formats
+def test_jsonl_plain_strings_with_defaults(tmp_path):
+    """Plain-string rows become user/assistant messages; id, weight and subset get their defaults."""
+    f = LocalPreferenceFile(str(write_jsonl(tmp_path / "pairs.jsonl", STRING_ROWS))).load("train")
+    check_contract(f)
+    assert f["id"].tolist() == ["train-0", "train-1"]
+    assert f["weight"].tolist() == [1.0, 1.0]
+    assert f["subset"].tolist() == ["", ""]
+    assert contents(f.loc[0, "prompt"]) == [("user", "What is 2+2?")]
+    assert contents(f.loc[1, "chosen"]) == [("assistant", "Blue, of course")]
+    assert contents(f.loc[1, "rejected"]) == [("assistant", "Seven")]
+
+
+def test_jsonl_implicit_prompt_layout_is_not_duplicated(tmp_path):
+    """chosen/rejected that repeat the prompt's turns are reduced to the reply; explicit rows are left alone."""
+    prompt = [msg("system", "Be kind."), msg("user", "Hi?")]
+    rows = [
+        {"prompt": prompt, "chosen": prompt + [msg("assistant", "Hello!")],
+         "rejected": prompt + [msg("assistant", "Go away.")]},
+        {"prompt": prompt, "chosen": [msg("assistant", "Hey.")], "rejected": [msg("assistant", "No.")]},
+        # a multi-turn continuation after the repeated prompt is kept whole
+        {"prompt": prompt, "chosen": prompt + [msg("assistant", "A"), msg("user", "B?"), msg("assistant", "C")],
+         "rejected": prompt + [msg("assistant", "D")]},
+    ]
+    f = LocalPreferenceFile(str(write_jsonl(tmp_path / "chat.jsonl", rows))).load("train")
+    check_contract(f)
+    assert contents(f.loc[0, "prompt"]) == [("system", "Be kind."), ("user", "Hi?")]
+    assert contents(f.loc[0, "chosen"]) == [("assistant", "Hello!")]
+    assert contents(f.loc[0, "rejected"]) == [("assistant", "Go away.")]
+    assert contents(f.loc[1, "chosen"]) == [("assistant", "Hey.")]
+    assert contents(f.loc[2, "chosen"]) == [("assistant", "A"), ("user", "B?"), ("assistant", "C")]
+    assert contents(f.loc[2, "rejected"]) == [("assistant", "D")]
+
+
+def test_implicit_layout_with_string_prompt(tmp_path):
+    """A plain-string prompt also matches a chosen list that starts with that user turn."""
+    rows = [{"prompt": "Hi?", "chosen": [msg("user", "Hi?"), msg("assistant", "Yes")],
+             "rejected": [msg("user", "Hi?"), msg("assistant", "No")]}]
+    f = LocalPreferenceFile(str(write_jsonl(tmp_path / "x.jsonl", rows))).load("train")
+    assert contents(f.loc[0, "chosen"]) == [("assistant", "Yes")]
+    assert contents(f.loc[0, "rejected"]) == [("assistant", "No")]
+
+
+def test_parquet_with_messages_and_optional_columns(tmp_path):
+    """Parquet list-of-struct message columns load; id, weight and subset are taken from the file."""
+    table = pd.DataFrame({
+        "id": ["a1", "b2"],
+        "prompt": [[msg("user", "Q1")], [msg("user", "Q2")]],
+        "chosen": [[msg("assistant", "good 1")], [msg("assistant", "good 2")]],
+        "rejected": [[msg("assistant", "bad 1")], [msg("assistant", "bad 2")]],
+        "weight": [0.25, 3.0],
+        "subset": ["math", "chat"],
+    })
+    table.to_parquet(tmp_path / "pairs.parquet")
+    f = LocalPreferenceFile(str(tmp_path / "pairs.parquet")).load("train")
+    check_contract(f)
+    assert f["id"].tolist() == ["a1", "b2"]
+    assert f["weight"].tolist() == [0.25, 3.0]
+    assert f["subset"].tolist() == ["math", "chat"]
+    assert contents(f.loc[1, "prompt"]) == [("user", "Q2")]
+    assert contents(f.loc[1, "rejected"]) == [("assistant", "bad 2")]
+    assert isinstance(f.loc[0, "chosen"], list)
+
+
+def test_csv_with_integer_ids(tmp_path):
+    """CSV strings load; numeric ids become strings; a weight column is read as float."""
+    pd.DataFrame({
+        "id": [10, 11],
+        "prompt": ["Say hi, politely", "Say bye"],
+        "chosen": ["Hi there", "Bye now"],
+        "rejected": ["hi", "go"],
+        "weight": [2, 1],
+    }).to_csv(tmp_path / "pairs.csv", index=False)
+    f = LocalPreferenceFile(str(tmp_path / "pairs.csv")).load("train")
+    check_contract(f)
+    assert f["id"].tolist() == ["10", "11"]
+    assert f["weight"].tolist() == [2.0, 1.0]
+    assert f["subset"].tolist() == ["", ""]
+    assert contents(f.loc[0, "prompt"]) == [("user", "Say hi, politely")]
+    assert contents(f.loc[1, "chosen"]) == [("assistant", "Bye now")]
+
+
+def test_json_array_file(tmp_path):
+    """A .json file holding an array of objects is read like JSONL."""
+    (tmp_path / "pairs.json").write_text(json.dumps(STRING_ROWS))
+    f = LocalPreferenceFile(str(tmp_path / "pairs.json")).load("train")
+    assert contents(f.loc[1, "rejected"]) == [("assistant", "Seven")]
+
+
+def test_custom_column_mapping(tmp_path):
+    """dataset.columns.* maps the user's column names onto the contract, optional columns included."""
+    rows = [{"uid": "q-1", "question": "Why?", "good": "Because.", "bad": "Dunno.", "w": 0.5, "src": "faq"}]
+    path = write_jsonl(tmp_path / "custom.jsonl", rows)
+    cols = {"prompt": "question", "chosen": "good", "rejected": "bad", "id": "uid", "weight": "w", "subset": "src"}
+    f = LocalPreferenceFile(str(path), columns=cols).load("train")
+    check_contract(f)
+    assert f.loc[0, "id"] == "q-1" and f.loc[0, "weight"] == 0.5 and f.loc[0, "subset"] == "faq"
+    assert contents(f.loc[0, "prompt"]) == [("user", "Why?")]
+    assert contents(f.loc[0, "chosen"]) == [("assistant", "Because.")]
+    assert contents(f.loc[0, "rejected"]) == [("assistant", "Dunno.")]
+
+
+def test_local_config_through_hydra(tmp_path):
+    """conf/dataset/local.yaml with path/eval_path/column overrides builds a loader that reads both splits."""
+    write_jsonl(tmp_path / "train.jsonl", [{"q": "a", "chosen": "b", "rejected": "c"}])
+    write_jsonl(tmp_path / "eval.jsonl", [{"q": "d", "chosen": "e", "rejected": "f"}] * 3)
+    cfg = load_dataset_config("local", seed=0)
+    cfg.path = str(tmp_path / "train.jsonl")
+    cfg.eval_path = str(tmp_path / "eval.jsonl")
+    cfg.columns.prompt = "q"
+    loader = build_loader(cfg)
+    assert (loader.name, loader.train_split, loader.eval_splits) == ("local", "train", ("eval",))
+    train, ev = loader.load("train"), loader.load("eval")
+    assert contents(train.loc[0, "prompt"]) == [("user", "a")]
+    assert ev["id"].tolist() == ["eval-0", "eval-1", "eval-2"]
+    assert contents(ev.loc[2, "chosen"]) == [("assistant", "e")]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def test_missing_column_names_it_and_lists_found(tmp_path):
+    """A file without 'chosen' says so, lists what it found, and tells how to map it."""
+    path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "p", "good": "c", "rejected": "r"}])
+    with pytest.raises(UserError) as err:
+        LocalPreferenceFile(str(path)).load("train")
+    msg_ = str(err.value)
+    assert "missing column 'chosen'" in msg_
+    assert "found: prompt, good, rejected" in msg_
+    assert "dataset.columns.chosen" in msg_
+
+
+def test_missing_mapped_column_names_the_mapped_name(tmp_path):
+    """With a custom mapping the error names the user's column (the one that is absent)."""
+    path = write_jsonl(tmp_path / "x.jsonl", STRING_ROWS)
+    with pytest.raises(UserError, match=r"missing column 'question' \(for prompt\)"):
+        LocalPreferenceFile(str(path), columns={"prompt": "question"}).load("train")
+
+
+def test_unknown_extension(tmp_path):
+    """A .txt file is refused with the allowed types."""
+    path = tmp_path / "pairs.txt"
+    path.write_text("x")
+    with pytest.raises(UserError, match=r"dataset\.path=.*unsupported file type '\.txt'.*\.jsonl.*\.parquet.*\.csv"):
+        LocalPreferenceFile(str(path)).load("train")
+
+
+def test_missing_file(tmp_path):
+    """A path that does not exist names the setting and says the file is missing."""
+    with pytest.raises(UserError, match=r"dataset\.path=.*nope\.jsonl: file not found"):
+        LocalPreferenceFile(str(tmp_path / "nope.jsonl")).load("train")
+    with pytest.raises(UserError, match=r"dataset\.eval_path=.*gone\.csv: file not found"):
+        LocalPreferenceFile(str(tmp_path / "nope.jsonl"), eval_path=str(tmp_path / "gone.csv")).load("eval")
+
+
+def test_eval_split_without_eval_path(tmp_path):
+    """Asking for the eval split of a loader without eval_path points at dataset.eval_path."""
+    path = write_jsonl(tmp_path / "x.jsonl", STRING_ROWS)
+    with pytest.raises(UserError, match=r"split 'eval'.*dataset\.eval_path"):
+        LocalPreferenceFile(str(path)).load("eval")
+
+
+def test_unknown_split(tmp_path):
+    """Only train and eval exist."""
+    path = write_jsonl(tmp_path / "x.jsonl", STRING_ROWS)
+    with pytest.raises(UserError, match=r"not 'test'"):
+        LocalPreferenceFile(str(path)).load("test")
+
+
+def test_malformed_file_is_a_user_error(tmp_path):
+    """A file that is not valid JSON is reported as the user's input (a UserError), not a library traceback."""
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{not json\n')
+    with pytest.raises(UserError, match=r"could not be read as json"):
+        LocalPreferenceFile(str(path)).load("train")
+
+
+def test_bad_values_in_file(tmp_path):
+    """A message with an unknown role or a negative weight in the file is a UserError naming the file."""
+    rows = [{"prompt": [msg("human", "hi")], "chosen": "a", "rejected": "b"}]
+    with pytest.raises(UserError, match=r"bad_role\.jsonl.*column 'prompt'"):
+        LocalPreferenceFile(str(write_jsonl(tmp_path / "bad_role.jsonl", rows))).load("train")
+    rows = [dict(STRING_ROWS[0], weight=-1.0)]
+    with pytest.raises(UserError, match=r"neg\.jsonl.*'weight'"):
+        LocalPreferenceFile(str(write_jsonl(tmp_path / "neg.jsonl", rows))).load("train")
+
+
+def test_malformed_file_message_says_what_is_wrong(tmp_path):
+    """The one-line error for a broken file should carry the parser's explanation."""
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{not json\n')
+    with pytest.raises(UserError) as err:
+        LocalPreferenceFile(str(path)).load("train")
+    assert "parse" in str(err.value).lower()
+
+
+def test_csv_with_numeric_looking_answers(tmp_path):
+    """A CSV of arithmetic preferences (answers are numbers) is ordinary text data and should load."""
+    pd.DataFrame({"prompt": ["2+2?", "3+3?"], "chosen": ["4", "6"], "rejected": ["5", "7"]}).to_csv(
+        tmp_path / "math.csv", index=False)
+    f = LocalPreferenceFile(str(tmp_path / "math.csv")).load("train")
+    assert contents(f.loc[0, "chosen"]) == [("assistant", "4")]
+
+
+# ---------------------------------------------------------------------------------------------- registry
+def test_resolve_eval_sets_default_is_training_eval_splits():
+    """No eval_datasets: the training dataset's own eval splits, named <name>_<split>, with the run's config."""
+    train_cfg = load_dataset_config("synthetic", seed=0)
+    train_cfg.n_ood = 17  # a command-line override must reach the eval sets
+    sets = resolve_eval_sets(None, train_cfg, seed=0)
+    assert [(s.name, s.split) for s in sets] == [("synthetic_eval", "eval"), ("synthetic_ood", "ood")]
+    assert all(s.config.n_ood == 17 for s in sets)
+
+
+def test_resolve_eval_sets_named_split():
+    """'synthetic_ood' is one eval set, split ood, whose config builds a working loader."""
+    sets = resolve_eval_sets("synthetic_ood", None, seed=0)
+    assert len(sets) == 1
+    (s,) = sets
+    assert (s.name, s.split, s.config.name) == ("synthetic_ood", "ood", "synthetic")
+    s.config.n_ood = 25
+    frame = build_loader(s.config).load(s.split)
+    assert len(frame) == 25 and (frame["subset"] == "ood").all()
+
+
+def test_resolve_eval_sets_uses_run_config_for_training_dataset():
+    """An explicitly named split of the training dataset comes from the run's (overridden) world, not the yaml."""
+    train_cfg = load_dataset_config("synthetic", seed=0)
+    train_cfg.seed = 99
+    (s,) = resolve_eval_sets(["synthetic_eval"], train_cfg, seed=0)
+    assert s.config.seed == 99
+    (t,) = resolve_eval_sets(["synthetic_eval"], None, seed=0)
+    assert t.config.seed == 0
+
+
+def test_resolve_eval_sets_plain_name_expands_to_its_eval_splits():
+    """A bare dataset name means all of its eval splits."""
+    sets = resolve_eval_sets(["synthetic"], None, seed=0)
+    assert [s.name for s in sets] == ["synthetic_eval", "synthetic_ood"]
+
+
+@pytest.mark.parametrize("name", ["no-such-data", "no-such-data_eval", "no_such_data_train"])
+def test_resolve_eval_sets_unknown_name(name):
+    """An unknown name is a UserError that repeats it and lists the dataset names that exist."""
+    allowed = available("dataset")
+    assert {"local", "synthetic"} <= set(allowed)
+    with pytest.raises(UserError, match=rf"unknown eval dataset '{re.escape(name)}'.*{re.escape(', '.join(allowed))}"):
+        resolve_eval_sets([name], None, seed=0)
+
+
+def test_resolve_eval_sets_without_anything():
+    """No eval names and no training dataset: nothing to evaluate is an error, not an empty list."""
+    with pytest.raises(UserError, match="no dataset to evaluate"):
+        resolve_eval_sets(None, None, seed=0)
+
+
+def test_build_loader_surfaces_user_errors():
+    """Hydra's wrapped exceptions are unwrapped: a bad value or an unknown key is a one-line UserError."""
+    cfg = load_dataset_config("synthetic", seed=0)
+    cfg.n_train = 0
+    with pytest.raises(UserError, match=r"dataset\.n_train=0"):
+        build_loader(cfg)
+    cfg = load_dataset_config("synthetic", seed=0)
+    cfg.n_trian = 5
+    with pytest.raises(UserError, match=r"dataset\.n_trian is not a setting of SyntheticWorld; allowed: .*n_train"):
+        build_loader(cfg)
+
+
+def test_synthetic_yaml_matches_code_defaults():
+    """conf/dataset/synthetic.yaml and SyntheticWorld()'s defaults describe the same world."""
+    from rewarduq_exp.data.synthetic import SyntheticWorld
+
+    from_yaml = build_loader(load_dataset_config("synthetic", seed=0))
+    default = SyntheticWorld()
+    assert vars(from_yaml).keys() == vars(default).keys()
+    for key, value in vars(default).items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(getattr(from_yaml, key), value)
+        else:
+            assert getattr(from_yaml, key) == value, key
