@@ -98,9 +98,10 @@ class Backbone:
         tok = self._load("tokenizer", lambda: AutoTokenizer.from_pretrained(self.source, **self._pretrained_kwargs()))
         if tok.chat_template is None:
             raise UserError(f"the tokenizer of model '{self.name}' has no chat template; choose a chat model")
-        if tok.pad_token is None or tok.pad_token_id == tok.eos_token_id:
-            # Never pad with eos: pooling by "last real token" must not confuse the final eos with padding.
-            raise UserError(f"the tokenizer of model '{self.name}' has no pad token distinct from eos")
+        if tok.pad_token is None:
+            # The pad id only fills positions that our own attention masks exclude (pooling never looks at pad ids),
+            # so eos is a safe filler here.
+            tok.pad_token = tok.eos_token
         tok.padding_side = "right"
         return tok
 

@@ -18,28 +18,14 @@ import time
 import torch
 from torch import nn
 
-from rewarduq_exp.methods.ens_mlp import BatchedMLPHeads, EnsMLP
-
-
-def naive_heads(batched: BatchedMLPHeads) -> nn.ModuleList:
-    heads = nn.ModuleList()
-    for k in range(batched.num_heads):
-        layers = []
-        for i, w in enumerate(batched.weights):
-            lin = nn.Linear(w.shape[1], w.shape[2], bias=i < len(batched.biases))
-            lin.weight.data = w[k].detach().T.clone()
-            if lin.bias is not None:
-                lin.bias.data = batched.biases[i][k].detach().clone()
-            layers += [lin, nn.ReLU()]
-        heads.append(nn.Sequential(*layers[:-1]))
-    return heads
+from rewarduq_exp.methods.ens_mlp import EnsMLP
 
 
 def naive_epoch(method: EnsMLP, zc, zr, weight, sync) -> float:
     """The loop-over-heads baseline, with the same optimiser, schedule, batches and loss terms."""
     from transformers import get_cosine_schedule_with_warmup
 
-    heads = naive_heads(method.heads).to(zc.device)
+    heads = method.heads.separate_heads()
     initial = torch.cat([p.detach().flatten() for h in heads for p in h.parameters()]).view(len(heads), -1)
     s = method.schedule
     n = len(zc)
@@ -92,6 +78,10 @@ def main() -> None:
     zr = torch.randn(args.pairs, args.dim, generator=g).to(device)
     weight = torch.ones(args.pairs, device=device)
     times = {"batched": [], "loop": []}
+    for fn in (batched_epoch, naive_epoch):  # untimed warm-up: imports, allocator and thread pools
+        method = EnsMLP(num_heads=args.heads, device=args.device, show_progress=False, seed=0)
+        method._build(args.dim)
+        fn(method, zc[:256], zr[:256], weight[:256], sync)
     for _ in range(args.repeats):
         for name in ("batched", "loop"):
             method = EnsMLP(num_heads=args.heads, device=args.device, show_progress=False, seed=0)

@@ -3,25 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.ens_mlp import BatchedMLPHeads, EnsMLP
-
-
-def loop_heads(batched: BatchedMLPHeads) -> list[nn.Sequential]:
-    """The naive form: K separate nn.Sequential heads holding the batched module's weights."""
-    heads = []
-    for k in range(batched.num_heads):
-        layers = []
-        for i, w in enumerate(batched.weights):
-            lin = nn.Linear(w.shape[1], w.shape[2], bias=i < len(batched.biases))
-            lin.weight.data = w[k].T.clone()
-            if lin.bias is not None:
-                lin.bias.data = batched.biases[i][k].clone()
-            layers += [lin, nn.ReLU()]
-        heads.append(nn.Sequential(*layers[:-1]))
-    return heads
 
 
 def test_batched_heads_equal_separate_heads():
@@ -31,7 +14,7 @@ def test_batched_heads_equal_separate_heads():
         for b in heads.biases:
             b.normal_()
     z = torch.randn(9, 12)
-    naive = torch.stack([h(z).squeeze(-1) for h in loop_heads(heads)])
+    naive = torch.stack([h(z).squeeze(-1) for h in heads.separate_heads()])
     torch.testing.assert_close(heads(z), naive, rtol=1e-5, atol=1e-6)
 
 

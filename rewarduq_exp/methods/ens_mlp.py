@@ -41,6 +41,21 @@ class BatchedMLPHeads(nn.Module):
             self.biases.append(nn.Parameter(torch.zeros(num_heads, hidden_dim)))
         self.params_per_head = sum(p[0].numel() for p in self.parameters())
 
+    def separate_heads(self) -> nn.ModuleList:
+        """The same K heads as separate ``nn.Sequential`` modules (the naive layout, for tests and benchmarks)."""
+        heads = nn.ModuleList()
+        for k in range(self.num_heads):
+            layers: list[nn.Module] = []
+            for i, w in enumerate(self.weights):
+                lin = nn.Linear(w.shape[1], w.shape[2], bias=i < len(self.biases), device=w.device)
+                with torch.no_grad():
+                    lin.weight.copy_(w[k].T)
+                    if lin.bias is not None:
+                        lin.bias.copy_(self.biases[i][k])
+                layers += [lin, nn.ReLU()]
+            heads.append(nn.Sequential(*layers[:-1]))
+        return heads
+
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         """Rewards (K, B) of features ``z`` (B, d)."""
         h = torch.relu(torch.einsum("bd,kdh->kbh", z, self.weights[0]) + self.biases[0][:, None, :])
