@@ -18,9 +18,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from rewarduq_exp.data.registry import CONF_DIR
 from rewarduq_exp.errors import UserError, one_line
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("model", "method", "dataset", "probe", "metric", "logger")
 log = logging.getLogger("rewarduq_exp")
 

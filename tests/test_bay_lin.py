@@ -92,9 +92,9 @@ def test_save_load_identical(tmp_path):
     m._fit_features(zc, zr, w)
     m.save(tmp_path)
     loaded = make_method().load(tmp_path)
-    for a, b in zip((m.score_features(zc),), (loaded.score_features(zc),)):
-        np.testing.assert_array_equal(a.reward, b.reward)
-        np.testing.assert_array_equal(a.lower, b.lower)
+    a, b = m.score_features(zc), loaded.score_features(zc)
+    np.testing.assert_array_equal(a.reward, b.reward)
+    np.testing.assert_array_equal(a.lower, b.lower)
 
 
 def _distributed_worker(rank, world, port, zc, zr, w, out):

@@ -152,15 +152,10 @@ class FeatureHeadMethod(ABC):
             self.fit_summary["final_train_loss"] = self.history[-1]["loss"]
         if eval is not None:
             ec, er = encoder.encode_pairs(eval, desc="features (eval)")
-            m = self._rewards(ec) - self._rewards(er)
-            self.fit_summary["eval_bt_loss"] = float(bradley_terry_nll(torch.as_tensor(m)).mean())
-            self.fit_summary["eval_win_rate"] = float((m > 0).float().mean())
+            m = torch.as_tensor(self.score_features(ec).reward - self.score_features(er).reward)
+            self.fit_summary["eval_bt_loss"] = float(bradley_terry_nll(m).mean())
+            self.fit_summary["eval_win_rate"] = float((m > 0).double().mean())
         return self.fit_summary
-
-    @torch.no_grad()
-    def _rewards(self, z: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self._score_features(z[i:i + self.score_batch_size].to(self.device))[0].cpu()
-                          for i in range(0, len(z), self.score_batch_size)])
 
     @torch.no_grad()
     def score_features(self, z: torch.Tensor) -> Scores:
