@@ -24,7 +24,7 @@ from rewarduq_exp.evaluation import diagrams, evaluate_method, score_predictions
 from rewarduq_exp.features import FeatureEncoder
 from rewarduq_exp.run_folder import RunFolder, write_json
 from rewarduq_exp.summary import summary_table
-from rewarduq_exp.train_run import load_split, validate_metric_config
+from rewarduq_exp.train_run import load_split, quiet_datasets_unless, validate_metric_config
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -70,8 +70,11 @@ def evaluate_run_folder(cfg) -> dict:
         raise UserError(f"run={folder.root} did not complete (status: {folder.status().get('state', 'missing')}); "
                         "train it first")
     run_cfg = OmegaConf.load(config_path)
+    quiet_datasets_unless(bool(cfg.progress))
+    if cfg.paths.get("datasets_dir"):  # this machine's local copies win over the ones the run was trained with
+        run_cfg.paths.datasets_dir = cfg.paths.datasets_dir
     names = cfg.eval_datasets if cfg.eval_datasets is not None else run_cfg.eval_datasets
-    eval_sets = resolve_eval_sets(names, run_cfg.dataset, int(run_cfg.seed))
+    eval_sets = resolve_eval_sets(names, run_cfg.dataset, int(run_cfg.seed), cfg.paths)
     run_cfg.method.device = cfg.device
     run_cfg.method.show_progress = bool(cfg.progress)
     method = build(run_cfg.method, "method", encoder=None)

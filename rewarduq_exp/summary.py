@@ -6,6 +6,7 @@ from __future__ import annotations
 COLUMNS = (
     ("n_pairs", "pairs"),
     ("win_rate", "win_rate"),
+    ("best_of_k_accuracy", "best_of_K"),
     ("truth/bayes_win_rate", "bayes_win"),
     ("ct_rate", "CT"),
     ("cf_rate", "CF"),

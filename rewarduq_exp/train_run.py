@@ -18,13 +18,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from rewarduq_exp.backbone import Backbone
 from rewarduq_exp.cli import report_user_error
-from rewarduq_exp.data.contract import filter_by_length, validate_preferences
+from rewarduq_exp.data.contract import data_kind, filter_by_length, validate_preferences
 from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.evaluation import evaluate_method
 from rewarduq_exp.features import FeatureEncoder
 from rewarduq_exp.loggers import make_logger
 from rewarduq_exp.metrics import check_alphas, check_n_bins
+from rewarduq_exp.metrics.reward_bench import check_scoring
 from rewarduq_exp.run_folder import RunFolder, config_hash, write_json
 from rewarduq_exp.summary import summary_table
 
@@ -54,6 +55,7 @@ def validate_metric_config(metric_cfg) -> None:
         check_alphas(metric_cfg.alphas)
     except UserError:
         raise UserError(f"metric.alphas={list(metric_cfg.alphas)} is invalid: each alpha must be in [0, 1]") from None
+    check_scoring(metric_cfg)
 
 
 def validate_run_config(cfg: DictConfig) -> None:
@@ -64,10 +66,30 @@ def validate_run_config(cfg: DictConfig) -> None:
 
 
 def load_split(loader, split: str, name: str, tokenizer, max_length: int):
-    frame = validate_preferences(loader.load(split), f"dataset '{name}'")
+    frame = loader.load(split)
+    if data_kind(frame) == "pairs":
+        frame = validate_preferences(frame, f"dataset '{name}'")
+    unsplittable = int(frame.attrs.get("dropped_unsplittable", 0))
     frame, report = filter_by_length(frame, tokenizer, max_length, name)
+    report.unsplittable = unsplittable
     log.info(report.line())
     return frame, report
+
+
+def check_data_kinds(train_loader, eval_loaders: dict) -> None:
+    """Preference methods train on pairs and score pairs or K-wise sets; say so before any data is fetched."""
+    name = train_loader.name
+    if getattr(train_loader, "train_split", "train") is None:
+        raise UserError(f"dataset '{name}' is an evaluation set without a train split; train on another dataset "
+                        f"and pass eval_datasets=[{name}]")
+    kind = getattr(train_loader, "kind", "pairs")
+    if kind != "pairs":
+        raise UserError(f"dataset '{name}' is {kind} data; preference methods train on pairwise data "
+                        "(e.g. dataset=ultrafeedback, skywork_pref, tulu3_pref, hh_rlhf, local)")
+    for es_name, loader in eval_loaders.items():
+        if getattr(loader, "kind", "pairs") == "pointwise":
+            raise UserError(f"eval dataset '{es_name}' is pointwise (one rated response per row) and has no "
+                            "preference to score; evaluate on pairwise or K-wise data")
 
 
 def train(cfg: DictConfig) -> dict | None:
@@ -102,19 +124,31 @@ def _train(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
     # Build the method first: its hyperparameters are validated before any data or model is touched.
     method = build(cfg.method, "method", encoder=None)
     loader = build_loader(cfg.dataset)
-    eval_sets = resolve_eval_sets(cfg.eval_datasets, cfg.dataset, int(cfg.seed))
+    eval_sets = resolve_eval_sets(cfg.eval_datasets, cfg.dataset, int(cfg.seed), cfg.paths)
+    eval_loaders = {es.name: loader if es.config is cfg.dataset else build_loader(es.config) for es in eval_sets}
+    check_data_kinds(loader, eval_loaders)
     seed_everything(int(cfg.seed))
     logger = make_logger(cfg, out, out.name)
     failed = True
     try:
-        blocks = _fit_and_evaluate(cfg, out, folder, method, loader, eval_sets, logger, t0)
+        blocks = _fit_and_evaluate(cfg, out, folder, method, loader, eval_sets, eval_loaders, logger, t0)
         failed = False
         return blocks
     finally:
         logger.finish(failed=failed)  # always finished, also on error
 
 
-def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_sets, logger, t0: float) -> dict:
+def quiet_datasets_unless(progress: bool) -> None:
+    """``progress=false`` also silences the ``datasets`` library's bars (split generation, filters)."""
+    if not progress:
+        import datasets
+
+        datasets.disable_progress_bars()
+
+
+def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_sets, eval_loaders, logger,
+                      t0: float) -> dict:
+    quiet_datasets_unless(bool(cfg.progress))
     backbone = Backbone(cfg.model, cache_dir=cfg.paths.cache_dir, device=cfg.device)
     tokenizer = backbone.tokenizer
     max_length = int(cfg.max_length)
@@ -122,15 +156,16 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_se
                                            tokenizer, max_length)
     eval_frames, reports = {}, [train_report]
     for es in eval_sets:
-        es_loader = loader if es.config is cfg.dataset else build_loader(es.config)
-        eval_frames[es.name], report = load_split(es_loader, es.split, es.name, tokenizer, max_length)
+        eval_frames[es.name], report = load_split(eval_loaders[es.name], es.split, es.name, tokenizer, max_length)
         reports.append(report)
     write_json(out / "data_summary.json", [vars(r) | {"dropped": r.dropped} for r in reports])
 
     encoder = FeatureEncoder(backbone, cfg.probe, Path(cfg.paths.cache_dir) / "features", max_length,
                              show_progress=bool(cfg.progress))
     method.encoder = encoder
-    first_eval = next(iter(eval_frames.values()), None)
+    if not eval_frames:
+        log.info("no eval datasets: training only (pass eval_datasets=[...] or use evaluate.py later)")
+    first_eval = next((f for f in eval_frames.values() if data_kind(f) == "pairs"), None)
     fit_summary = method.fit(train_frame, first_eval)
     log.info("trained %s: %s", cfg.method._target_.rsplit(".", 1)[-1], fit_summary)
     method.save(folder.model_dir)

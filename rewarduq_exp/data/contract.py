@@ -35,6 +35,36 @@ def make_preference_frame(ids, prompts, chosen, rejected, weight=None, subset=No
     )
 
 
+def make_kwise_frame(ids, prompts, completions, best, weight=None, subset=None) -> pd.DataFrame:
+    """K-wise data (e.g. RewardBench 2): ``completions`` is a list of K completions per prompt, ``best`` the index
+    of the correct one."""
+    frame = make_preference_frame(ids, prompts, [None] * len(ids), [None] * len(ids), weight, subset)
+    frame = frame.drop(columns=["chosen", "rejected"])
+    frame.insert(2, "completions", list(completions))
+    frame.insert(3, "best", np.asarray(best, dtype=np.int64))
+    return frame
+
+
+def make_pointwise_frame(ids, prompts, responses, scores: dict, target: str, weight=None, subset=None) -> pd.DataFrame:
+    """Pointwise data (e.g. HelpSteer2): one response per row with its rating(s); ``score`` is the ``target`` one."""
+    frame = make_preference_frame(ids, prompts, [None] * len(ids), [None] * len(ids), weight, subset)
+    frame = frame.drop(columns=["chosen", "rejected"])
+    frame.insert(2, "response", list(responses))
+    for name, values in scores.items():
+        frame[name] = np.asarray(values, dtype=float)
+    frame["score"] = frame[target]
+    return frame
+
+
+def data_kind(frame: pd.DataFrame) -> str:
+    """pairs | kwise | pointwise, from the columns of a contract frame."""
+    if "completions" in frame.columns:
+        return "kwise"
+    if "response" in frame.columns:
+        return "pointwise"
+    return "pairs"
+
+
 def as_messages(value, default_role: str, *, source: str, column: str) -> list[dict]:
     """Normalise a plain string, one message dict or a list of messages into a list of messages."""
     if isinstance(value, str):
@@ -95,6 +125,7 @@ class FilterReport:
     max_length: int
     dropped_by_subset: dict[str, int] = field(default_factory=dict)
     length_percentiles: dict[str, float] = field(default_factory=dict)
+    unsplittable: int = 0  # dropped earlier, when the source's rows did not split into prompt + replies
 
     @property
     def dropped(self) -> int:
@@ -102,28 +133,47 @@ class FilterReport:
 
     def line(self) -> str:
         pct = ", ".join(f"p{k}={v:.0f}" for k, v in self.length_percentiles.items())
+        extra = f"; {self.unsplittable} unsplittable rows dropped while loading" if self.unsplittable else ""
         return (f"{self.dataset}: {self.after}/{self.before} pairs kept, {self.dropped} dropped by the "
-                f"max_length={self.max_length} filter (token lengths {pct})")
+                f"max_length={self.max_length} filter (token lengths {pct}){extra}")
+
+
+def _row_lengths(frame: pd.DataFrame, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """(longest rendered prompt+completion per row, every rendered length) for any kind of contract frame."""
+    kind = data_kind(frame)
+    if kind == "kwise":
+        k = frame["completions"].map(len).to_numpy()
+        prompts = np.repeat(frame["prompt"].to_numpy(), k)
+        flat = [c for cs in frame["completions"] for c in cs]
+        lengths = token_lengths(tokenizer, render_all(tokenizer, prompts, flat))
+        return np.maximum.reduceat(lengths, np.concatenate([[0], np.cumsum(k)[:-1]])), lengths
+    if kind == "pointwise":
+        lengths = token_lengths(tokenizer, render_all(tokenizer, frame["prompt"], frame["response"]))
+        return lengths, lengths
+    len_c = token_lengths(tokenizer, render_all(tokenizer, frame["prompt"], frame["chosen"]))
+    len_r = token_lengths(tokenizer, render_all(tokenizer, frame["prompt"], frame["rejected"]))
+    return np.maximum(len_c, len_r), np.concatenate([len_c, len_r])
 
 
 def filter_by_length(frame: pd.DataFrame, tokenizer, max_length: int, dataset: str) -> tuple[pd.DataFrame, FilterReport]:
-    """Drop pairs whose rendered prompt+chosen or prompt+rejected exceeds ``max_length`` tokens (never truncate)."""
-    len_c = token_lengths(tokenizer, render_all(tokenizer, frame["prompt"], frame["chosen"]))
-    len_r = token_lengths(tokenizer, render_all(tokenizer, frame["prompt"], frame["rejected"]))
-    keep = np.maximum(len_c, len_r) <= max_length
+    """Drop rows whose longest rendered prompt+completion exceeds ``max_length`` tokens (never truncate).
+
+    A pair is dropped if prompt+chosen or prompt+rejected is too long; a K-wise row if any of its completions is.
+    """
+    longest, every = _row_lengths(frame, tokenizer)
+    keep = longest <= max_length
     dropped = frame.loc[~keep, "subset"].value_counts()
-    both = np.concatenate([len_c, len_r])
     report = FilterReport(
         dataset=dataset,
         before=len(frame),
         after=int(keep.sum()),
         max_length=max_length,
         dropped_by_subset={str(k): int(v) for k, v in dropped.items()},
-        length_percentiles={str(q): float(np.percentile(both, q)) for q in (50, 90, 99, 100)},
+        length_percentiles={str(q): float(np.percentile(every, q)) for q in (50, 90, 99, 100)},
     )
     if report.after == 0:
         raise UserError(
-            f"dataset '{dataset}' is empty after the length filter: all {report.before} pairs exceed "
-            f"max_length={max_length} tokens (longest {int(both.max())}); raise max_length"
+            f"dataset '{dataset}' is empty after the length filter: all {report.before} rows exceed "
+            f"max_length={max_length} tokens (longest {int(every.max())}); raise max_length"
         )
     return frame.loc[keep].reset_index(drop=True), report

@@ -2,8 +2,8 @@
 
 Read through ``datasets.load_dataset`` (the same machinery as the hub loaders), then mapped onto the contract:
 ``columns`` says which file column holds each contract column. ``prompt``/``chosen``/``rejected`` may be plain
-strings or lists of ``{role, content}`` messages; a chosen/rejected list that repeats the prompt's turns (the
-"implicit prompt" layout) is reduced to the assistant reply, so no turn is duplicated.
+strings or lists of ``{role, content}`` messages; the prompt column may be missing when chosen/rejected are whole
+conversations that share the prompt turns (see ``conversation.py``: no turn is ever duplicated).
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-from rewarduq_exp.data.contract import as_messages, make_preference_frame, validate_preferences
+from rewarduq_exp.data.contract import validate_preferences
+from rewarduq_exp.data.conversation import PairColumns, normalise_pairs
 from rewarduq_exp.errors import UserError
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-REQUIRED = ("prompt", "chosen", "rejected")
-OPTIONAL = ("id", "weight", "subset")
+TEXT = ("prompt", "chosen", "rejected")
+REQUIRED = ("chosen", "rejected")          # prompt may be implicit in chosen/rejected conversations
+OPTIONAL = ("prompt", "id", "weight", "subset")
 
 
 def _text_if_scalar(value):
@@ -26,19 +28,12 @@ def _text_if_scalar(value):
     return value
 
 
-def _completion(prompt: list[dict], value, source: str, column: str) -> list[dict]:
-    msgs = as_messages(value, "assistant", source=source, column=column)
-    if len(msgs) > len(prompt) and msgs[: len(prompt)] == prompt:
-        msgs = msgs[len(prompt):]  # implicit-prompt layout: chosen/rejected repeat the conversation
-    return msgs
-
-
 class LocalPreferenceFile:
     def __init__(self, path: str, eval_path: str | None = None, columns: dict | None = None, name: str = "local",
                  train_split: str = "train", eval_splits=("eval",)):
         self.name = name
         self.paths = {"train": path, "eval": eval_path}
-        self.columns = {c: c for c in REQUIRED + OPTIONAL} | dict(columns or {})
+        self.columns = {c: c for c in TEXT + OPTIONAL} | dict(columns or {})
         self.train_split = train_split
         self.eval_splits = tuple(eval_splits)
 
@@ -69,21 +64,22 @@ class LocalPreferenceFile:
             raise UserError(f"{source}: could not be read as {fmt} ({type(root).__name__}: {root})") from None
         found = ", ".join(map(str, table.columns))
         if fmt == "csv":  # CSV infers numbers for texts such as the answer "4"; the text columns must stay text
-            for col in REQUIRED:
+            for col in TEXT:
                 if self.columns[col] in table.columns:
                     table[self.columns[col]] = table[self.columns[col]].map(_text_if_scalar)
-        for col in REQUIRED:
+        # A prompt column the user named must exist; the default one may be absent (implicit-prompt layout).
+        needed = REQUIRED + (("prompt",) if self.columns["prompt"] != "prompt" else ())
+        for col in needed:
             if self.columns[col] not in table.columns:
                 raise UserError(f"{source}: missing column '{self.columns[col]}' (for {col}); found: {found}; "
                                 f"map it with dataset.columns.{col}=<column>")
-        prompts = [as_messages(v, "user", source=source, column=self.columns["prompt"])
-                   for v in table[self.columns["prompt"]]]
-        chosen = [_completion(p, v, source, self.columns["chosen"]) for p, v in zip(prompts, table[self.columns["chosen"]])]
-        rejected = [_completion(p, v, source, self.columns["rejected"])
-                    for p, v in zip(prompts, table[self.columns["rejected"]])]
         n = len(table)
-        ids = table[self.columns["id"]].astype(str) if self.columns["id"] in table else [f"{split}-{i}" for i in range(n)]
-        weight = table[self.columns["weight"]].to_numpy(float) if self.columns["weight"] in table else np.ones(n)
-        subset = table[self.columns["subset"]].astype(str) if self.columns["subset"] in table else None
-        frame = make_preference_frame(ids, prompts, chosen, rejected, weight=weight, subset=subset)
+        column = lambda key: table[self.columns[key]].tolist() if self.columns[key] in table else None  # noqa: E731
+        cols = PairColumns(
+            chosen=column("chosen"), rejected=column("rejected"), prompt=column("prompt"),
+            ids=[str(v) for v in column("id")] if column("id") is not None else [f"{split}-{i}" for i in range(n)],
+            weight=column("weight"),
+            subset=[str(v) for v in column("subset")] if column("subset") is not None else None,
+        )
+        frame = normalise_pairs(cols, source)
         return validate_preferences(frame, source)

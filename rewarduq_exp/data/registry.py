@@ -58,18 +58,21 @@ def build_loader(dataset_cfg: DictConfig):
     return build(dataset_cfg, "dataset")
 
 
-def load_dataset_config(name: str, seed: int, conf_dir: Path = CONF_DIR) -> DictConfig:
+def load_dataset_config(name: str, seed: int, paths=None, conf_dir: Path = CONF_DIR) -> DictConfig:
     path = conf_dir / "dataset" / f"{name}.yaml"
     if not path.exists():
         raise UserError(f"unknown dataset '{name}'; allowed: {', '.join(available('dataset', conf_dir))}")
-    # Dataset configs may interpolate root keys such as ${seed}; give them a root to resolve against.
-    root = OmegaConf.create({"seed": seed, "dataset": OmegaConf.load(path)})
+    # Dataset configs interpolate root keys such as ${seed} and ${paths.datasets_dir}; give them a root.
+    paths = OmegaConf.to_container(paths, resolve=True) if isinstance(paths, DictConfig) else dict(paths or {})
+    paths.setdefault("datasets_dir", None)
+    root = OmegaConf.create({"seed": seed, "paths": paths, "dataset": OmegaConf.load(path)})
     node = root.dataset
     OmegaConf.resolve(root)
     return node
 
 
-def resolve_eval_sets(names, train_cfg: DictConfig | None, seed: int, conf_dir: Path = CONF_DIR) -> list[EvalSet]:
+def resolve_eval_sets(names, train_cfg: DictConfig | None, seed: int, paths=None,
+                      conf_dir: Path = CONF_DIR) -> list[EvalSet]:
     """Turn ``eval_datasets`` entries (``<name>`` or ``<name>_<split>``) into eval sets.
 
     ``None`` means the training dataset's own eval splits. A name that matches the training dataset uses the run's
@@ -91,7 +94,7 @@ def resolve_eval_sets(names, train_cfg: DictConfig | None, seed: int, conf_dir: 
         if train_cfg is not None and base == train_cfg.name:
             cfg = train_cfg
         elif base in known:
-            cfg = load_dataset_config(base, seed, conf_dir)
+            cfg = load_dataset_config(base, seed, paths, conf_dir)
         else:
             names_list = ", ".join(sorted(known))
             raise UserError(f"unknown eval dataset '{entry}'; use <name> or <name>_<split> with name in: {names_list}")

@@ -1,0 +1,215 @@
+"""Datasets from the Hugging Face hub, with the same code reading a local copy when there is no network.
+
+Where a split comes from, first match wins:
+
+1. ``data_files``: your own file(s) in the hub schema (parquet, jsonl[.gz], json, csv, arrow); a dict maps split
+   names to files, a string or list serves every split;
+2. ``path``: a local folder, either a snapshot of the hub repository
+   (``huggingface-cli download <hub_id> --repo-type dataset --local-dir DIR``) or a ``save_to_disk`` folder;
+3. ``mirror_dir`` (``paths.datasets_dir``): a folder holding snapshots as ``<mirror_dir>/<hub_id>``, so one setting
+   serves every dataset of a run, eval datasets included;
+4. the hub itself (``hub_id``, ``config_name``, ``data_dir``, ``revision``), through ``datasets.load_dataset`` and
+   its cache.
+
+Every source goes through the same ``datasets`` calls, so the tests (local fixtures in the exact hub schema) run
+the code a user runs. ``num_samples`` (train split) / ``eval_num_samples`` (other splits) draw a subset with a
+fixed ``sample_seed`` that does not depend on the run seed, so a seed sweep compares models on the same data.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from rewarduq_exp.data.contract import validate_preferences
+from rewarduq_exp.errors import UserError
+
+log = logging.getLogger(__name__)
+
+FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+
+
+def file_builder(path: str) -> str:
+    name = Path(path).name.lower()
+    for suffix in (".gz", ".bz2", ".xz", ".zst"):
+        name = name.removesuffix(suffix)
+    builder = FILE_BUILDERS.get(Path(name).suffix)
+    if builder is None:
+        raise UserError(f"data file {path}: unsupported type; allowed: {', '.join(FILE_BUILDERS)} "
+                        "(optionally compressed, e.g. .jsonl.gz)")
+    return builder
+
+
+def sample_indices(n: int, num_samples, seed: int, key: str) -> np.ndarray | None:
+    """Row indices to keep (sorted, drawn without replacement), or None for all rows.
+
+    ``num_samples`` is ``all``, an int (number of rows) or a float in (0, 1] (fraction of the rows).
+    """
+    if num_samples is None or num_samples == "all":
+        return None
+    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, float)):
+        raise UserError(f"{key}={num_samples!r} is invalid: use all, a number of rows (int >= 1) or a fraction "
+                        "in (0, 1]")
+    if isinstance(num_samples, float):
+        if not 0.0 < num_samples <= 1.0:
+            raise UserError(f"{key}={num_samples} is invalid: a fraction must be in (0, 1]")
+        k = max(1, int(round(num_samples * n)))
+    else:
+        if num_samples < 1:
+            raise UserError(f"{key}={num_samples} is invalid: a number of rows must be >= 1")
+        k = int(num_samples)
+    if k >= n:
+        if k > n:
+            log.warning("%s=%d but the split has only %d rows: using all of them", key, k, n)
+        return None
+    return np.sort(np.random.default_rng(seed).choice(n, size=k, replace=False))
+
+
+class HubDataset:
+    """Base of the hub loaders: fetch a split, check its columns, subsample, then ``normalise`` (subclasses)."""
+
+    kind = "pairs"                 # pairs | kwise | pointwise: what ``load`` returns
+    required_columns: tuple = ()   # columns the hub schema must have (checked with a one-line error)
+
+    def __init__(self, name: str, hub_id: str, splits=("train",), train_split: str | None = "train",
+                 eval_splits=(), config_name: str | None = None, data_dir: str | None = None,
+                 revision: str | None = None, path: str | None = None, data_files=None,
+                 mirror_dir: str | None = None, num_samples="all", eval_num_samples="all", sample_seed: int = 0):
+        self.name = name
+        self.hub_id = hub_id
+        self.splits = tuple(splits)
+        self.train_split = train_split
+        self.eval_splits = tuple(eval_splits)
+        self.config_name = config_name
+        self.data_dir = data_dir
+        self.revision = revision
+        self.path = path
+        self.data_files = data_files
+        self.mirror_dir = mirror_dir
+        self.num_samples = num_samples
+        self.eval_num_samples = eval_num_samples
+        self.sample_seed = int(sample_seed)
+        for key, value in (("num_samples", num_samples), ("eval_num_samples", eval_num_samples)):
+            sample_indices(10, value, 0, f"dataset.{key}")  # validate before any heavy work
+
+    # ------------------------------------------------------------------------------------------------ fetching
+    def local_folder(self) -> Path | None:
+        if self.path:
+            folder = Path(self.path)
+            if not folder.is_dir():
+                raise UserError(f"dataset '{self.name}': dataset.path={folder} is not a folder; point it at a "
+                                f"snapshot of {self.hub_id} or a save_to_disk folder")
+            return folder
+        if self.mirror_dir and (Path(self.mirror_dir) / self.hub_id).is_dir():
+            return Path(self.mirror_dir) / self.hub_id
+        return None
+
+    def fetch(self, split: str, data_dir: str | None = None):
+        """One split as a ``datasets.Dataset`` (``data_dir`` overrides the config's, for multi-folder sources)."""
+        import datasets
+
+        data_dir = data_dir if data_dir is not None else self.data_dir
+        if self.data_files:
+            files = self.data_files.get(split) if isinstance(self.data_files, dict) else self.data_files
+            if not files:
+                raise UserError(f"dataset '{self.name}': dataset.data_files has no entry for split '{split}'; "
+                                f"it has: {', '.join(self.data_files)}")
+            first = files if isinstance(files, str) else files[0]
+            if not Path(first).exists():
+                raise UserError(f"dataset '{self.name}': data file {first} not found")
+            return self._read(lambda: datasets.load_dataset(file_builder(first), data_files={split: files},
+                                                            split=split), f"data file {first}")
+        folder = self.local_folder()
+        if folder is not None:
+            if (folder / "dataset_dict.json").exists() or (folder / "state.json").exists():
+                def from_disk():
+                    saved = datasets.load_from_disk(str(folder))
+                    return saved[split] if isinstance(saved, datasets.DatasetDict) else saved
+                return self._read(from_disk, f"saved dataset {folder}")
+            return self._read(lambda: datasets.load_dataset(str(folder), self.config_name, data_dir=data_dir,
+                                                            split=split), f"local copy {folder}")
+        return self._from_hub(split, data_dir)
+
+    def _read(self, read, what: str):
+        try:
+            return read()
+        except UserError:
+            raise
+        except Exception as err:  # a broken local copy is the user's input: one line, not a traceback
+            raise UserError(f"dataset '{self.name}': could not read {what} ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else ''})") from None
+
+    def _from_hub(self, split: str, data_dir: str | None):
+        import datasets
+        from huggingface_hub.utils import logging as hub_logging
+
+        hub_logging.set_verbosity_error()  # the retry warnings of an unreachable hub would bury the one-line error
+        try:
+            return datasets.load_dataset(self.hub_id, self.config_name, data_dir=data_dir, revision=self.revision,
+                                         split=split)
+        except Exception as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise UserError(
+                f"dataset '{self.name}': could not fetch {self.hub_id} (split {split}) from the Hugging Face hub "
+                f"({type(err).__name__}: {reason}); without network, download it elsewhere with `huggingface-cli "
+                f"download {self.hub_id} --repo-type dataset --local-dir DIR` and pass dataset.path=DIR "
+                f"(or paths.datasets_dir=<folder holding {self.hub_id}>, or dataset.data_files=<file>)") from None
+
+    # ------------------------------------------------------------------------------------------------ loading
+    def load(self, split: str):
+        if split not in self.splits:
+            raise UserError(f"dataset '{self.name}' has no split '{split}'; allowed: {', '.join(self.splits)}")
+        table = self.fetch(split)
+        self.check_columns(table.column_names, split)
+        key = "dataset.num_samples" if split == self.train_split else "dataset.eval_num_samples"
+        amount = self.num_samples if split == self.train_split else self.eval_num_samples
+        keep = sample_indices(len(table), amount, self.sample_seed, key)
+        ids = np.arange(len(table)) if keep is None else keep
+        if keep is not None:
+            table = table.select(keep)
+        frame = self.normalise(table, split, ids)
+        return validate_preferences(frame, f"dataset '{self.name}'") if self.kind == "pairs" else frame
+
+    def check_columns(self, found, split: str) -> None:
+        missing = [c for c in self.required_columns if c not in found]
+        if missing:
+            raise UserError(f"dataset '{self.name}' ({self.hub_id}, split {split}) lacks column(s) "
+                            f"{', '.join(missing)}; found: {', '.join(found)}")
+
+    def normalise(self, table, split: str, row_index: np.ndarray):
+        raise NotImplementedError
+
+
+class HubPreferencePairs(HubDataset):
+    """Pairwise sources: UltraFeedback, Skywork, Tulu 3 (implicit-prompt conversations) and RewardBench (strings).
+
+    ``id_column`` / ``subset_column`` name the source's columns for the contract's ``id`` / ``subset`` (null when
+    the source has none: ids are then ``<split>-<row>``, stable under subsampling).
+    """
+
+    required_columns = ("chosen", "rejected")
+
+    def __init__(self, *args, prompt_column: str | None = None, id_column: str | None = None,
+                 subset_column: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prompt_column = prompt_column
+        self.id_column = id_column
+        self.subset_column = subset_column
+        self.required_columns = ("chosen", "rejected") + tuple(
+            c for c in (prompt_column, id_column, subset_column) if c)
+
+    def normalise(self, table, split: str, row_index: np.ndarray):
+        from rewarduq_exp.data.conversation import PairColumns, normalise_pairs
+
+        wanted = [c for c in ("chosen", "rejected", self.prompt_column, self.id_column, self.subset_column) if c]
+        raw = table.select_columns(list(dict.fromkeys(wanted))).to_dict()
+        cols = PairColumns(
+            chosen=raw["chosen"],
+            rejected=raw["rejected"],
+            prompt=raw[self.prompt_column] if self.prompt_column else None,
+            ids=[str(v) for v in raw[self.id_column]] if self.id_column else [f"{split}-{i}" for i in row_index],
+            subset=[str(v) for v in raw[self.subset_column]] if self.subset_column else None,
+        )
+        return normalise_pairs(cols, f"dataset '{self.name}'")

@@ -1,0 +1,122 @@
+"""Hub datasets from the command line: train on a fixture copy, evaluate on several named datasets, clear errors."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from hub_fixtures import write_all
+from test_cli import run, shared_cache  # noqa: F401 (module fixture: the tiny model, built once)
+
+
+@pytest.fixture(scope="module")
+def hub_root(tmp_path_factory):
+    return write_all(tmp_path_factory.mktemp("hub"))
+
+
+@pytest.fixture(scope="module")
+def hub_run(tmp_path_factory, shared_cache, hub_root):  # noqa: F811
+    cwd = tmp_path_factory.mktemp("hub_run")
+    folder = cwd / "outputs" / "runs" / "uf"
+    proc = run("train.py", ["dataset=ultrafeedback", f"paths.datasets_dir={hub_root}", "progress=false",
+                            "eval_datasets=[ultrafeedback_test,reward_bench,reward_bench2,hh_rlhf_test]",
+                            f"hydra.run.dir={folder}"], cwd, shared_cache,
+               env={"HF_DATASETS_CACHE": str(cwd / "hf_cache")})
+    return folder, proc
+
+
+def test_one_metrics_block_and_predictions_file_per_eval_dataset(hub_run):
+    folder, proc = hub_run
+    metrics = json.loads((folder / "metrics.json").read_text())
+    names = ["ultrafeedback_test", "reward_bench_filtered", "reward_bench2_test", "hh_rlhf_test"]
+    assert list(metrics) == names
+    for name in names:
+        assert (folder / "predictions" / f"{name}.parquet").exists()
+        assert (folder / "figures" / name / "calibration_pred.png").exists()
+        assert name in proc.stdout  # the summary table lists every dataset
+    assert metrics["ultrafeedback_test"]["n_pairs"] == 12
+    assert metrics["hh_rlhf_test"]["n_pairs"] == 12
+
+
+def test_reward_bench_block_is_scored_per_category(hub_run):
+    folder, _ = hub_run
+    rb = json.loads((folder / "metrics.json").read_text())["reward_bench_filtered"]
+    cats = ["chat", "chat_hard", "safety", "reasoning"]
+    assert all(f"{c}/win_rate" in rb for c in cats)
+    assert rb["win_rate"] == pytest.approx(sum(rb[f"{c}/win_rate"] for c in cats) / 4)
+    assert "subset/math-prm/win_rate" in rb
+    predictions = pd.read_parquet(folder / "predictions" / "reward_bench_filtered.parquet")
+    assert set(predictions.subset) >= {"math-prm", "hep-go"} and len(predictions) == 16
+
+
+def test_reward_bench2_block_is_kwise(hub_run):
+    folder, _ = hub_run
+    rb2 = json.loads((folder / "metrics.json").read_text())["reward_bench2_test"]
+    assert rb2["n_prompts"] == 10 and rb2["n_pairs"] == 30
+    assert 0.0 <= rb2["best_of_k_accuracy"] <= 1.0
+    predictions = pd.read_parquet(folder / "predictions" / "reward_bench2_test.parquet")
+    assert len(predictions) == 10 and all(len(r) == 4 for r in predictions.rewards)
+    assert (predictions.best == 0).all()
+
+
+def test_data_summary_lists_every_dataset(hub_run):
+    folder, _ = hub_run
+    summary = json.loads((folder / "data_summary.json").read_text())
+    assert [s["dataset"] for s in summary] == ["ultrafeedback_train", "ultrafeedback_test", "reward_bench_filtered",
+                                                "reward_bench2_test", "hh_rlhf_test"]
+    assert all(s["before"] >= s["after"] > 0 and "50" in s["length_percentiles"] for s in summary)
+
+
+def test_reference_weighting_rescores_the_same_predictions(hub_run, tmp_path, shared_cache):  # noqa: F811
+    folder, _ = hub_run
+    file = folder / "predictions" / "reward_bench_filtered.parquet"
+    official = json.loads((folder / "metrics.json").read_text())["reward_bench_filtered"]
+    out = tmp_path / "outputs" / "evaluate" / "ref"
+    run("evaluate.py", [f"predictions={file}", "metric.reward_bench_weighting=reference", "progress=false",
+                        f"hydra.run.dir={out}"], tmp_path, shared_cache)
+    ref = json.loads((out / "metrics.json").read_text())["reward_bench_filtered"]
+    assert ref["chat/win_rate"] == pytest.approx(official["chat/win_rate"])  # equal counts in the fixture's Chat
+    assert ref["n_pairs"] == official["n_pairs"]
+
+
+def test_local_file_with_hub_eval_datasets(tmp_path, shared_cache, hub_root):  # noqa: F811
+    rows = [{"prompt": f"Question {i}?", "chosen": f"A good answer number {i}.", "rejected": "No."}
+            for i in range(40)]
+    path = tmp_path / "pairs.jsonl"
+    pd.DataFrame(rows).to_json(path, orient="records", lines=True)
+    folder = tmp_path / "outputs" / "runs" / "local"
+    run("train.py", ["dataset=local", f"dataset.path={path}", f"paths.datasets_dir={hub_root}", "progress=false",
+                     "eval_datasets=[reward_bench,ultrafeedback_test]", f"hydra.run.dir={folder}"], tmp_path,
+        shared_cache, env={"HF_DATASETS_CACHE": str(tmp_path / "hf_cache")})
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert list(metrics) == ["reward_bench_filtered", "ultrafeedback_test"]
+    assert "safety/ece" in metrics["reward_bench_filtered"]
+
+
+def one_error_line(proc) -> str:
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1
+    return lines[0]
+
+
+def test_unreachable_hub_fails_with_one_clear_line(tmp_path, shared_cache):  # noqa: F811
+    folder = tmp_path / "outputs" / "runs" / "offline"
+    proc = run("train.py", ["dataset=ultrafeedback", "progress=false", f"hydra.run.dir={folder}"], tmp_path,
+               shared_cache, check=False, env={"HF_HUB_OFFLINE": "1", "REWARDUQ_DATASETS_DIR": ""})
+    line = one_error_line(proc)
+    assert "could not fetch trl-lib/ultrafeedback_binarized" in line and "dataset.path=DIR" in line
+    assert not (folder / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["dataset=reward_bench"], "evaluation set without a train split"),
+    (["dataset=helpsteer2"], "is pointwise data; preference methods train on pairwise data"),
+    (["metric.reward_bench_weighting=equal"], "reward_bench_weighting"),
+    (["dataset=ultrafeedback", "dataset.num_samples=-1"], "dataset.num_samples=-1 is invalid"),
+])
+def test_dataset_choices_that_cannot_work_fail_early(tmp_path, shared_cache, args, message):  # noqa: F811
+    proc = run("train.py", [*args, "progress=false", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, shared_cache,
+               check=False, env={"HF_HUB_OFFLINE": "1"})
+    assert message in one_error_line(proc)
