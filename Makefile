@@ -25,6 +25,7 @@ test: setup
 
 bench: setup
 	$(PY) scripts/bench_heads.py
+	$(PY) scripts/bench_data.py
 
 clean:
 	rm -rf outputs .pytest_cache

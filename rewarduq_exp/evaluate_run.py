@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from rewarduq_exp.backbone import Backbone
 from rewarduq_exp.cli import report_user_error
 from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
+from rewarduq_exp.data.token_counter import TokenCounter
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.evaluation import diagrams, evaluate_method, score_predictions
 from rewarduq_exp.features import FeatureEncoder
@@ -83,9 +84,10 @@ def evaluate_run_folder(cfg) -> dict:
     method.encoder = FeatureEncoder(backbone, run_cfg.probe, Path(cfg.paths.cache_dir) / "features", max_length,
                                     show_progress=bool(cfg.progress))
     method.load(folder.model_dir)
+    count = TokenCounter(backbone.tokenizer, backbone.identity(), Path(cfg.paths.cache_dir) / "token_lengths")
     blocks = {}
     for es in eval_sets:
-        frame, _ = load_split(build_loader(es.config), es.split, es.name, backbone.tokenizer, max_length)
+        frame, _ = load_split(build_loader(es.config), es.split, es.name, backbone.tokenizer, max_length, count)
         blocks[es.name], _ = evaluate_method(method, frame, es.name, folder, cfg.metric)
     folder.write_metrics(blocks, merge=True)
     print(f"evaluated {folder.root}\n{summary_table(blocks)}", flush=True)

@@ -20,6 +20,7 @@ from rewarduq_exp.backbone import Backbone
 from rewarduq_exp.cli import report_user_error
 from rewarduq_exp.data.contract import data_kind, filter_by_length, validate_preferences
 from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
+from rewarduq_exp.data.token_counter import TokenCounter
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.evaluation import evaluate_method
 from rewarduq_exp.features import FeatureEncoder
@@ -65,12 +66,12 @@ def validate_run_config(cfg: DictConfig) -> None:
         raise UserError(f"max_length={cfg.max_length} is invalid: must be an integer >= 1")
 
 
-def load_split(loader, split: str, name: str, tokenizer, max_length: int):
+def load_split(loader, split: str, name: str, tokenizer, max_length: int, count=None):
     frame = loader.load(split)
     if data_kind(frame) == "pairs":
         frame = validate_preferences(frame, f"dataset '{name}'")
     unsplittable = int(frame.attrs.get("dropped_unsplittable", 0))
-    frame, report = filter_by_length(frame, tokenizer, max_length, name)
+    frame, report = filter_by_length(frame, tokenizer, max_length, name, count)
     report.unsplittable = unsplittable
     log.info(report.line())
     return frame, report
@@ -152,11 +153,13 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_se
     backbone = Backbone(cfg.model, cache_dir=cfg.paths.cache_dir, device=cfg.device)
     tokenizer = backbone.tokenizer
     max_length = int(cfg.max_length)
+    count = TokenCounter(tokenizer, backbone.identity(), Path(cfg.paths.cache_dir) / "token_lengths")
     train_frame, train_report = load_split(loader, loader.train_split, f"{cfg.dataset.name}_{loader.train_split}",
-                                           tokenizer, max_length)
+                                           tokenizer, max_length, count)
     eval_frames, reports = {}, [train_report]
     for es in eval_sets:
-        eval_frames[es.name], report = load_split(eval_loaders[es.name], es.split, es.name, tokenizer, max_length)
+        eval_frames[es.name], report = load_split(eval_loaders[es.name], es.split, es.name, tokenizer, max_length,
+                                                  count)
         reports.append(report)
     write_json(out / "data_summary.json", [vars(r) | {"dropped": r.dropped} for r in reports])
 
@@ -178,7 +181,7 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_se
         blocks[name] = metrics
         logger.log_metrics(name, metrics, figures)
     folder.write_metrics(blocks)
-    info = {"fit": fit_summary, "features": encoder.stats, "seconds_total": round(time.perf_counter() - t0, 2)}
+    info = {"fit": fit_summary, "features": encoder.stats, "token_count_cache": count.stats, "seconds_total": round(time.perf_counter() - t0, 2)}
     folder.finish(**info)
     logger.log_summary({"features/backbone_forward_passes": encoder.stats["backbone_forward_passes"]})
     _print_summary(out, blocks, encoder)

@@ -138,29 +138,33 @@ class FilterReport:
                 f"max_length={self.max_length} filter (token lengths {pct}){extra}")
 
 
-def _row_lengths(frame: pd.DataFrame, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+def _row_lengths(frame: pd.DataFrame, tokenizer, count) -> tuple[np.ndarray, np.ndarray]:
     """(longest rendered prompt+completion per row, every rendered length) for any kind of contract frame."""
     kind = data_kind(frame)
     if kind == "kwise":
         k = frame["completions"].map(len).to_numpy()
         prompts = np.repeat(frame["prompt"].to_numpy(), k)
         flat = [c for cs in frame["completions"] for c in cs]
-        lengths = token_lengths(tokenizer, render_all(tokenizer, prompts, flat))
+        lengths = count(render_all(tokenizer, prompts, flat))
         return np.maximum.reduceat(lengths, np.concatenate([[0], np.cumsum(k)[:-1]])), lengths
     if kind == "pointwise":
-        lengths = token_lengths(tokenizer, render_all(tokenizer, frame["prompt"], frame["response"]))
+        lengths = count(render_all(tokenizer, frame["prompt"], frame["response"]))
         return lengths, lengths
-    len_c = token_lengths(tokenizer, render_all(tokenizer, frame["prompt"], frame["chosen"]))
-    len_r = token_lengths(tokenizer, render_all(tokenizer, frame["prompt"], frame["rejected"]))
-    return np.maximum(len_c, len_r), np.concatenate([len_c, len_r])
+    n = len(frame)
+    both = count(render_all(tokenizer, list(frame["prompt"]) * 2, list(frame["chosen"]) + list(frame["rejected"])))
+    return np.maximum(both[:n], both[n:]), both
 
 
-def filter_by_length(frame: pd.DataFrame, tokenizer, max_length: int, dataset: str) -> tuple[pd.DataFrame, FilterReport]:
+def filter_by_length(frame: pd.DataFrame, tokenizer, max_length: int, dataset: str,
+                     count=None) -> tuple[pd.DataFrame, FilterReport]:
     """Drop rows whose longest rendered prompt+completion exceeds ``max_length`` tokens (never truncate).
 
     A pair is dropped if prompt+chosen or prompt+rejected is too long; a K-wise row if any of its completions is.
+    ``count(texts) -> lengths`` counts tokens (default: the tokenizer directly; runs pass a cached
+    :class:`~rewarduq_exp.data.token_counter.TokenCounter`).
     """
-    longest, every = _row_lengths(frame, tokenizer)
+    count = count or (lambda texts: token_lengths(tokenizer, texts))
+    longest, every = _row_lengths(frame, tokenizer, count)
     keep = longest <= max_length
     dropped = frame.loc[~keep, "subset"].value_counts()
     report = FilterReport(
