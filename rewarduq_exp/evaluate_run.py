@@ -25,7 +25,7 @@ from rewarduq_exp.evaluation import diagrams, evaluate_method, score_predictions
 from rewarduq_exp.features import FeatureEncoder
 from rewarduq_exp.run_folder import RunFolder, write_json
 from rewarduq_exp.summary import summary_table
-from rewarduq_exp.train_run import load_split, quiet_datasets_unless, validate_metric_config
+from rewarduq_exp.train_run import check_eval_kind, load_split, quiet_datasets_unless, validate_metric_config
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -76,6 +76,9 @@ def evaluate_run_folder(cfg) -> dict:
         run_cfg.paths.datasets_dir = cfg.paths.datasets_dir
     names = cfg.eval_datasets if cfg.eval_datasets is not None else run_cfg.eval_datasets
     eval_sets = resolve_eval_sets(names, run_cfg.dataset, int(run_cfg.seed), cfg.paths)
+    eval_loaders = {es.name: build_loader(es.config) for es in eval_sets}
+    for name, loader in eval_loaders.items():
+        check_eval_kind(name, loader)
     run_cfg.method.device = cfg.device
     run_cfg.method.show_progress = bool(cfg.progress)
     method = build(run_cfg.method, "method", encoder=None)
@@ -87,7 +90,7 @@ def evaluate_run_folder(cfg) -> dict:
     count = TokenCounter(backbone.tokenizer, backbone.identity(), Path(cfg.paths.cache_dir) / "token_lengths")
     blocks = {}
     for es in eval_sets:
-        frame, _ = load_split(build_loader(es.config), es.split, es.name, backbone.tokenizer, max_length, count)
+        frame, _ = load_split(eval_loaders[es.name], es.split, es.name, backbone.tokenizer, max_length, count)
         blocks[es.name], _ = evaluate_method(method, frame, es.name, folder, cfg.metric)
     folder.write_metrics(blocks, merge=True)
     print(f"evaluated {folder.root}\n{summary_table(blocks)}", flush=True)

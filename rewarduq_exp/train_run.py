@@ -88,9 +88,13 @@ def check_data_kinds(train_loader, eval_loaders: dict) -> None:
         raise UserError(f"dataset '{name}' is {kind} data; preference methods train on pairwise data "
                         "(e.g. dataset=ultrafeedback, skywork_pref, tulu3_pref, hh_rlhf, local)")
     for es_name, loader in eval_loaders.items():
-        if getattr(loader, "kind", "pairs") == "pointwise":
-            raise UserError(f"eval dataset '{es_name}' is pointwise (one rated response per row) and has no "
-                            "preference to score; evaluate on pairwise or K-wise data")
+        check_eval_kind(es_name, loader)
+
+
+def check_eval_kind(name: str, loader) -> None:
+    if getattr(loader, "kind", "pairs") == "pointwise":
+        raise UserError(f"eval dataset '{name}' is pointwise (one rated response per row) and has no preference "
+                        "to score; evaluate on pairwise or K-wise data")
 
 
 def train(cfg: DictConfig) -> dict | None:

@@ -120,3 +120,18 @@ def test_dataset_choices_that_cannot_work_fail_early(tmp_path, shared_cache, arg
     proc = run("train.py", [*args, "progress=false", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, shared_cache,
                check=False, env={"HF_HUB_OFFLINE": "1"})
     assert message in one_error_line(proc)
+
+
+def test_evaluate_run_on_another_hub_dataset_reproduces_its_block(hub_run, hub_root, tmp_path,
+                                                                  shared_cache):  # noqa: F811
+    folder, _ = hub_run
+    before = json.loads((folder / "metrics.json").read_text())
+    run("evaluate.py", [f"run={folder}", "dataset=reward_bench2", f"paths.datasets_dir={hub_root}", "progress=false",
+                        f"hydra.run.dir={tmp_path / 'ev'}"], tmp_path, shared_cache,
+        env={"HF_DATASETS_CACHE": str(tmp_path / "hf_cache")})
+    after = json.loads((folder / "metrics.json").read_text())
+    assert list(after) == list(before)  # merged into the existing block, nothing lost
+    assert after["reward_bench2_test"] == pytest.approx(before["reward_bench2_test"])
+    proc = run("evaluate.py", [f"run={folder}", "dataset=helpsteer2", f"paths.datasets_dir={hub_root}",
+                               f"hydra.run.dir={tmp_path / 'ev2'}"], tmp_path, shared_cache, check=False)
+    assert "is pointwise" in one_error_line(proc)
