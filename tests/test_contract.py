@@ -116,6 +116,20 @@ def test_filter_drops_exactly_the_long_pairs(tokenizer):
     assert report.dropped_by_subset == {"a": 2, "b": 1}
     assert report.length_percentiles["100"] == lengths.max()
     assert "3/6 pairs kept" in report.line() and "3 dropped" in report.line()
+    assert "dropped per subset: a=2, b=1" in report.line()
+
+
+def test_kwise_row_is_dropped_when_any_completion_is_too_long(tokenizer):
+    from rewarduq_exp.data.contract import make_kwise_frame
+
+    bot = lambda t: [{"role": "assistant", "content": t}]  # noqa: E731
+    user = [{"role": "user", "content": "pick one"}]
+    completions = [[bot("a"), bot("b"), bot("c")], [bot("a"), bot("word " * 80), bot("c")], [bot("x"), bot("y")]]
+    frame = make_kwise_frame(["k0", "k1", "k2"], [user] * 3, completions, best=[0, 2, 1], subset=["s", "t", "s"])
+    kept, report = filter_by_length(frame, tokenizer, max_length=64, dataset="kw")
+    assert kept["id"].tolist() == ["k0", "k2"] and kept["best"].tolist() == [0, 1]
+    assert report.dropped_by_subset == {"t": 1}
+    assert "2/3 prompts kept" in report.line()
 
 
 def test_filter_never_truncates(tokenizer):

@@ -126,6 +126,7 @@ class FilterReport:
     dropped_by_subset: dict[str, int] = field(default_factory=dict)
     length_percentiles: dict[str, float] = field(default_factory=dict)
     unsplittable: int = 0  # dropped earlier, when the source's rows did not split into prompt + replies
+    unit: str = "pairs"    # what a row is: pairs, prompts (K-wise) or responses (pointwise)
 
     @property
     def dropped(self) -> int:
@@ -133,8 +134,12 @@ class FilterReport:
 
     def line(self) -> str:
         pct = ", ".join(f"p{k}={v:.0f}" for k, v in self.length_percentiles.items())
-        extra = f"; {self.unsplittable} unsplittable rows dropped while loading" if self.unsplittable else ""
-        return (f"{self.dataset}: {self.after}/{self.before} pairs kept, {self.dropped} dropped by the "
+        extra = ""
+        if self.dropped_by_subset and any(self.dropped_by_subset):
+            extra += "; dropped per subset: " + ", ".join(f"{k}={v}" for k, v in self.dropped_by_subset.items())
+        if self.unsplittable:
+            extra += f"; {self.unsplittable} unsplittable rows dropped while loading"
+        return (f"{self.dataset}: {self.after}/{self.before} {self.unit} kept, {self.dropped} dropped by the "
                 f"max_length={self.max_length} filter (token lengths {pct}){extra}")
 
 
@@ -174,6 +179,7 @@ def filter_by_length(frame: pd.DataFrame, tokenizer, max_length: int, dataset: s
         max_length=max_length,
         dropped_by_subset={str(k): int(v) for k, v in dropped.items()},
         length_percentiles={str(q): float(np.percentile(every, q)) for q in (50, 90, 99, 100)},
+        unit={"pairs": "pairs", "kwise": "prompts", "pointwise": "responses"}[data_kind(frame)],
     )
     if report.after == 0:
         raise UserError(
