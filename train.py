@@ -1,6 +1,8 @@
 """Train and evaluate an uncertainty-aware reward model: ``python train.py [overrides]`` (see README)."""
 
+import os
 import sys
+from pathlib import Path
 
 import hydra
 
@@ -16,6 +18,16 @@ def main(cfg):
     train(cfg)
 
 
+def let_sweep_jobs_import_this_repo() -> None:
+    """Submitit jobs (local processes or Slurm tasks, which inherit the environment) unpickle our launcher from
+    ``hydra_plugins/`` in this repository, which is not part of the installed package: put the repo on their path."""
+    root = str(Path(__file__).resolve().parent)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, paths)])
+
+
 if __name__ == "__main__":
+    let_sweep_jobs_import_this_repo()
     check_group_choices(sys.argv[1:])
     main()

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from rewarduq_exp.data.registry import CONF_DIR
 from rewarduq_exp.errors import UserError, one_line
 
-GROUPS = ("model", "method", "dataset", "probe", "metric", "logger")
+GROUPS = ("model", "method", "dataset", "probe", "metric", "logger", "sweep")
 log = logging.getLogger("rewarduq_exp")
 
 

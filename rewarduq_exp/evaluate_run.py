@@ -75,7 +75,8 @@ def evaluate_run_folder(cfg) -> dict:
     if cfg.paths.get("datasets_dir"):  # this machine's local copies win over the ones the run was trained with
         run_cfg.paths.datasets_dir = cfg.paths.datasets_dir
     names = cfg.eval_datasets if cfg.eval_datasets is not None else run_cfg.eval_datasets
-    eval_sets = resolve_eval_sets(names, run_cfg.dataset, int(run_cfg.seed), cfg.paths)
+    also = run_cfg.get("also_evaluate") or () if cfg.eval_datasets is None else ()
+    eval_sets = resolve_eval_sets(names, run_cfg.dataset, int(run_cfg.seed), cfg.paths, also)
     eval_loaders = {es.name: build_loader(es.config) for es in eval_sets}
     for name, loader in eval_loaders.items():
         check_eval_kind(name, loader)

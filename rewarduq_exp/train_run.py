@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from rewarduq_exp.backbone import Backbone
-from rewarduq_exp.cli import report_user_error
+from rewarduq_exp.cli import in_multirun, report_user_error
 from rewarduq_exp.data.contract import data_kind, filter_by_length, validate_preferences
 from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
 from rewarduq_exp.data.token_counter import TokenCounter
@@ -120,6 +120,11 @@ def train(cfg: DictConfig) -> dict | None:
         return None
     except BaseException as err:
         folder.fail(err)
+        if in_multirun() and isinstance(err, Exception):
+            # One crashed run must not stop a sweep: it is recorded (error + traceback in status.json) and the
+            # launcher, the other jobs and the selection step go on.
+            log.exception("run failed; recorded in %s", folder.status_path)
+            return None
         raise
 
 
@@ -129,7 +134,8 @@ def _train(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
     # Build the method first: its hyperparameters are validated before any data or model is touched.
     method = build(cfg.method, "method", encoder=None)
     loader = build_loader(cfg.dataset)
-    eval_sets = resolve_eval_sets(cfg.eval_datasets, cfg.dataset, int(cfg.seed), cfg.paths)
+    eval_sets = resolve_eval_sets(cfg.eval_datasets, cfg.dataset, int(cfg.seed), cfg.paths,
+                                  cfg.get("also_evaluate") or ())
     eval_loaders = {es.name: loader if es.config is cfg.dataset else build_loader(es.config) for es in eval_sets}
     check_data_kinds(loader, eval_loaders)
     seed_everything(int(cfg.seed))

@@ -71,17 +71,19 @@ def load_dataset_config(name: str, seed: int, paths=None, conf_dir: Path = CONF_
     return node
 
 
-def resolve_eval_sets(names, train_cfg: DictConfig | None, seed: int, paths=None,
+def resolve_eval_sets(names, train_cfg: DictConfig | None, seed: int, paths=None, also=(),
                       conf_dir: Path = CONF_DIR) -> list[EvalSet]:
     """Turn ``eval_datasets`` entries (``<name>`` or ``<name>_<split>``) into eval sets.
 
-    ``None`` means the training dataset's own eval splits. A name that matches the training dataset uses the run's
+    ``None`` means the training dataset's own eval splits plus ``also`` (``also_evaluate``: the paper's tuned
+    configs add RewardBench). A name that matches the training dataset uses the run's
     dataset config (with its command-line overrides), so the synthetic world's eval splits come from the same world.
     """
     if names is None:
         if train_cfg is None:
             raise UserError("no dataset to evaluate: pass dataset=<name> (or <name>_<split>)")
-        return [EvalSet(f"{train_cfg.name}_{s}", train_cfg, s) for s in train_cfg.eval_splits]
+        own = [EvalSet(f"{train_cfg.name}_{s}", train_cfg, s) for s in train_cfg.eval_splits]
+        return own + (resolve_eval_sets(list(also), train_cfg, seed, paths, (), conf_dir) if also else [])
     if isinstance(names, str):
         names = [names]
     known = set(available("dataset", conf_dir))

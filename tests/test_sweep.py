@@ -1,0 +1,94 @@
+"""The paper's grid as a real multirun: submitit local launcher, relaunch without resubmitting, failed runs recorded,
+and the Slurm sbatch script that submitit itself generates from conf/hydra/launcher/slurm.yaml."""
+
+import json
+import os
+import stat
+
+import pytest
+
+from hub_fixtures import write_ultrafeedback
+from test_cli import run, shared_cache  # noqa: F401 (module fixture: the tiny model, built once)
+
+# 2 x 3 points of the ENS-MLP grid; center_gamma=-1 is invalid, so 2 of the 6 runs fail on purpose.
+# A command-line value of a grid key replaces that axis (with -m, which comma lists need on the command line).
+REDUCED_GRID = ["method.learning_rate=1e-3", "method.reg_lambda=0.0,0.1", "method.center_gamma=0.0,0.01,-1.0"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, shared_cache):  # noqa: F811
+    cwd = tmp_path_factory.mktemp("sweep")
+    hub = write_ultrafeedback(cwd / "hub").parents[1]
+    args = ["sweep=ens_mlp", "hydra/launcher=local", f"paths.datasets_dir={hub}", "progress=false",
+            "method.num_heads=4", *REDUCED_GRID]
+    env = {"HF_DATASETS_CACHE": str(cwd / "hf_cache")}
+    first = run("train.py", args, cwd, shared_cache, env=env, flags=["-m"])
+    folder = cwd / "outputs" / "multirun" / "ens_mlp"
+    status = {p.parent: json.loads(p.read_text()) for p in folder.glob("*/status.json")}
+    stamps = {p: p.stat().st_mtime_ns for p in folder.glob("*/status.json")}
+    second = run("train.py", args, cwd, shared_cache, env=env, flags=["-m"])
+    return {"cwd": cwd, "folder": folder, "status": status, "stamps": stamps, "first": first, "second": second}
+
+
+def test_grid_runs_as_separate_submitit_jobs(sweep):
+    status = sweep["status"]
+    assert len(status) == 6
+    states = sorted(s["state"] for s in status.values())
+    assert states == ["completed"] * 4 + ["failed"] * 2
+    assert any(sweep["folder"].glob(".submitit/*/*_log.out"))  # really launched through submitit
+    for path, st in status.items():
+        if st["state"] == "completed":
+            metrics = json.loads((path / "metrics.json").read_text())
+            assert list(metrics) == ["ultrafeedback_test"]  # the sweep evaluates on the validation split only
+        else:
+            assert "center_gamma=-1.0" in path.name and "method.center_gamma=-1.0 is invalid" in st["error"]
+            assert not (path / "metrics.json").exists()
+
+
+def test_relaunch_submits_only_what_did_not_complete(sweep):
+    log = sweep["second"].stdout + sweep["second"].stderr
+    assert log.count("completed, same config") == 4
+    completed = [p for p, st in sweep["status"].items() if st["state"] == "completed"]
+    for path in completed:  # not re-run, not rewritten
+        assert (path / "status.json").stat().st_mtime_ns == sweep["stamps"][path / "status.json"]
+    assert "6 jobs (4 completed, 2 failed); 4 skipped without submitting" in log
+
+
+def test_sweep_turns_tuned_values_off_and_uses_the_grid(sweep):
+    import yaml
+
+    for path in sweep["status"]:
+        cfg = yaml.safe_load((path / ".hydra" / "config.yaml").read_text())
+        assert cfg["dataset"]["name"] == "ultrafeedback" and cfg["method"]["learning_rate"] == 0.001
+        assert cfg["also_evaluate"] == []
+
+
+def test_slurm_script_from_submitit(tmp_path, shared_cache):  # noqa: F811
+    """A dry run: a fake sbatch records the script submitit wrote from our launcher config, then refuses it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "sbatch_script.sh"
+    for name, body in {"sbatch": f'cat "$1" > {record}\necho "sbatch: error: dry run" >&2\nexit 1\n',
+                       "srun": "exit 0\n"}.items():
+        tool = bin_dir / name
+        tool.write_text("#!/bin/sh\n" + body)
+        tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    args = ["sweep=bay_lin", "model=qwen3-0.6b", "hydra/launcher=slurm", "hydra.launcher.partition=gpu",
+            "hydra.launcher.account=my_lab", "hydra.launcher.timeout_min=240",
+            "method.learning_rate=1e-3", "method.reg_lambda=1e-3,1e-2"]
+    proc = run("train.py", args, tmp_path, shared_cache, check=False, flags=["-m"],
+               env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert proc.returncode != 0 and record.exists(), proc.stderr[-2000:]
+    script = record.read_text()
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --account=my_lab", "#SBATCH --gpus-per-node=1",
+                 "#SBATCH --cpus-per-task=8", "#SBATCH --mem=64GB", "#SBATCH --time=240", "#SBATCH --requeue",
+                 "#SBATCH --array=0-1%2", "#SBATCH --signal=USR2@120", "export HF_HUB_OFFLINE="):
+        assert line in script, f"{line!r} not in the sbatch script:\n{script}"
+    assert "srun" in script and "submitit.core._submit" in script
+
+
+def test_launcher_settings_shown_without_launching(tmp_path, shared_cache):  # noqa: F811
+    proc = run("train.py", ["sweep=ens_mlp", "model=qwen3-0.6b", "hydra/launcher=slurm", "--cfg", "hydra", "-p",
+                            "hydra.launcher"], tmp_path, shared_cache)
+    assert "SkipCompletedSlurmLauncher" in proc.stdout and "array_parallelism: 16" in proc.stdout
+    assert not (tmp_path / "outputs" / "multirun").exists()
