@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from rewarduq_exp.atomic_write import write_atomic  # re-exported: run_folder and methods import it from here
+
 
 class FeatureCache:
     def __init__(self, root: str | os.PathLike):
@@ -55,16 +57,3 @@ class FeatureCache:
                     os.unlink(tmp)
             return tensor, False
 
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write text to ``path`` via a temp file in the same folder and a rename (no half-written files)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

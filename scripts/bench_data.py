@@ -10,8 +10,15 @@ and read through the real loader (``paths.datasets_dir``), so the timing covers 
 
 from __future__ import annotations
 
-import argparse
 import os
+import sys
+
+# scripts/select.py would shadow the standard library's `select` (Python puts this folder first on sys.path, and
+# `subprocess` imports `select`), so that entry goes before any other import.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+import argparse
 import tempfile
 import time
 from pathlib import Path

@@ -92,3 +92,31 @@ def test_launcher_settings_shown_without_launching(tmp_path, shared_cache):  # n
                             "hydra.launcher"], tmp_path, shared_cache)
     assert "SkipCompletedSlurmLauncher" in proc.stdout and "array_parallelism: 16" in proc.stdout
     assert not (tmp_path / "outputs" / "multirun").exists()
+
+
+def test_selection_on_the_real_sweep_lists_failures_and_its_tuned_file_is_picked_up(sweep, tmp_path,
+                                                                                   shared_cache):  # noqa: F811
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    extra = tmp_path / "conf_extra"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/select.py"), str(sweep["folder"]),
+                           "--out", str(tmp_path / "selection"), "--tuned-dir", str(extra / "tuned"),
+                           "--ece", "1", "--ebce", "1"],  # the tiny model is not calibrated: any run may win
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = (tmp_path / "selection" / "selection.md").read_text()
+    assert report.count("center_gamma=-1.0") >= 2 or "failed" in report.lower()
+    assert "method.center_gamma=-1.0 is invalid" in report
+    tuned = extra / "tuned" / "ens_mlp" / "tiny-qwen3.yaml"
+    assert tuned.read_text().startswith("# @package _global_")
+    import yaml
+
+    chosen = yaml.safe_load(tuned.read_text())["method"]
+    assert set(chosen) == {"reg_lambda", "center_gamma"}  # exactly the axes that varied
+    shown = run("train.py", ["method=ens_mlp", "model=tiny-qwen3"], tmp_path, shared_cache,
+                flags=["--config-dir", str(extra), "--cfg", "job"])
+    method = yaml.safe_load(shown.stdout)["method"]
+    assert (method["reg_lambda"], method["center_gamma"]) == (chosen["reg_lambda"], chosen["center_gamma"])

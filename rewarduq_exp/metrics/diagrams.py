@@ -33,7 +33,10 @@ _CMAP = colormaps["Blues"]
 _DPI = 150
 
 
-def _draw(fig: Figure, ax: Axes, curve: CalibrationCurve, *, heading: str, xlabel: str, marker_label: str) -> None:
+def draw_reliability(
+    fig: Figure, ax: Axes, curve: CalibrationCurve, *, heading: str, xlabel: str, marker_label: str
+) -> None:
+    """One reliability panel on ``ax``: bars, mean-probability markers, diagonal, legend and share colour bar."""
     edges = curve.edges
     centers = 0.5 * (edges[:-1] + edges[1:])
     occ = curve.occupied
@@ -62,12 +65,13 @@ def _draw(fig: Figure, ax: Axes, curve: CalibrationCurve, *, heading: str, xlabe
     fig.colorbar(ScalarMappable(norm=norm, cmap=_CMAP), ax=ax, shrink=0.8, label="share of weight")
 
 
-def _save_atomic(fig: Figure, path: Path) -> None:
+def save_figure(fig: Figure, path: Path) -> None:
+    """Save ``fig`` atomically; the format (png, pdf, ...) follows the file suffix."""
     # Readers (e.g. a dashboard polling the run dir) never see a half-written PNG.
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=_DPI)
+            fig.savefig(fh, format=path.suffix.lstrip(".") or "png", dpi=_DPI)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; the plot should be readable like any other output
         os.replace(tmp, path)
     except BaseException:
@@ -92,11 +96,12 @@ def plot_calibration_diagrams(
     fig = Figure(figsize=(5.6, 4.8), layout="constrained")
     FigureCanvasAgg(fig)
     try:
-        _draw(fig, fig.add_subplot(), curves["pred"], heading=f"Predictions: ECE = {curves['pred'].ece():.4f}",
-              xlabel="predicted preference probability", marker_label="mean predicted probability")
+        draw_reliability(fig, fig.add_subplot(), curves["pred"],
+                         heading=f"Predictions: ECE = {curves['pred'].ece():.4f}",
+                         xlabel="predicted preference probability", marker_label="mean predicted probability")
         if title:
             fig.suptitle(title)
-        _save_atomic(fig, paths[0])
+        save_figure(fig, paths[0])
     finally:
         fig.clear()
 
@@ -104,13 +109,15 @@ def plot_calibration_diagrams(
     FigureCanvasAgg(fig)
     try:
         ax_lo, ax_hi = fig.subplots(1, 2)
-        _draw(fig, ax_lo, curves["lower"], heading=f"Lower bound: ELCE = {curves['lower'].lower_error():.4f}",
-              xlabel="lower-bound preference probability", marker_label="mean lower bound")
-        _draw(fig, ax_hi, curves["upper"], heading=f"Upper bound: EUCE = {curves['upper'].upper_error():.4f}",
-              xlabel="upper-bound preference probability", marker_label="mean upper bound")
+        draw_reliability(fig, ax_lo, curves["lower"],
+                         heading=f"Lower bound: ELCE = {curves['lower'].lower_error():.4f}",
+                         xlabel="lower-bound preference probability", marker_label="mean lower bound")
+        draw_reliability(fig, ax_hi, curves["upper"],
+                         heading=f"Upper bound: EUCE = {curves['upper'].upper_error():.4f}",
+                         xlabel="upper-bound preference probability", marker_label="mean upper bound")
         if title:
             fig.suptitle(title)
-        _save_atomic(fig, paths[1])
+        save_figure(fig, paths[1])
     finally:
         fig.clear()
     return paths

@@ -1,0 +1,200 @@
+"""Read run folders (DESIGN section 3) into flat records for selection, tables and figures.
+
+A run folder is any folder holding ``.hydra/config.yaml`` with a ``method`` node (``evaluate.py`` output folders
+also have a Hydra config but train nothing, so they are not runs). Its state comes from ``status.json``; a folder
+without a readable ``status.json``, or a completed one without ``metrics.json``, is ``missing`` (the job never
+started or was killed before writing its results). Everything here only reads, so it is safe on sweeps that are
+still running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rewarduq_exp.errors import UserError
+
+STATES = ("completed", "failed", "running", "missing")
+# Method keys that are not hyperparameters: where the run executes, and the seed (grouped on separately).
+NOT_HYPERPARAMETERS = ("_target_", "seed", "device", "show_progress")
+
+
+@dataclass
+class RunRecord:
+    path: Path
+    state: str  # one of STATES
+    error: str  # first line of the error (failed / missing), else ""
+    method: str
+    model: str
+    dataset: str  # the training dataset's config choice
+    seed: int | None
+    hyperparameters: dict = field(default_factory=dict)
+    overrides: list = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)  # {eval dataset: {metric: value}}
+    finished_at: str = ""
+
+    def config_key(self) -> tuple:
+        """Identity of the configuration, seed left out: runs sharing it are repeats over seeds."""
+        return (self.method, self.model, self.dataset, tuple(sorted(self.hyperparameters.items(), key=_item_key)))
+
+
+def _item_key(item):
+    # Values of one key may mix types across runs (1 vs 1.0 vs "a"); sort by name, then a printable form.
+    return item[0], repr(item[1])
+
+
+def find_runs(paths) -> list[RunRecord]:
+    """Every run folder at or below each of ``paths`` (a run folder, a sweep folder, or any parent), sorted by path.
+
+    Raises UserError if a path does not exist or no run folder is found at all.
+    """
+    folders: list[Path] = []
+    for p in paths:
+        root = Path(p)
+        if not root.is_dir():
+            raise UserError(f"not a folder: {root}; give run folders or folders that contain them")
+        folders.extend(_run_folders(root))
+    if not folders:
+        shown = ", ".join(str(p) for p in paths)
+        raise UserError(f"no run folders (folders with .hydra/config.yaml) found under: {shown}")
+    unique = sorted({f.resolve(): f for f in folders}.values(), key=lambda f: str(f))
+    records = [r for r in (read_run(f) for f in unique) if r is not None]
+    if not records:
+        shown = ", ".join(str(p) for p in paths)
+        raise UserError(f"no training run folders (a .hydra/config.yaml with a method) found under: {shown}")
+    return records
+
+
+def _run_folders(root: Path):
+    for dirpath, dirnames, _ in os.walk(root):
+        here = Path(dirpath)
+        if (here / ".hydra" / "config.yaml").is_file():
+            dirnames.clear()  # a run folder holds results, not other runs
+            yield here
+            continue
+        # Hidden folders (.hydra of a sweep, .git, caches) never hold runs; pruning keeps the walk fast.
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+
+
+def read_run(folder: str | os.PathLike) -> RunRecord | None:
+    """One run folder as a :class:`RunRecord`; unreadable result files make it ``missing`` rather than an error.
+
+    None when the folder's config has no ``method`` (not a training run, e.g. an ``evaluate.py`` output).
+    """
+    folder = Path(folder)
+    cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
+    if not isinstance(cfg, DictConfig) or not isinstance(cfg.get("method"), DictConfig):
+        return None
+    choices = _choices(folder)
+    method_node = cfg.method
+    seed = _seed(cfg)
+
+    status, status_problem = _read_json(folder / "status.json")
+    metrics, metrics_problem = _read_json(folder / "metrics.json")
+    state = status.get("state") if status else None
+    error = ""
+    if state not in ("completed", "failed", "running"):
+        state, error = "missing", status_problem or f"status.json has an unknown state {state!r}"
+    elif state == "completed" and metrics is None:
+        state, error = "missing", metrics_problem
+    elif state == "failed":
+        error = _first_line(status.get("error") or "failed (no error recorded)")
+
+    overrides = []
+    if (folder / ".hydra" / "overrides.yaml").is_file():
+        overrides = [str(o) for o in OmegaConf.to_container(OmegaConf.load(folder / ".hydra" / "overrides.yaml"))]
+
+    return RunRecord(
+        path=folder,
+        state=state,
+        error=error,
+        method=str(choices.get("method") or _method_name(method_node)),
+        model=str(choices.get("model") or _node_name(cfg, "model")),
+        dataset=str(choices.get("dataset") or _node_name(cfg, "dataset")),
+        seed=seed,
+        hyperparameters=hyperparameters(cfg),
+        overrides=overrides,
+        metrics=metrics if state == "completed" else {},
+        finished_at=str((status or {}).get("finished_at", "")),
+    )
+
+
+def hyperparameters(cfg: DictConfig) -> dict:
+    """The method node's scalar settings, minus where/how it runs (``NOT_HYPERPARAMETERS``), in config order.
+
+    Read without resolving the whole node, because a run folder's config can hold interpolations (``${seed}``,
+    ``${progress}``) whose targets a later version of the config may lack. An interpolation is resolved against
+    this config where it can be, otherwise kept as its text.
+    """
+    method = cfg.get("method")
+    if not isinstance(method, DictConfig):
+        return {}
+    raw = OmegaConf.to_container(method, resolve=False)
+    out = {}
+    for key, value in raw.items():
+        if key in NOT_HYPERPARAMETERS:
+            continue
+        if isinstance(value, str) and "${" in value:
+            try:
+                value = method[key]
+            except OmegaConfBaseException:
+                value = raw[key]  # unresolvable: keep the interpolation text, it still identifies the config
+        if value is None or isinstance(value, (bool, int, float, str)):
+            out[key] = value
+    return out
+
+
+def _seed(cfg: DictConfig) -> int | None:
+    # The top-level seed is the run's; the method's `seed: ${seed}` points at it.
+    for node, key in ((cfg, "seed"), (cfg.get("method"), "seed")):
+        if isinstance(node, DictConfig) and key in node:
+            raw = OmegaConf.to_container(node, resolve=False)[key]
+            if isinstance(raw, int) and not isinstance(raw, bool):
+                return raw
+    return None
+
+
+def _choices(folder: Path) -> dict:
+    path = folder / ".hydra" / "hydra.yaml"
+    if not path.is_file():
+        return {}
+    hydra_cfg = OmegaConf.load(path)
+    choices = OmegaConf.select(hydra_cfg, "hydra.runtime.choices", default=None)
+    return OmegaConf.to_container(choices, resolve=False) if choices is not None else {}
+
+
+def _node_name(cfg: DictConfig, group: str) -> str:
+    node = cfg.get(group)
+    if isinstance(node, DictConfig):
+        name = OmegaConf.to_container(node, resolve=False).get("name")
+        if isinstance(name, str):
+            return name
+    return "unknown"
+
+
+def _method_name(node) -> str:
+    # Without hydra.yaml the class name is the best identity we have (EnsMLP, BayLin).
+    target = OmegaConf.to_container(node, resolve=False).get("_target_", "") if isinstance(node, DictConfig) else ""
+    return target.rsplit(".", 1)[-1] if target else "unknown"
+
+
+def _read_json(path: Path) -> tuple[dict | None, str]:
+    if not path.is_file():
+        return None, f"{path.name} missing (never started or killed)"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        return None, f"{path.name} unreadable: {_first_line(str(err))}"
+    if not isinstance(data, dict):
+        return None, f"{path.name} unreadable: not a JSON object"
+    return data, ""
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] if lines else ""
