@@ -25,9 +25,20 @@ GROUPS = ("model", "method", "dataset", "probe", "metric", "logger", "sweep")
 log = logging.getLogger("rewarduq_exp")
 
 
-def run_name(override_dirname: str) -> str:
+def run_name(override_dirname: str, *, _root_=None) -> str:
+    """``<readable overrides>-<hash of the resolved run config>`` (dora-style identity).
+
+    The hash is the ``config_hash`` a run writes into ``status.json``: a changed default (in a YAML file, not only
+    on the command line) gives a new folder instead of overwriting the old results, while relaunching the same
+    sweep, or extending a grid, lands on the same folders for the points that did not change.
+    """
     readable = re.sub(r"[^A-Za-z0-9=.,_-]+", "_", override_dirname)[:80] or "defaults"
-    return f"{readable}-{hashlib.sha1(override_dirname.encode()).hexdigest()[:8]}"
+    if _root_ is None:
+        return f"{readable}-{hashlib.sha1(override_dirname.encode()).hexdigest()[:8]}"
+    from rewarduq_exp.run_folder import config_hash
+
+    task = OmegaConf.masked_copy(_root_, [k for k in _root_ if k != "hydra"])
+    return f"{readable}-{config_hash(task)[:10]}"
 
 
 def register_resolvers() -> None:

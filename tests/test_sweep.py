@@ -120,3 +120,26 @@ def test_selection_on_the_real_sweep_lists_failures_and_its_tuned_file_is_picked
                 flags=["--config-dir", str(extra), "--cfg", "job"])
     method = yaml.safe_load(shown.stdout)["method"]
     assert (method["reg_lambda"], method["center_gamma"]) == (chosen["reg_lambda"], chosen["center_gamma"])
+
+
+def test_run_folder_name_hashes_the_resolved_config():
+    from omegaconf import OmegaConf
+
+    from rewarduq_exp.cli import run_name
+    from rewarduq_exp.run_folder import config_hash
+
+    def root(**changes):
+        base = {"hydra": {"job": {"num": 3}}, "seed": 0, "method": {"learning_rate": 1e-3}, "force": False,
+                "paths": {"output_root": "a"}}
+        for key, value in changes.items():
+            OmegaConf.update(cfg := OmegaConf.create(base), key, value)
+            return cfg
+        return OmegaConf.create(base)
+
+    name = run_name("seed=0", _root_=root())
+    assert name.startswith("seed=0-") and name.endswith(config_hash(OmegaConf.masked_copy(root(), ["seed", "method",
+                                                                                                  "force", "paths"]))[:10])
+    assert run_name("seed=0", _root_=root(**{"method.learning_rate": 1e-4})) != name  # a changed default: new folder
+    assert run_name("seed=0", _root_=root(**{"paths.output_root": "b"})) == name     # where outputs go: same run
+    assert run_name("seed=0", _root_=root(**{"force": True})) == name
+    assert run_name("seed=0", _root_=root(**{"hydra.job.num": 7})) == name
