@@ -143,3 +143,31 @@ def test_run_folder_name_hashes_the_resolved_config():
     assert run_name("seed=0", _root_=root(**{"paths.output_root": "b"})) == name     # where outputs go: same run
     assert run_name("seed=0", _root_=root(**{"force": True})) == name
     assert run_name("seed=0", _root_=root(**{"hydra.job.num": 7})) == name
+
+
+def test_table1_and_figures_on_the_real_sweep(sweep, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    for script, out in (("table1.py", "table1.md"), ("figures.py", "figure3_calibration.png")):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), str(sweep["folder"]),
+                               "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert (tmp_path / out).stat().st_size > 0
+    assert "tiny-qwen3" in (tmp_path / "table1.md").read_text()
+    assert (tmp_path / "figure2_rs.png").exists() and (tmp_path / "figure5_metrics.pdf").exists()
+
+
+def test_tuned_paper_config_adds_reward_bench_to_the_default_evaluation():
+    from omegaconf import OmegaConf
+
+    from rewarduq_exp.data.registry import CONF_DIR, load_dataset_config, resolve_eval_sets
+
+    tuned = OmegaConf.load(CONF_DIR / "tuned" / "ens_mlp" / "qwen3-0.6b.yaml")
+    train_cfg = load_dataset_config("ultrafeedback", seed=0)
+    names = [es.name for es in resolve_eval_sets(None, train_cfg, 0, also=tuned.also_evaluate)]
+    assert names == ["ultrafeedback_test", "reward_bench_filtered"]
+    explicit = [es.name for es in resolve_eval_sets(["ultrafeedback_test"], train_cfg, 0, also=tuned.also_evaluate)]
+    assert explicit == ["ultrafeedback_test"]  # an explicit list replaces the default one
