@@ -1,0 +1,466 @@
+"""MCD-DPO (RewardUQ section 4.3, eq. 13): a DPO-trained policy whose implicit reward gets MC-dropout uncertainty.
+
+The whole causal LM is fine-tuned with the DPO loss (eq. 13) against the frozen base checkpoint as reference. A
+dropout layer of rate ``p`` sits on the final hidden states (after the final norm) right before the LM head; it is
+on in training (one i.i.d. mask per element, as usual) and is kept on at inference, where ``K = num_samples`` masks
+give K implicit rewards
+
+    r_k(x, y) = dpo_beta * (sum_t log p_policy,k(y_t | x, y_<t) - sum_t log p_ref(y_t | x, y_<t))
+
+summed over the completion tokens, the chat template's tokens of the assistant turn included (as the authors do).
+reward = mean_k r_k, u = unbiased std_k r_k, bounds reward ± beta * u (paper eq. 9, beta 2).
+
+Performance (DESIGN section 5):
+- training goes through TRL's ``DPOTrainer`` with ``precompute_ref_log_probs=True``: the reference log-probs are
+  computed once per pair before training, never per step, per epoch or per MC sample, and no reference copy stays in
+  memory while training. Only ``compute_loss`` is overridden (dropout before the LM head, chunked log-softmax).
+- scoring runs the transformer body once per batch; only dropout + LM head + log-softmax are repeated K times, over
+  chunks of completion positions, so no (K, B, L, V) logits tensor ever exists. The reference model (no dropout) is
+  run once per batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from tqdm.auto import tqdm
+
+from rewarduq_exp.backbone import resolve_device
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.feature_cache import write_atomic
+from rewarduq_exp.methods.base import Scores, TrainingSchedule, check_positive
+
+WEIGHTS_FILE = "policy.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------------- tokenisation
+def _messages(value) -> list[dict]:
+    """Plain list of {role, content} dicts (parquet round trips give numpy arrays of dicts)."""
+    return [{"role": str(m["role"]), "content": str(m["content"])} for m in list(value)]
+
+
+def _template_ids(tokenizer, messages, **kw) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kw)
+    return list(out["input_ids"] if isinstance(out, dict) else out)
+
+
+def tokenize_completion(tokenizer, prompt, completion) -> tuple[list[int], int]:
+    """(ids of prompt + completion, index of the first completion token).
+
+    The same split as TRL's DPO tokenisation (which training uses): the prompt is rendered with the generation prompt
+    and the completion starts where that and the full conversation diverge, so the completion holds everything the
+    template adds for the assistant turn (e.g. Qwen3's empty think block and the closing ``<|im_end|>\\n``).
+    """
+    prompt_ids = _template_ids(tokenizer, prompt, add_generation_prompt=True)
+    full = _template_ids(tokenizer, list(prompt) + list(completion))
+    start = 0
+    for a, b in zip(prompt_ids, full):
+        if a != b:
+            break
+        start += 1
+    if start >= len(full):
+        raise UserError("a completion renders to no tokens after its prompt; check the data's assistant turns")
+    return full, max(start, 1)  # the first token has no prediction; a completion never starts at position 0
+
+
+# ---------------------------------------------------------------------------------------------------- log-probs
+def _target_positions(completion_mask: torch.Tensor):
+    """Rows/positions whose hidden state predicts a completion token: h[:, t] predicts input_ids[:, t + 1]."""
+    shifted = completion_mask[:, 1:].bool()
+    rows, cols = shifted.nonzero(as_tuple=True)
+    return rows, cols
+
+
+def _token_logps(h: torch.Tensor, lm_head, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) for hidden states ``h`` (..., H) and ``targets`` (...); logits only for this chunk."""
+    logits = lm_head(h).float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def completion_logps(hidden: torch.Tensor, lm_head, input_ids: torch.Tensor, completion_mask: torch.Tensor,
+                     chunk: int, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Summed completion log-probs (B,) from final hidden states (B, L, H), in chunks of ``chunk`` positions.
+
+    With ``training`` the chunk's dropout + LM head are re-run in the backward pass (activation checkpointing), so
+    training also never keeps more than one chunk's logits.
+    """
+    rows, cols = _target_positions(completion_mask)
+    h = hidden[rows, cols]                       # (N, H): only positions that predict a completion token
+    targets = input_ids[rows, cols + 1]
+    out = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
+
+    def piece(hc, tc, keep):
+        return _token_logps(hc if keep is None else hc * keep, lm_head, tc)
+
+    for s in range(0, len(h), chunk):
+        hc, tc = h[s:s + chunk], targets[s:s + chunk]
+        # The mask is drawn outside the checkpointed function, so the backward recomputation reuses the very same
+        # mask without torch's RNG-state preservation (which costs ~10x the chunk's work on CPU).
+        keep = None
+        if dropout > 0 and training:
+            keep = (torch.rand_like(hc) >= dropout).to(hc.dtype) / (1.0 - dropout)
+        if training and torch.is_grad_enabled() and hc.is_cuda:  # CPU: checkpoint costs ~10x here, memory is no issue
+            lp = checkpoint(piece, hc, tc, keep, use_reentrant=False, preserve_rng_state=False)
+        else:
+            lp = piece(hc, tc, keep)
+        out = out.index_add(0, rows[s:s + chunk], lp)
+    return out
+
+
+def draw_masks(generator: torch.Generator, n_tokens: int, num_samples: int, hidden_size: int, p: float,
+               device, dtype) -> torch.Tensor:
+    """Scaled keep-masks (num_samples, n_tokens, H), drawn token-major.
+
+    Token-major order means the masks of consecutive tokens are consecutive draws of the generator, so on CPU the
+    masks do not depend on how the positions are chunked (the test compares chunked with one-shot computation).
+    """
+    keep = torch.rand((n_tokens, num_samples, hidden_size), generator=generator, device=device) >= p
+    return (keep.to(dtype) / (1.0 - p)).transpose(0, 1)
+
+
+@torch.no_grad()
+def mc_completion_logps(hidden: torch.Tensor, lm_head, input_ids: torch.Tensor, completion_mask: torch.Tensor,
+                        num_samples: int, p: float, generator: torch.Generator, chunk: int) -> torch.Tensor:
+    """(K, B) summed completion log-probs under K dropout masks on the final hidden states.
+
+    ``hidden`` comes from ONE forward of the transformer body. Per chunk of ``chunk`` completion positions the K
+    masked copies go through the LM head at once: (K, chunk, V) logits at most, never (K, B, L, V).
+    """
+    rows, cols = _target_positions(completion_mask)
+    h = hidden[rows, cols]
+    targets = input_ids[rows, cols + 1]
+    out = torch.zeros(num_samples, hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for s in range(0, len(h), chunk):
+        hc, tc = h[s:s + chunk], targets[s:s + chunk]
+        masks = draw_masks(generator, len(hc), num_samples, hidden.shape[-1], p, hidden.device, hidden.dtype)
+        lp = _token_logps(hc.unsqueeze(0) * masks, lm_head, tc.unsqueeze(0).expand(num_samples, -1))  # (K, c)
+        out.index_add_(1, rows[s:s + chunk], lp)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+def load_causal_lm(backbone, dtype=None):
+    """The backbone checkpoint as a causal LM, refusing a sequence classifier whose LM head would be random.
+
+    Skywork reward models are ``Qwen3ForSequenceClassification`` checkpoints: they hold the transformer body and a
+    score head, no LM head. With ``tie_word_embeddings`` the LM head is the input embedding matrix (what the Qwen3
+    0.6B-4B bases do); without it, ``from_pretrained`` would silently initialise a random LM head (the reference
+    code's bug, notes 9.3), so that case is an error.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = backbone._pretrained_kwargs()
+    config = backbone._load("config", lambda: AutoConfig.from_pretrained(backbone.source, **kw))
+    classifier = any("ForSequenceClassification" in a for a in (getattr(config, "architectures", None) or []))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if classifier and not tied:
+        raise UserError(f"model '{backbone.name}' is a sequence-classifier checkpoint without tied word embeddings: "
+                        "it has no LM head and cannot be used with method=mcd_dpo (use a causal LM or a checkpoint "
+                        "with tie_word_embeddings=true)")
+    model, info = backbone._load("weights", lambda: AutoModelForCausalLM.from_pretrained(
+        backbone.source, dtype=dtype or backbone.dtype, output_loading_info=True, **kw))
+    missing = set(info.get("missing_keys", ()))
+    head_is_embedding = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    if classifier and not head_is_embedding:
+        model.lm_head.weight = model.get_input_embeddings().weight
+        head_is_embedding = True
+    if "lm_head.weight" in missing and not head_is_embedding:
+        raise UserError(f"model '{backbone.name}' has no LM head weights (lm_head.weight missing) and untied "
+                        "embeddings: it cannot be used with method=mcd_dpo")
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------- trainer
+def _make_trainer_class():
+    from trl import DPOTrainer
+
+    class DropoutHeadDPOTrainer(DPOTrainer):
+        """TRL's DPO trainer with dropout on the final hidden states before the LM head (eq. 13, sigmoid loss).
+
+        Only ``compute_loss`` changes; TRL keeps the data pipeline, the reference pre-computation, the optimizer,
+        scheduler, accumulation and logging.
+        """
+
+        def __init__(self, *args, dropout: float, logprob_chunk: int, **kwargs):
+            self.head_dropout = dropout
+            self.logprob_chunk = logprob_chunk
+            super().__init__(*args, **kwargs)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            lm = self.accelerator.unwrap_model(model)
+            body = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+            hidden = body(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                          use_cache=False).last_hidden_state
+            logps = completion_logps(hidden, lm.lm_head, inputs["input_ids"], inputs["completion_mask"],
+                                     self.logprob_chunk, self.head_dropout, training=model.training)
+            chosen, rejected = logps.chunk(2)          # the collator stacks [chosen; rejected]
+            ref_c, ref_r = inputs["ref_chosen_logps"].float(), inputs["ref_rejected_logps"].float()
+            margin = self.beta * ((chosen - ref_c) - (rejected - ref_r))
+            loss = -F.logsigmoid(margin).mean()        # eq. 13
+            mode = "train" if model.training else "eval"
+            self._metrics[mode]["rewards/margins"].append(margin.detach().mean().item())
+            self._metrics[mode]["rewards/accuracies"].append((margin.detach() > 0).float().mean().item())
+            return (loss, {"logps": logps}) if return_outputs else loss
+
+    return DropoutHeadDPOTrainer
+
+
+# ---------------------------------------------------------------------------------------------------- method
+class McdDpo:
+    """MCD-DPO: DPO full fine-tune + MC dropout on the final hidden states (RewardUQ eq. 13)."""
+
+    name = "mcd_dpo"
+
+    def __init__(self, encoder=None, learning_rate: float = 1e-6, dpo_beta: float = 0.1, dropout: float = 0.1,
+                 num_samples: int = 20, beta: float = 2.0, batch_size: int = 64, micro_batch_size: int = 8,
+                 num_epochs: float = 1.0, warmup_ratio: float = 0.05, weight_decay: float = 0.0,
+                 seed: int = 0, device: str = "auto", show_progress: bool = True, score_batch_size: int = 8,
+                 logprob_chunk: int = 64, gradient_checkpointing: bool = True, log_every: int = 1):
+        if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
+            raise UserError(f"method.dropout={dropout} is invalid: must be in [0, 1)")
+        check_positive(num_samples, "method.num_samples", integer=True, minimum=2, inclusive=True)
+        check_positive(dpo_beta, "method.dpo_beta")
+        check_positive(beta, "method.beta", inclusive=True)
+        check_positive(micro_batch_size, "method.micro_batch_size", integer=True, minimum=1, inclusive=True)
+        check_positive(score_batch_size, "method.score_batch_size", integer=True, minimum=1, inclusive=True)
+        check_positive(logprob_chunk, "method.logprob_chunk", integer=True, minimum=1, inclusive=True)
+        self.schedule = TrainingSchedule(learning_rate=float(learning_rate), batch_size=int(batch_size),
+                                         num_epochs=float(num_epochs), warmup_ratio=float(warmup_ratio),
+                                         weight_decay=float(weight_decay))
+        self.schedule.validate()
+        if int(batch_size) % int(micro_batch_size) and int(batch_size) > int(micro_batch_size):
+            raise UserError(f"method.batch_size={batch_size} must be a multiple of method.micro_batch_size="
+                            f"{micro_batch_size} (gradient accumulation)")
+        self.encoder = encoder
+        self.dpo_beta = float(dpo_beta)
+        self.dropout = float(dropout)
+        self.num_samples = int(num_samples)
+        self.beta = float(beta)
+        self.micro_batch_size = min(int(micro_batch_size), int(batch_size))
+        self.seed = int(seed)
+        self.device = resolve_device(device)
+        self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
+        self.score_batch_size = int(score_batch_size)
+        self.logprob_chunk = int(logprob_chunk)
+        self.gradient_checkpointing = bool(gradient_checkpointing)
+        self.log_every = int(log_every)
+        self.history: list[dict] = []
+        self.fit_summary: dict = {}
+        self.policy = None
+        self.reference = None
+        self.stats = {"reference_pairs_precomputed": 0}
+
+    def hyperparameters(self) -> dict:
+        s = self.schedule
+        return {"learning_rate": s.learning_rate, "dpo_beta": self.dpo_beta, "dropout": self.dropout,
+                "num_samples": self.num_samples, "beta": self.beta, "batch_size": s.batch_size,
+                "micro_batch_size": self.micro_batch_size, "num_epochs": s.num_epochs,
+                "warmup_ratio": s.warmup_ratio, "weight_decay": s.weight_decay, "seed": self.seed}
+
+    # ------------------------------------------------------------------ models
+    @property
+    def backbone(self):
+        if self.encoder is None:
+            raise RuntimeError("McdDpo needs .encoder (a FeatureEncoder, or anything with a .backbone)")
+        return self.encoder.backbone
+
+    @property
+    def tokenizer(self):
+        return self.backbone.tokenizer
+
+    def _train_dtype(self):
+        # Trained weights stay fp32 (AdamW on bf16 weights loses small updates); a GPU run autocasts to bf16.
+        return torch.float32
+
+    def _ensure_policy(self):
+        if self.policy is None:
+            self.policy = load_causal_lm(self.backbone, dtype=self._train_dtype()).to(self.device).eval()
+        return self.policy
+
+    def _ensure_reference(self):
+        if self.reference is None:
+            ref = load_causal_lm(self.backbone)
+            ref.requires_grad_(False)
+            self.reference = ref.to(self.device).eval()
+        return self.reference
+
+    # ------------------------------------------------------------------ training
+    def _dataset(self, frame: pd.DataFrame):
+        from datasets import Dataset
+
+        return Dataset.from_dict({
+            "prompt": [_messages(p) for p in frame["prompt"]],
+            "chosen": [_messages(c) for c in frame["chosen"]],
+            "rejected": [_messages(r) for r in frame["rejected"]],
+        })
+
+    def _make_trainer(self, train: pd.DataFrame, output_dir: str):
+        from trl import DPOConfig
+
+        model = self._ensure_policy()
+        s = self.schedule
+        cuda = self.device.type == "cuda"
+        accumulation = max(1, s.batch_size // self.micro_batch_size)
+        # transformers 5 has no warmup_ratio: the same fraction of the optimizer steps, computed here.
+        total_steps = max(1, math.ceil(math.ceil(len(train) / self.micro_batch_size) / accumulation * s.num_epochs))
+        args = DPOConfig(
+            output_dir=output_dir, learning_rate=s.learning_rate, beta=self.dpo_beta, loss_type=["sigmoid"],
+            per_device_train_batch_size=self.micro_batch_size, gradient_accumulation_steps=accumulation,
+            num_train_epochs=s.num_epochs, lr_scheduler_type="cosine", warmup_steps=int(round(s.warmup_ratio * total_steps)),
+            weight_decay=s.weight_decay, optim="adamw_torch", adam_beta1=s.adam_betas[0], adam_beta2=s.adam_betas[1],
+            adam_epsilon=s.adam_eps, seed=self.seed, data_seed=self.seed,
+            precompute_ref_log_probs=True, precompute_ref_batch_size=self.score_batch_size,
+            max_length=None,                        # the run already drops over-long pairs (never truncate)
+            disable_dropout=True,                   # Qwen3's own dropouts off; our head dropout is separate
+            bf16=cuda and self.backbone.dtype == torch.bfloat16, use_cpu=not cuda,
+            gradient_checkpointing=cuda and self.gradient_checkpointing,
+            logging_steps=self.log_every, save_strategy="no", report_to=[], disable_tqdm=not self.show_progress,
+            remove_unused_columns=False, dataloader_num_workers=0,
+        )
+        Trainer = _make_trainer_class()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning)
+            trainer = Trainer(model=model, ref_model=None, args=args, train_dataset=self._dataset(train),
+                              processing_class=self.tokenizer, dropout=self.dropout, logprob_chunk=self.logprob_chunk)
+        if not self.show_progress:
+            from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+            trainer.remove_callback(PrinterCallback)  # per-step log dicts on stdout
+            trainer.remove_callback(ProgressCallback)
+        return trainer
+
+    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # noqa: A002 (contract name)
+        t0 = time.perf_counter()
+        quiet = not self.show_progress and not os.environ.get("TQDM_DISABLE")
+        if quiet:  # TRL's reference pre-computation bar only listens to this variable
+            os.environ["TQDM_DISABLE"] = "1"
+        try:
+            return self._fit(train, eval, t0)
+        finally:
+            if quiet:
+                os.environ.pop("TQDM_DISABLE", None)
+
+    def _fit(self, train: pd.DataFrame, eval: pd.DataFrame | None, t0: float) -> dict:  # noqa: A002
+        with tempfile.TemporaryDirectory(prefix="mcd_dpo-") as tmp:
+            trainer = self._make_trainer(train, tmp)
+            t_ref = time.perf_counter() - t0        # includes tokenisation and the one reference pass
+            self.stats["reference_pairs_precomputed"] += len(trainer.train_dataset)
+            t1 = time.perf_counter()
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                    warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
+                torch.manual_seed(self.seed)
+                result = trainer.train()
+            for rec in trainer.state.log_history:
+                if "loss" in rec:
+                    self.history.append({"step": int(rec["step"]), "loss": float(rec["loss"]),
+                                         "lr": float(rec.get("learning_rate", float("nan"))),
+                                         **{k: float(v) for k, v in rec.items() if k.startswith("rewards/")}})
+            self.policy = trainer.accelerator.unwrap_model(trainer.model)
+            self.policy.requires_grad_(False)
+            self.policy.eval()
+            del trainer
+        self.fit_summary = {"train_pairs": len(train), "optimizer_steps": int(result.global_step),
+                            "seconds_reference_and_tokenize": round(t_ref, 2),
+                            "seconds_training": round(time.perf_counter() - t1, 2),
+                            "final_train_loss": self.history[-1]["loss"] if self.history else float("nan")}
+        # ``eval`` is not scored here: the run scores every eval set right after fit, and MC scoring is not free.
+        return self.fit_summary
+
+    # ------------------------------------------------------------------ scoring
+    def _batches(self, prompts, completions):
+        tok = self.tokenizer
+        encoded = [tokenize_completion(tok, _messages(p), _messages(c)) for p, c in zip(prompts, completions)]
+        order = np.argsort([len(ids) for ids, _ in encoded], kind="stable")   # little padding
+        pad = tok.pad_token_id
+        for s in range(0, len(order), self.score_batch_size):
+            idx = order[s:s + self.score_batch_size]
+            width = max(len(encoded[i][0]) for i in idx)
+            ids = torch.full((len(idx), width), pad, dtype=torch.long)
+            attn = torch.zeros((len(idx), width), dtype=torch.long)
+            comp = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, i in enumerate(idx):
+                seq, start = encoded[i]
+                ids[row, :len(seq)] = torch.tensor(seq)
+                attn[row, :len(seq)] = 1
+                comp[row, start:len(seq)] = 1
+            yield idx, ids.to(self.device), attn.to(self.device), comp.to(self.device)
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.backbone.dtype == torch.bfloat16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast(self.device.type, enabled=False)
+
+    @torch.no_grad()
+    def sample_rewards(self, prompts, completions) -> np.ndarray:
+        """(n, K) implicit rewards, one column per dropout mask (masks seeded: the same call gives the same numbers)."""
+        policy, reference = self._ensure_policy().eval(), self._ensure_reference()
+        prompts, completions = list(prompts), list(completions)
+        out = np.zeros((len(prompts), self.num_samples))
+        generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        n_batches = math.ceil(len(prompts) / self.score_batch_size)
+        for idx, ids, attn, comp in tqdm(self._batches(prompts, completions), total=n_batches, desc="mcd_dpo score",
+                                         disable=not self.show_progress, leave=False):
+            with self._autocast():
+                hidden = policy.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+                logps = mc_completion_logps(hidden, policy.lm_head, ids, comp, self.num_samples, self.dropout,
+                                            generator, self.logprob_chunk)                          # (K, B)
+                ref_hidden = reference.get_decoder()(input_ids=ids, attention_mask=attn,
+                                                     use_cache=False).last_hidden_state
+                ref = completion_logps(ref_hidden, reference.lm_head, ids, comp, self.logprob_chunk)  # (B,)
+            out[idx] = (self.dpo_beta * (logps - ref.unsqueeze(0))).T.double().cpu().numpy()
+        return out
+
+    def score(self, prompts, completions) -> Scores:
+        samples = self.sample_rewards(prompts, completions)
+        reward, u = samples.mean(1), samples.std(1, ddof=1)     # unbiased std over the K masks
+        return Scores(reward=reward, lower=reward - self.beta * u, upper=reward + self.beta * u)
+
+    def score_pairs(self, frame: pd.DataFrame) -> tuple[Scores, Scores]:
+        prompts = list(frame["prompt"])
+        return self.score(prompts, list(frame["chosen"])), self.score(prompts, list(frame["rejected"]))
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, directory: str | os.PathLike) -> None:
+        """The fine-tuned policy weights (safetensors) + method.json; the reference is the base checkpoint."""
+        from safetensors.torch import save_model
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{WEIGHTS_FILE}.tmp"
+        save_model(self._ensure_policy(), str(tmp))   # handles the tied LM head / embeddings
+        os.replace(tmp, directory / WEIGHTS_FILE)
+        info = {"class": f"{type(self).__module__}.{type(self).__qualname__}", "method": self.name,
+                "hyperparameters": self.hyperparameters(), "fit_summary": self.fit_summary,
+                "weights": WEIGHTS_FILE}
+        if self.encoder is not None:
+            info["backbone"] = self.backbone.identity()
+        write_atomic(directory / "method.json", json.dumps(info, indent=1, default=str))
+
+    def load(self, directory: str | os.PathLike) -> McdDpo:
+        from safetensors.torch import load_model
+
+        directory = Path(directory)
+        info_path = directory / "method.json"
+        if not info_path.exists():
+            raise UserError(f"no saved method in {directory} (method.json missing); is this a completed run folder?")
+        info = json.loads(info_path.read_text())
+        if info["method"] != self.name:
+            raise UserError(f"{directory} holds a '{info['method']}' model, not '{self.name}'")
+        policy = load_causal_lm(self.backbone, dtype=self._train_dtype())
+        load_model(policy, str(directory / info.get("weights", WEIGHTS_FILE)), device="cpu")
+        policy.requires_grad_(False)
+        self.policy = policy.to(self.device).eval()
+        self.fit_summary = info.get("fit_summary", {})
+        return self

@@ -1,0 +1,177 @@
+"""MCD-DPO (RewardUQ eq. 13) on the tiny offline Qwen3: training, MC-dropout scoring, persistence, Skywork checks."""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from rewarduq_exp.data.synthetic import SyntheticWorld
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.methods import mcd_dpo as mod
+from rewarduq_exp.methods.mcd_dpo import McdDpo
+
+
+def _method(backbone, **kw):
+    args = dict(learning_rate=1e-3, dpo_beta=0.1, dropout=0.1, num_samples=6, batch_size=8, micro_batch_size=8,
+                num_epochs=2, device="cpu", show_progress=False, score_batch_size=8, logprob_chunk=16, seed=0)
+    args.update(kw)
+    return McdDpo(encoder=types.SimpleNamespace(backbone=backbone), **args)
+
+
+@pytest.fixture(scope="module")
+def data():
+    world = SyntheticWorld(n_train=48, n_eval=16, n_ood=16)
+    return world.load("train"), world.load("eval")
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_backbone, data):
+    train, _ = data
+    calls = {"rows": 0, "n": 0}
+    original = mod._make_trainer_class
+
+    def counting_class():
+        cls = original()
+
+        class Counting(cls):
+            def compute_ref_log_probs(self, model, inputs):
+                calls["n"] += 1
+                calls["rows"] += len(inputs["input_ids"]) // 2
+                return super().compute_ref_log_probs(model, inputs)
+
+        return Counting
+
+    mod._make_trainer_class = counting_class
+    try:
+        method = _method(tiny_backbone)
+        summary = method.fit(train)
+    finally:
+        mod._make_trainer_class = original
+    return method, summary, calls
+
+
+def test_training_reduces_loss(trained):
+    method, summary, _ = trained
+    losses = [h["loss"] for h in method.history]
+    assert summary["optimizer_steps"] == 12 and len(losses) == 12
+    assert np.mean(losses[-4:]) < np.mean(losses[:2]) - 0.05
+
+
+def test_reference_logps_computed_once_per_pair(trained):
+    # 2 epochs, 12 optimizer steps: still exactly one reference pass over the 48 pairs (TRL precompute)
+    _, _, calls = trained
+    assert calls["rows"] == 48 and calls["n"] == 6
+
+
+def test_scores_shapes_bounds_and_spread(trained, data):
+    method, _, _ = trained
+    _, ev = data
+    scores = method.score(ev["prompt"], ev["chosen"])
+    assert scores.reward.shape == scores.lower.shape == scores.upper.shape == (len(ev),)
+    assert np.all(scores.lower <= scores.reward) and np.all(scores.reward <= scores.upper)
+    assert np.all(scores.upper - scores.lower > 0)
+    again = method.score(ev["prompt"], ev["chosen"])
+    np.testing.assert_array_equal(scores.reward, again.reward)   # seeded masks
+
+
+def test_masks_give_different_logps(trained, data):
+    method, _, _ = trained
+    _, ev = data
+    samples = method.sample_rewards(ev["prompt"][:4], ev["chosen"][:4])
+    assert samples.shape == (4, method.num_samples)
+    assert np.all(samples.std(1) > 1e-6)
+    assert len(np.unique(samples[0].round(8))) == method.num_samples
+
+
+def test_backbone_runs_once_per_batch(trained, data):
+    method, _, _ = trained
+    _, ev = data
+    counts = {"policy": 0, "reference": 0, "head": 0}
+    method._ensure_reference()
+    hooks = [method.policy.get_decoder().register_forward_hook(lambda *a: counts.__setitem__("policy",
+                                                                                           counts["policy"] + 1)),
+             method.reference.get_decoder().register_forward_hook(lambda *a: counts.__setitem__(
+                 "reference", counts["reference"] + 1))]
+    try:
+        method.score(ev["prompt"], ev["chosen"])   # 16 completions, score_batch_size 8 -> 2 batches
+    finally:
+        for h in hooks:
+            h.remove()
+    assert counts == {"policy": 2, "reference": 2, "head": 0}   # not K=6 per batch
+
+
+def test_chunked_mc_logps_equal_naive_full_logits(trained, data, tokenizer):
+    method, _, _ = trained
+    _, ev = data
+    batch = next(method._batches(list(ev["prompt"][:5]), list(ev["chosen"][:5])))
+    _, ids, attn, comp = batch
+    K, p = 4, 0.2
+    policy = method.policy
+    with torch.no_grad():
+        hidden = policy.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
+        chunked = mod.mc_completion_logps(hidden, policy.lm_head, ids, comp, K, p,
+                                          torch.Generator().manual_seed(3), chunk=7)
+        # naive: one draw of all masks, full (K, B, L, V) logits, log_softmax, gather, sum over completion tokens
+        rows, cols = comp[:, 1:].bool().nonzero(as_tuple=True)
+        masks = mod.draw_masks(torch.Generator().manual_seed(3), len(rows), K, hidden.shape[-1], p, "cpu",
+                               hidden.dtype)
+        full_masks = torch.ones(K, *hidden.shape)
+        full_masks[:, rows, cols] = masks
+        logits = policy.lm_head(hidden.unsqueeze(0) * full_masks)              # (K, B, L, V)
+        logp = torch.log_softmax(logits[:, :, :-1], -1).gather(-1, ids[:, 1:].expand(K, -1, -1).unsqueeze(-1))
+        naive = (logp.squeeze(-1) * comp[:, 1:]).sum(-1)
+        # and with p=0 the chunked path equals the model's own forward logits
+        plain = mod.completion_logps(hidden, policy.lm_head, ids, comp, chunk=5)
+        ref_logits = policy(input_ids=ids, attention_mask=attn).logits
+        lp = torch.log_softmax(ref_logits[:, :-1], -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        plain_naive = (lp * comp[:, 1:]).sum(-1)
+    # float32 sums of ~10-40 token log-probs: agree to 1e-4 (absolute, on values of order -100)
+    torch.testing.assert_close(chunked, naive, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(plain, plain_naive, atol=1e-4, rtol=1e-5)
+
+
+def test_save_load_identical_scores(trained, data, tiny_backbone, tmp_path):
+    method, _, _ = trained
+    _, ev = data
+    method.save(tmp_path)
+    assert (tmp_path / "method.json").exists() and (tmp_path / mod.WEIGHTS_FILE).exists()
+    before = method.score(ev["prompt"], ev["rejected"])
+    fresh = _method(tiny_backbone).load(tmp_path)
+    after = fresh.score(ev["prompt"], ev["rejected"])
+    np.testing.assert_array_equal(before.reward, after.reward)
+    np.testing.assert_array_equal(before.upper, after.upper)
+
+
+@pytest.fixture(scope="module")
+def classifier_backbones(tiny_backbone, tmp_path_factory, tiny_model_cfg):
+    from omegaconf import OmegaConf
+
+    from rewarduq_exp.backbone import Backbone
+    from rewarduq_exp.tiny_classifier import build_tiny_sequence_classifier
+
+    root = tmp_path_factory.mktemp("skywork")
+    out = {}
+    for tied in (True, False):
+        path = build_tiny_sequence_classifier(tiny_backbone.source, root / f"cls-tied-{tied}", tie_word_embeddings=tied)
+        cfg = OmegaConf.merge(tiny_model_cfg, {"name": f"tiny-skywork-{tied}", "builder": None, "path": str(path)})
+        out[tied] = Backbone(cfg, cache_dir=root, device="cpu")
+    return out
+
+
+def test_skywork_tied_classifier_uses_embeddings_as_lm_head(classifier_backbones):
+    model = mod.load_causal_lm(classifier_backbones[True])
+    assert torch.equal(model.lm_head.weight, model.get_input_embeddings().weight)
+
+
+def test_skywork_untied_classifier_is_refused(classifier_backbones):
+    with pytest.raises(UserError, match="no LM head and cannot be used with method=mcd_dpo"):
+        mod.load_causal_lm(classifier_backbones[False])
+
+
+@pytest.mark.parametrize("kw, key", [({"dropout": 1.0}, "dropout"), ({"dropout": -0.1}, "dropout"),
+                                     ({"num_samples": 1}, "num_samples"), ({"dpo_beta": 0.0}, "dpo_beta"),
+                                     ({"learning_rate": -1.0}, "learning_rate")])
+def test_bad_hyperparameters(kw, key):
+    with pytest.raises(UserError, match=f"method.{key}="):
+        McdDpo(**kw)
