@@ -25,6 +25,7 @@ from rewarduq_exp.errors import UserError
 from rewarduq_exp.evaluation import evaluate_method
 from rewarduq_exp.features import FeatureEncoder
 from rewarduq_exp.loggers import make_logger
+from rewarduq_exp.methods.base import FeatureHeadMethod
 from rewarduq_exp.metrics import check_alphas, check_n_bins
 from rewarduq_exp.metrics.reward_bench import check_scoring
 from rewarduq_exp.run_folder import RunFolder, config_hash, write_json
@@ -191,10 +192,15 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_se
         blocks[name] = metrics
         logger.log_metrics(name, metrics, figures)
     folder.write_metrics(blocks)
-    info = {"fit": fit_summary, "features": encoder.stats, "token_count_cache": count.stats, "seconds_total": round(time.perf_counter() - t0, 2)}
+    uses_features = isinstance(method, FeatureHeadMethod)  # fine-tuning methods run the backbone themselves
+    info = {"fit": fit_summary, "token_count_cache": count.stats, "seconds_total": round(time.perf_counter() - t0, 2)}
+    if uses_features:
+        info["features"] = encoder.stats
+        logger.log_summary({"features/backbone_forward_passes": encoder.stats["backbone_forward_passes"]})
+    if getattr(method, "stats", None):
+        info["method"] = method.stats
     folder.finish(**info)
-    logger.log_summary({"features/backbone_forward_passes": encoder.stats["backbone_forward_passes"]})
-    _print_summary(out, blocks, encoder)
+    _print_summary(out, blocks, encoder if uses_features else None)
     return blocks
 
 
@@ -204,7 +210,8 @@ def _print_summary(out: Path, blocks: dict, encoder) -> None:
     if len(widths) > 1:
         lines.append("mean uncertainty (reward-interval width): "
                      + ", ".join(f"{k} {v:.4f}" for k, v in widths.items()))
-    stats = encoder.stats
-    lines.append(f"backbone forward passes: {stats['backbone_forward_passes']} "
-                 f"(feature cache: {stats['cache_hits']} hits, {stats['cache_misses']} misses)")
+    stats = encoder.stats if encoder is not None else None
+    if stats is not None:
+        lines.append(f"backbone forward passes: {stats['backbone_forward_passes']} "
+                     f"(feature cache: {stats['cache_hits']} hits, {stats['cache_misses']} misses)")
     print("\n".join(lines), flush=True)
