@@ -1,0 +1,483 @@
+"""ENS-LoRA: an ensemble of K LoRA adapters on one frozen backbone, each with its own linear reward head
+(RewardUQ section 4.2, Appendix B.2).
+
+All K members live on ONE base model (PEFT ``get_peft_model`` + ``add_adapter``). A member's reward is its linear
+head applied to the final hidden state (after the last RMSNorm) of the last real token of the chat-template-rendered
+prompt + completion. Members differ from the start: member k's LoRA A matrices and head come from a seed derived from
+(seed, k). (LoRA B starts at zero, so with a pretrained Skywork head all members start from the same rewards and
+diverge through their different A matrices.)
+
+Loss of member k (eq. 11): Bradley-Terry NLL (weighted by the pair weight) + lambda * mean over the member's
+trainable parameters of the squared deviation from their initial values + gamma * mean (r_c + r_r)^2. The anchor is
+differentiable (the reference code's was gradient-free and an unsquared L2 norm; notes/reference-rewarduq.md 9.4).
+The ensemble's loss is the SUM of the member losses, so each member gets exactly the gradient of its own
+independent run; gradients are clipped per member (max_grad_norm, the HF Trainer default 1.0 the authors trained
+with). Every member sees the same minibatch (one job trains the whole ensemble).
+
+One forward can serve all members: the batch is replicated K times and each row is routed to its member's adapter with
+PEFT's ``adapter_names=`` (mixed-adapter batch; notes/ecosystem.md 3.1). PEFT refuses ``adapter_names`` in train
+mode, so training runs the model in eval mode with only ``nn.Dropout`` modules switched back to train. Gradient
+checkpointing recomputes the forward during backward without PEFT's routing hooks, so with it on, training falls back
+to one pass per member (``set_adapter``). Scoring can use the same mixed batch (``mixed_adapter_scoring``), checked in
+the tests to equal K sequential ``set_adapter`` passes. Both default to ``auto``: mixed on GPU, one pass per member on
+CPU, where the mixed batch measured slower (it saves no FLOPs; see ``_mixed_flag``).
+
+reward = mean over members, u = unbiased std over members, bounds reward ± beta * u (eq. 9).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from rewarduq_exp.backbone import resolve_device
+from rewarduq_exp.data.contract import render_all
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.feature_cache import write_atomic
+from rewarduq_exp.methods.base import Scores, TrainingSchedule, bradley_terry_nll, check_positive, weighted_mean
+
+HEAD_INITS = ("auto", "pretrained", "fresh")
+
+
+@contextmanager
+def _quiet_peft():
+    """PEFT 0.21 calls transformers' deprecated ``is_gradient_checkpointing`` (a FutureWarning per model): noise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
+def _mixed_flag(value, key: str, device: torch.device) -> bool:
+    """auto = mixed-adapter batches on GPU only. On CPU the replicated batch does the same FLOPs as K passes plus
+    PEFT's per-adapter gather/scatter, and measured slower (scripts/bench_lora.py: scoring 0.76-0.87x, training
+    0.61x on 2 cores); on GPU it replaces K small launches by one large one."""
+    if value == "auto":
+        return device.type == "cuda"
+    if isinstance(value, bool):
+        return value
+    raise UserError(f"{key}={value!r} is invalid; allowed: auto, true, false")
+
+
+def member_seed(seed: int, k: int) -> int:
+    return (int(seed) * 1_000_003 + 7919 * (k + 1)) % (2**31 - 1)
+
+
+class EnsLoRA:
+    name = "ens_lora"
+
+    def __init__(self, encoder=None, num_members: int = 8, lora_rank: int = 16, lora_alpha: float = 32,
+                 lora_dropout: float = 0.0, target_modules="all-linear", learning_rate: float = 1e-4,
+                 reg_lambda: float = 0.01, center_gamma: float = 0.01, beta: float = 2.0, batch_size: int = 16,
+                 num_epochs: float = 1.0, warmup_ratio: float = 0.05, weight_decay: float = 0.0,
+                 adam_betas=(0.9, 0.999), adam_eps: float = 1e-8, max_grad_norm: float | None = 1.0,
+                 head_init: str = "auto", mixed_adapter_training="auto", mixed_adapter_scoring="auto",
+                 gradient_checkpointing: bool = False, score_batch_size: int = 16, seed: int = 0,
+                 device: str = "auto", show_progress: bool = True, log_every: int = 10):
+        self.encoder = encoder
+        self.num_members = int(check_positive(num_members, "method.num_members", integer=True, minimum=2,
+                                              inclusive=True))
+        self.lora_rank = int(check_positive(lora_rank, "method.lora_rank", integer=True, minimum=1, inclusive=True))
+        self.lora_alpha = float(check_positive(lora_alpha, "method.lora_alpha"))
+        if not 0 <= lora_dropout < 1:
+            raise UserError(f"method.lora_dropout={lora_dropout} is invalid: must be in [0, 1)")
+        self.lora_dropout = float(lora_dropout)
+        if isinstance(target_modules, str):
+            self.target_modules = target_modules
+        else:
+            self.target_modules = [str(m) for m in target_modules]
+            if not self.target_modules:
+                raise UserError("method.target_modules is empty: use all-linear or a list of module names")
+        self.reg_lambda = float(check_positive(reg_lambda, "method.reg_lambda", inclusive=True))
+        self.center_gamma = float(check_positive(center_gamma, "method.center_gamma", inclusive=True))
+        self.beta = float(check_positive(beta, "method.beta"))
+        self.schedule = TrainingSchedule(learning_rate, batch_size, num_epochs, warmup_ratio, weight_decay,
+                                         tuple(adam_betas), adam_eps)
+        self.schedule.validate()
+        if max_grad_norm is not None:
+            check_positive(max_grad_norm, "method.max_grad_norm")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        if head_init not in HEAD_INITS:
+            raise UserError(f"method.head_init={head_init!r} is invalid; allowed: {', '.join(HEAD_INITS)}")
+        self.head_init = head_init
+        self.gradient_checkpointing = bool(gradient_checkpointing)
+        self.score_batch_size = int(check_positive(score_batch_size, "method.score_batch_size", integer=True,
+                                                   minimum=1, inclusive=True))
+        self.seed = int(seed)
+        self.device = resolve_device(device)
+        self.mixed_adapter_training = _mixed_flag(mixed_adapter_training, "method.mixed_adapter_training",
+                                                  self.device)
+        self.mixed_adapter_scoring = _mixed_flag(mixed_adapter_scoring, "method.mixed_adapter_scoring", self.device)
+        self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
+        self.log_every = int(check_positive(log_every, "method.log_every", integer=True, minimum=1, inclusive=True))
+        self.history: list[dict] = []
+        self.fit_summary: dict = {}
+        self.model = None          # PeftModel holding the K adapters
+        self.head: nn.Parameter | None = None  # (K, d) linear heads, no bias (a shift cancels in every BT margin)
+        self.head_init_used: str | None = None
+
+    @property
+    def member_names(self) -> list[str]:
+        return [f"m{k}" for k in range(self.num_members)]
+
+    def hyperparameters(self) -> dict:
+        return {"num_members": self.num_members, "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
+                "lora_dropout": self.lora_dropout, "target_modules": self.target_modules,
+                "reg_lambda": self.reg_lambda, "center_gamma": self.center_gamma, "beta": self.beta,
+                **vars(self.schedule), "max_grad_norm": self.max_grad_norm, "head_init": self.head_init,
+                "head_init_used": self.head_init_used, "seed": self.seed}
+
+    # ------------------------------------------------------------------ building
+    def _backbone(self):
+        if self.encoder is None:
+            raise RuntimeError(f"{type(self).__name__} needs an encoder with a backbone (set .encoder)")
+        return self.encoder.backbone
+
+    def _resolve_head_init(self) -> str:
+        if self.head_init != "auto":
+            return self.head_init
+        return "pretrained" if self._backbone().name.startswith("skywork-") else "fresh"
+
+    def _load_base(self, with_score_head: bool):
+        """The frozen transformer body (and, for Skywork-style checkpoints, its (1, d) score weight)."""
+        from transformers import AutoModel, AutoModelForSequenceClassification
+
+        bb = self._backbone()
+        kw = bb._pretrained_kwargs()
+        if with_score_head:
+            seq = bb._load("weights", lambda: AutoModelForSequenceClassification.from_pretrained(
+                bb.source, dtype=bb.dtype, **kw))
+            score = getattr(seq, "score", None)
+            if score is None or score.weight.shape[0] != 1:
+                raise UserError(f"method.head_init=pretrained needs a single-output sequence classifier, but model "
+                                f"'{bb.name}' has no 1-logit score head; use method.head_init=fresh")
+            weight = score.weight.detach().float().clone()
+            base = getattr(seq, seq.base_model_prefix)
+        else:
+            base, weight = bb._load("weights", lambda: AutoModel.from_pretrained(bb.source, dtype=bb.dtype, **kw)), None
+        base.requires_grad_(False)
+        return base.to(self.device), weight
+
+    def _lora_config(self):
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.lora_rank, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                          target_modules=self.target_modules, bias="none")
+
+    def _build(self) -> None:
+        from peft import get_peft_model
+
+        self.head_init_used = self._resolve_head_init()
+        base, pretrained = self._load_base(self.head_init_used == "pretrained")
+        cfg = self._lora_config()
+        d = int(base.config.hidden_size)
+        heads = []
+        for k, name in enumerate(self.member_names):
+            # Member k's LoRA A init (global RNG inside PEFT) and its head come from its own seed.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(member_seed(self.seed, k))
+                if k == 0:
+                    with _quiet_peft():
+                        self.model = get_peft_model(base, cfg, adapter_name=name)
+                else:
+                    self.model.add_adapter(name, cfg)
+            if pretrained is not None:
+                heads.append(pretrained[0].clone())
+            else:
+                # Xavier-normal for a (d -> 1) layer: initial rewards of order 1 that differ between members.
+                g = torch.Generator().manual_seed(member_seed(self.seed, k) + 1)
+                heads.append(torch.randn(d, generator=g) * math.sqrt(2.0 / (d + 1)))
+        self.head = nn.Parameter(torch.stack(heads).to(self.device))
+        self._finish_model()
+
+    def _finish_model(self) -> None:
+        self.model.eval()
+
+    def _lora_params(self) -> list[list[nn.Parameter]]:
+        """Per member, its LoRA parameters (by adapter name in the parameter path)."""
+        groups = {name: [] for name in self.member_names}
+        for pname, p in self.model.named_parameters():
+            if "lora_" not in pname:
+                continue
+            for name in self.member_names:
+                if f".{name}." in pname or pname.endswith(f".{name}"):
+                    groups[name].append(p)
+                    break
+        return [groups[n] for n in self.member_names]
+
+    # ------------------------------------------------------------------ forward
+    def _tokenize(self, texts: list[str]) -> list[list[int]]:
+        # The template already holds the special tokens; the data was length-filtered, so nothing is truncated.
+        return self._backbone().tokenizer(list(texts), add_special_tokens=False, truncation=False)["input_ids"]
+
+    def _pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        pad_id = self._backbone().tokenizer.pad_token_id or 0
+        length = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), length), dtype=torch.long)
+        for i, s in enumerate(seqs):  # right padding: the last real token sits at mask.sum - 1
+            ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[i, :len(s)] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _autocast(self):
+        dtype = self._backbone().dtype
+        if self.device.type == "cuda" and dtype != torch.float32:
+            return torch.autocast("cuda", dtype=dtype)
+        return torch.autocast(self.device.type, enabled=False)
+
+    def _pooled(self, ids, mask, adapter_names=None) -> torch.Tensor:
+        kwargs = {"adapter_names": adapter_names} if adapter_names is not None else {}
+        with self._autocast():
+            hidden = self.model(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs).last_hidden_state
+        last = mask.sum(1) - 1
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
+
+    def member_rewards_ids(self, ids, mask, mixed: bool) -> torch.Tensor:
+        """Rewards (K, B) of a right-padded batch, all members in one mixed forward or K sequential passes."""
+        K, B = self.num_members, ids.shape[0]
+        if mixed:
+            names = [n for n in self.member_names for _ in range(B)]
+            z = self._pooled(ids.repeat(K, 1), mask.repeat(K, 1), names).view(K, B, -1)
+            return (z * self.head[:, None, :]).sum(-1)
+        out = []
+        for k, name in enumerate(self.member_names):
+            self.model.set_adapter(name)
+            out.append(self._pooled(ids, mask) @ self.head[k])
+        return torch.stack(out)
+
+    # ------------------------------------------------------------------ training
+    def _anchor(self, groups, initial) -> torch.Tensor:
+        """(K,) per member: mean over its trainable parameters of (theta - theta_0)^2 (differentiable)."""
+        return torch.stack([self._anchor_one(k, p, i) for k, (p, i) in enumerate(zip(groups, initial))])
+
+    def _member_losses(self, rc, rr, weight, groups, initial) -> tuple[torch.Tensor, dict]:
+        bt = torch.stack([weighted_mean(bradley_terry_nll(rc[k] - rr[k]), weight) for k in range(len(rc))])
+        center = torch.stack([weighted_mean((rc[k] + rr[k]).pow(2), weight) for k in range(len(rc))])
+        if self.reg_lambda > 0:
+            anchor = self._anchor(groups, initial)
+        else:
+            anchor = torch.zeros(len(rc), device=rc.device)
+        losses = bt + self.reg_lambda * anchor + self.center_gamma * center
+        return losses, {"loss_bt": bt.detach().mean(), "loss_anchor": anchor.detach().mean(),
+                        "loss_center": center.detach().mean()}
+
+    def _clip_per_member(self, groups) -> None:
+        if self.max_grad_norm is None:
+            return
+        for k, params in enumerate(groups):
+            grads = [p.grad for p in params if p.grad is not None]
+            sq = self.head.grad[k].pow(2).sum() + sum(g.pow(2).sum() for g in grads)
+            scale = (self.max_grad_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(scale)
+            self.head.grad[k].mul_(scale)
+
+    def _train_mode(self, mixed: bool) -> None:
+        if mixed:
+            # PEFT rejects adapter_names in train mode: eval everywhere, dropout (if any) back on.
+            self.model.eval()
+            for m in self.model.modules():
+                if isinstance(m, nn.Dropout):
+                    m.train()
+        else:
+            self.model.train()
+
+    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:
+        from transformers import get_cosine_schedule_with_warmup
+
+        t0 = time.perf_counter()
+        self._build()
+        self.history = []
+        tok = self._backbone().tokenizer
+        n = len(train)
+        chosen = self._tokenize(render_all(tok, train["prompt"], train["chosen"]))
+        rejected = self._tokenize(render_all(tok, train["prompt"], train["rejected"]))
+        weight_all = torch.tensor(train["weight"].to_numpy(dtype=np.float32))
+        t_tok = time.perf_counter() - t0
+
+        groups = self._lora_params()
+        for params in groups:
+            for p in params:
+                p.requires_grad_(True)
+        initial = [[p.detach().clone() for p in params] for params in groups]
+        self._head0 = self.head.detach().clone()
+        mixed = self.mixed_adapter_training and not self.gradient_checkpointing
+        if self.gradient_checkpointing:
+            self.model.base_model.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        s = self.schedule
+        params = [p for g in groups for p in g] + [self.head]
+        optimizer = torch.optim.AdamW(params, lr=s.learning_rate, betas=tuple(s.adam_betas), eps=s.adam_eps,
+                                      weight_decay=s.weight_decay)
+        steps_per_epoch = math.ceil(n / s.batch_size)
+        total = max(1, math.ceil(steps_per_epoch * s.num_epochs))
+        scheduler = get_cosine_schedule_with_warmup(optimizer, round(s.warmup_ratio * total), total)
+        generator = torch.Generator().manual_seed(self.seed)
+        order = torch.empty(0, dtype=torch.long)
+        self._train_mode(mixed)
+        t1 = time.perf_counter()
+        bar = tqdm(range(total), desc=f"{self.name} training", unit="step", disable=not self.show_progress,
+                   leave=False)
+        for step in bar:
+            start = (step % steps_per_epoch) * s.batch_size
+            if start == 0:
+                order = torch.randperm(n, generator=generator)
+            index = order[start:start + s.batch_size].tolist()
+            b = len(index)
+            ids, mask = self._pad([chosen[i] for i in index] + [rejected[i] for i in index])
+            weight = weight_all[index].to(self.device)
+            optimizer.zero_grad(set_to_none=True)
+            if mixed:
+                r = self.member_rewards_ids(ids, mask, mixed=True)          # (K, 2b), one forward
+                losses, parts = self._member_losses(r[:, :b], r[:, b:], weight, groups, initial)
+                losses.sum().backward()
+            else:
+                # One pass per member (gradient checkpointing, or mixed training switched off).
+                rows = []
+                for k, name in enumerate(self.member_names):
+                    self.model.set_adapter(name)
+                    rk = self._pooled(ids, mask) @ self.head[k]
+                    bt = weighted_mean(bradley_terry_nll(rk[:b] - rk[b:]), weight)
+                    center = weighted_mean((rk[:b] + rk[b:]).pow(2), weight)
+                    anchor = (self._anchor_one(k, groups[k], initial[k]) if self.reg_lambda > 0
+                              else torch.zeros((), device=rk.device))
+                    (bt + self.reg_lambda * anchor + self.center_gamma * center).backward()
+                    rows.append((bt.detach(), anchor.detach(), center.detach()))
+                bt, anchor, center = (torch.stack(x) for x in zip(*rows))
+                losses = bt + self.reg_lambda * anchor + self.center_gamma * center
+                parts = {"loss_bt": bt.mean(), "loss_anchor": anchor.mean(), "loss_center": center.mean()}
+            self._clip_per_member(groups)
+            optimizer.step()
+            scheduler.step()
+            if step % self.log_every == 0 or step == total - 1:
+                record = {"step": step + 1, "loss": float(losses.detach().mean()), "lr": scheduler.get_last_lr()[0],
+                          **{k: float(v) for k, v in parts.items()}}
+                self.history.append(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}")
+        if self.gradient_checkpointing:
+            self.model.base_model.model.gradient_checkpointing_disable()
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.head.requires_grad_(False)
+        self.fit_summary = {"train_pairs": n, "num_members": self.num_members, "steps": total,
+                            "mixed_adapter_training": mixed, "head_init": self.head_init_used,
+                            "seconds_tokenize": round(t_tok, 3), "seconds_training": time.perf_counter() - t1}
+        if self.history:
+            self.fit_summary["final_train_loss"] = self.history[-1]["loss"]
+        if eval is not None:
+            c, r = self.score_pairs(eval)
+            m = torch.as_tensor(c.reward - r.reward)
+            self.fit_summary["eval_bt_loss"] = float(bradley_terry_nll(m).mean())
+            self.fit_summary["eval_win_rate"] = float((m > 0).double().mean())
+        return self.fit_summary
+
+    def _anchor_one(self, k, params, inits) -> torch.Tensor:
+        sq = (self.head[k] - self._head0[k]).pow(2).sum()
+        count = self.head.shape[1]
+        for p, p0 in zip(params, inits):
+            sq = sq + (p - p0).pow(2).sum()
+            count += p.numel()
+        return sq / count
+
+    # ------------------------------------------------------------------ scoring
+    @torch.no_grad()
+    def member_rewards(self, texts: list[str], mixed: bool | None = None) -> torch.Tensor:
+        """Rewards (K, N) of rendered texts; batches sorted by length (little padding)."""
+        if self.model is None:
+            raise RuntimeError("ENS-LoRA is not trained or loaded yet (call fit or load)")
+        mixed = self.mixed_adapter_scoring if mixed is None else mixed
+        self.model.eval()
+        seqs = self._tokenize(texts)
+        order = np.argsort([len(s) for s in seqs], kind="stable")
+        out = torch.empty(self.num_members, len(seqs), dtype=torch.float64)
+        bar = tqdm(range(0, len(seqs), self.score_batch_size), desc=f"{self.name} scoring", unit="batch",
+                   disable=not self.show_progress, leave=False)
+        for i in bar:
+            idx = order[i:i + self.score_batch_size]
+            ids, mask = self._pad([seqs[j] for j in idx])
+            out[:, torch.as_tensor(idx)] = self.member_rewards_ids(ids, mask, mixed).double().cpu()
+        return out
+
+    def _scores(self, rewards: torch.Tensor) -> Scores:
+        reward = rewards.mean(0).numpy()
+        u = rewards.std(0, unbiased=True).numpy()
+        return Scores(reward=reward, lower=reward - self.beta * u, upper=reward + self.beta * u)
+
+    def score(self, prompts, completions) -> Scores:
+        texts = render_all(self._backbone().tokenizer, list(prompts), list(completions))
+        return self._scores(self.member_rewards(texts))
+
+    def score_pairs(self, frame: pd.DataFrame) -> tuple[Scores, Scores]:
+        """Chosen and rejected scores of a preference frame, in one length-sorted pass over both."""
+        n = len(frame)
+        texts = render_all(self._backbone().tokenizer, list(frame["prompt"]) * 2,
+                           list(frame["chosen"]) + list(frame["rejected"]))
+        rewards = self.member_rewards(texts)
+        return self._scores(rewards[:, :n]), self._scores(rewards[:, n:])
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, directory: str | os.PathLike) -> None:
+        """Adapters (PEFT safetensors, one folder per member) + heads (safetensors) + method.json; no base."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / ".adapters.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(str(tmp), selected_adapters=self.member_names, safe_serialization=True)
+        shutil.rmtree(directory / "adapters", ignore_errors=True)
+        os.replace(tmp, directory / "adapters")
+        tmp_heads = directory / ".heads.safetensors.tmp"
+        save_file({"weight": self.head.detach().float().cpu().contiguous()}, str(tmp_heads))
+        os.replace(tmp_heads, directory / "heads.safetensors")
+        info = {"class": f"{type(self).__module__}.{type(self).__qualname__}", "method": self.name,
+                "hyperparameters": self.hyperparameters(), "members": self.member_names,
+                "fit_summary": self.fit_summary}
+        if self.encoder is not None:
+            info["backbone"] = self._backbone().identity()
+        write_atomic(directory / "method.json", json.dumps(info, indent=1, default=str))
+
+    def load(self, directory: str | os.PathLike) -> EnsLoRA:
+        from peft import PeftModel
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        info_path = directory / "method.json"
+        if not info_path.exists():
+            raise UserError(f"no saved method in {directory} (method.json missing); is this a completed run folder?")
+        info = json.loads(info_path.read_text())
+        if info["method"] != self.name:
+            raise UserError(f"{directory} holds a '{info['method']}' model, not '{self.name}'")
+        members = info["members"]
+        if len(members) != self.num_members:
+            raise UserError(f"saved model has {len(members)} members but method.num_members={self.num_members}")
+        saved_bb = info.get("backbone", {}).get("name")
+        if saved_bb is not None and saved_bb != self._backbone().name:
+            raise UserError(f"{directory} was trained on backbone '{saved_bb}', not model={self._backbone().name}")
+        base, _ = self._load_base(with_score_head=False)  # the trained heads replace any pretrained one
+        adapters = directory / "adapters"
+        # Local folders only, loaded as safetensors: nothing is executed.
+        with _quiet_peft():
+            self.model = PeftModel.from_pretrained(base, str(adapters / members[0]), adapter_name=members[0])
+        for name in members[1:]:
+            self.model.load_adapter(str(adapters / name), adapter_name=name)
+        self.model.to(self.device)
+        self.head = nn.Parameter(load_file(str(directory / "heads.safetensors"))["weight"].to(self.device),
+                                 requires_grad=False)
+        self.head_init_used = info["hyperparameters"].get("head_init_used")
+        self.fit_summary = info.get("fit_summary", {})
+        self._finish_model()
+        return self
