@@ -26,6 +26,8 @@ test: setup
 bench: setup
 	$(PY) scripts/bench_heads.py
 	$(PY) scripts/bench_data.py
+	$(PY) scripts/bench_lora.py
+	$(PY) scripts/bench_mcd.py
 
 clean:
 	rm -rf outputs .pytest_cache
