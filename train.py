@@ -6,7 +6,8 @@ from pathlib import Path
 
 import hydra
 
-from rewarduq_exp.cli import check_group_choices, register_resolvers
+from rewarduq_exp.cli import check_group_choices, fail, register_resolvers
+from rewarduq_exp.distributed import launcher_overrides
 
 register_resolvers()
 
@@ -30,4 +31,9 @@ def let_sweep_jobs_import_this_repo() -> None:
 if __name__ == "__main__":
     let_sweep_jobs_import_this_repo()
     check_group_choices(sys.argv[1:])
+    # torchrun / accelerate launch: one shared run folder (hydra.run.dir required), .hydra/ written by rank 0 only.
+    extra, error = launcher_overrides(sys.argv[1:])
+    if error:
+        fail(error)
+    sys.argv += extra
     main()

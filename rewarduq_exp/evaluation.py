@@ -100,5 +100,6 @@ def evaluate_method(method, data: pd.DataFrame, name: str, folder: RunFolder, me
     predictions = score_method(method, data)
     folder.write_predictions(name, predictions)
     metrics = score_predictions(predictions, metric_cfg)
-    figures = diagrams(predictions, folder.figures_dir(name), metric_cfg, title=name)
+    # Diagrams are files of the run folder: only its writer (rank 0 under torchrun) draws them.
+    figures = diagrams(predictions, folder.figures_dir(name), metric_cfg, title=name) if getattr(folder, "writer", True) else []
     return metrics, figures

@@ -42,8 +42,11 @@ def write_json(path: Path, obj) -> None:
 
 
 class RunFolder:
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, writer: bool = True):
         self.root = Path(root)
+        # Under torchrun / accelerate every process holds a RunFolder on the same directory; only the main one is
+        # the writer (status, metrics, predictions). The others read, and write only a failure of their own (below).
+        self.writer = writer
 
     # ------------------------------------------------------------------ paths
     @property
@@ -76,10 +79,14 @@ class RunFolder:
 
     def start(self, chash: str) -> None:
         self._started = time.time()
+        if not self.writer:
+            return
         write_json(self.status_path, {"state": "running", "config_hash": chash, "started_at": _now(),
                                       "host": socket.gethostname(), "pid": os.getpid()})
 
     def finish(self, **info) -> None:
+        if not self.writer:
+            return
         st = self.status()
         st.update(state="completed", finished_at=_now(), seconds=round(time.time() - self._started, 2), **info)
         st.pop("error", None)
@@ -87,8 +94,12 @@ class RunFolder:
         write_json(self.status_path, st)
 
     def fail(self, err: BaseException, with_traceback: bool = True) -> None:
+        # Every process records its own failure: when a non-main process dies the launcher kills the main one with
+        # SIGTERM (no Python exception), so otherwise status.json would say "running" forever.
         st = self.status()
         st.update(state="failed", finished_at=_now(), error=f"{type(err).__name__}: {one_line(err)}")
+        if not self.writer:
+            st["failed_rank"] = _rank()
         if hasattr(self, "_started"):
             st["seconds"] = round(time.time() - self._started, 2)
         if with_traceback:
@@ -102,11 +113,15 @@ class RunFolder:
         return json.loads(self.metrics_path.read_text())
 
     def write_metrics(self, blocks: dict[str, dict], merge: bool = False) -> None:
+        if not self.writer:
+            return
         data = {**self.read_metrics(), **blocks} if merge else blocks
         write_json(self.metrics_path, data)
 
     def write_predictions(self, dataset: str, frame: pd.DataFrame) -> Path:
         path = self.predictions_path(dataset)
+        if not self.writer:
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
@@ -117,6 +132,12 @@ class RunFolder:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return path
+
+
+def _rank() -> int:
+    from rewarduq_exp.distributed import rank
+
+    return rank()
 
 
 def _now() -> str:

@@ -21,10 +21,11 @@ from rewarduq_exp.cli import in_multirun, report_user_error
 from rewarduq_exp.data.contract import data_kind, filter_by_length, validate_preferences
 from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
 from rewarduq_exp.data.token_counter import TokenCounter
+from rewarduq_exp.distributed import is_main, world_size
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.evaluation import evaluate_method
 from rewarduq_exp.features import FeatureEncoder
-from rewarduq_exp.loggers import make_logger
+from rewarduq_exp.loggers import NullLogger, make_logger
 from rewarduq_exp.methods.base import FeatureHeadMethod
 from rewarduq_exp.metrics import check_alphas, check_n_bins
 from rewarduq_exp.metrics.reward_bench import check_scoring
@@ -100,7 +101,10 @@ def check_eval_kind(name: str, loader) -> None:
 
 def train(cfg: DictConfig) -> dict | None:
     out = Path(HydraConfig.get().runtime.output_dir)
-    folder = RunFolder(out)
+    # torchrun / accelerate launch: every process trains and scores, only rank 0 writes the run folder.
+    folder = RunFolder(out, writer=is_main())
+    if not folder.writer:
+        _leave_log_file_to_rank0()
     try:
         require_complete(cfg)
     except UserError as err:
@@ -110,7 +114,8 @@ def train(cfg: DictConfig) -> dict | None:
     if not cfg.force and folder.is_completed(chash):
         log.info("skipping %s: already completed with this config (force=true re-runs it)", out)
         blocks = folder.read_metrics()
-        print(summary_table(blocks), flush=True)
+        if folder.writer:
+            print(summary_table(blocks), flush=True)
         return blocks
     folder.start(chash)
     try:
@@ -140,7 +145,7 @@ def _train(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
     eval_loaders = {es.name: loader if es.config is cfg.dataset else build_loader(es.config) for es in eval_sets}
     check_data_kinds(loader, eval_loaders)
     seed_everything(int(cfg.seed))
-    logger = make_logger(cfg, out, out.name)
+    logger = make_logger(cfg, out, out.name) if folder.writer else NullLogger()
     failed = True
     try:
         blocks = _fit_and_evaluate(cfg, out, folder, method, loader, eval_sets, eval_loaders, logger, t0)
@@ -172,7 +177,8 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_se
         eval_frames[es.name], report = load_split(eval_loaders[es.name], es.split, es.name, tokenizer, max_length,
                                                   count)
         reports.append(report)
-    write_json(out / "data_summary.json", [vars(r) | {"dropped": r.dropped} for r in reports])
+    if folder.writer:
+        write_json(out / "data_summary.json", [vars(r) | {"dropped": r.dropped} for r in reports])
 
     encoder = FeatureEncoder(backbone, cfg.probe, Path(cfg.paths.cache_dir) / "features", max_length,
                              show_progress=bool(cfg.progress))
@@ -182,11 +188,14 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_se
     first_eval = next((f for f in eval_frames.values() if data_kind(f) == "pairs"), None)
     fit_summary = method.fit(train_frame, first_eval)
     log.info("trained %s: %s", cfg.method._target_.rsplit(".", 1)[-1], fit_summary)
-    method.save(folder.model_dir)
-    write_json(out / "train_history.json", method.history)
+    if folder.writer:
+        method.save(folder.model_dir)
+        write_json(out / "train_history.json", method.history)
     logger.log_history(method.history)
 
     blocks = {}
+    # Under torchrun every rank scores every eval set in full (duplicated work, nothing written by rank > 0); the
+    # numbers agree because the trained weights are synchronised. Sharding the scoring is left for later.
     for name, frame in eval_frames.items():
         metrics, figures = evaluate_method(method, frame, name, folder, cfg.metric)
         blocks[name] = metrics
@@ -194,14 +203,26 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_se
     folder.write_metrics(blocks)
     uses_features = isinstance(method, FeatureHeadMethod)  # fine-tuning methods run the backbone themselves
     info = {"fit": fit_summary, "token_count_cache": count.stats, "seconds_total": round(time.perf_counter() - t0, 2)}
+    if world_size() > 1:
+        info["world_size"] = world_size()
     if uses_features:
         info["features"] = encoder.stats
         logger.log_summary({"features/backbone_forward_passes": encoder.stats["backbone_forward_passes"]})
     if getattr(method, "stats", None):
         info["method"] = method.stats
     folder.finish(**info)
-    _print_summary(out, blocks, encoder if uses_features else None)
+    if folder.writer:
+        _print_summary(out, blocks, encoder if uses_features else None)
     return blocks
+
+
+def _leave_log_file_to_rank0() -> None:
+    """Ranks > 0 stop writing Hydra's ``train.log`` (it is rank 0's; their console output is still there)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            handler.close()
 
 
 def _print_summary(out: Path, blocks: dict, encoder) -> None:

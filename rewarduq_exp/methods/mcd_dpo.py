@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -37,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from rewarduq_exp.backbone import resolve_device
+from rewarduq_exp.distributed import rank, world_size
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.feature_cache import write_atomic
 from rewarduq_exp.methods.base import Scores, TrainingSchedule, check_positive
@@ -260,6 +262,7 @@ class McdDpo:
         self.policy = None
         self.reference = None
         self.stats = {"reference_pairs_precomputed": 0}
+        self._shared_dir: str | None = None  # torchrun: the ranks' common datasets cache (see _shared_dataset)
 
     def hyperparameters(self) -> dict:
         s = self.schedule
@@ -305,15 +308,43 @@ class McdDpo:
             "rejected": [_messages(r) for r in frame["rejected"]],
         })
 
+    def _shared_dataset(self, dataset):
+        """The training set as an arrow file in one directory that all ranks of a torchrun / accelerate run read.
+
+        TRL maps the dataset (tokenisation) and writes the pre-computed reference log-probs to a cache file next to
+        the dataset's own files, on the main process only, and the other ranks then open that file. An in-memory
+        ``Dataset`` has no files, so each process would put its cache in a private temp dir and rank 1 fails with
+        ``FileNotFoundError`` on rank 0's file. Saving the data once under the (shared) cache dir gives every cache
+        file one path that all ranks see. Rank 0 picks a fresh directory and broadcasts its name: nothing is reused
+        between runs; :meth:`_fit` deletes it after training. Multi-node runs need ``paths.cache_dir`` on a shared
+        file system (TRL needs the same for its own cache files).
+        """
+        from accelerate import PartialState
+        from accelerate.utils import broadcast_object_list
+        from datasets import load_from_disk
+
+        state = PartialState()  # already set up (torch.distributed initialised) by DPOConfig
+        path = [None]
+        if state.is_main_process:
+            root = Path(self.backbone.cache_dir) / "mcd_dpo_datasets"
+            root.mkdir(parents=True, exist_ok=True)
+            path = [tempfile.mkdtemp(prefix="run-", dir=root)]
+            dataset.save_to_disk(path[0])
+        broadcast_object_list(path, from_process=0)  # also a barrier: the files are complete when the name arrives
+        self._shared_dir = path[0]
+        return load_from_disk(path[0])
+
     def _make_trainer(self, train: pd.DataFrame, output_dir: str):
         from trl import DPOConfig
 
         model = self._ensure_policy()
         s = self.schedule
         cuda = self.device.type == "cuda"
-        accumulation = max(1, s.batch_size // self.micro_batch_size)
+        # method.batch_size is the global batch: under torchrun each of the N ranks takes micro-batches, so the
+        # accumulation steps are divided by N (one process: unchanged).
+        accumulation = max(1, s.batch_size // (self.micro_batch_size * world_size()))
         # transformers 5 has no warmup_ratio: the same fraction of the optimizer steps, computed here.
-        total_steps = max(1, math.ceil(math.ceil(len(train) / self.micro_batch_size) / accumulation * s.num_epochs))
+        total_steps = max(1, math.ceil(math.ceil(len(train) / (self.micro_batch_size * world_size())) / accumulation * s.num_epochs))
         args = DPOConfig(
             output_dir=output_dir, learning_rate=s.learning_rate, beta=self.dpo_beta, loss_type=["sigmoid"],
             per_device_train_batch_size=self.micro_batch_size, gradient_accumulation_steps=accumulation,
@@ -328,10 +359,13 @@ class McdDpo:
             logging_steps=self.log_every, save_strategy="no", report_to=[], disable_tqdm=not self.show_progress,
             remove_unused_columns=False, dataloader_num_workers=0,
         )
+        dataset = self._dataset(train)
+        if world_size() > 1:
+            dataset = self._shared_dataset(dataset)
         Trainer = _make_trainer_class()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning)
-            trainer = Trainer(model=model, ref_model=None, args=args, train_dataset=self._dataset(train),
+            trainer = Trainer(model=model, ref_model=None, args=args, train_dataset=dataset,
                               processing_class=self.tokenizer, dropout=self.dropout, logprob_chunk=self.logprob_chunk)
         if not self.show_progress:
             from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -360,7 +394,7 @@ class McdDpo:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
                     warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
-                torch.manual_seed(self.seed)
+                torch.manual_seed(self.seed + rank())  # ranks draw different dropout masks (rank 0: as before)
                 result = trainer.train()
             for rec in trainer.state.log_history:
                 if "loss" in rec:
@@ -370,6 +404,11 @@ class McdDpo:
             self.policy = trainer.accelerator.unwrap_model(trainer.model)
             self.policy.requires_grad_(False)
             self.policy.eval()
+            if self._shared_dir is not None:
+                trainer.accelerator.wait_for_everyone()  # no rank still reads the shared arrow files
+                if trainer.accelerator.is_main_process:
+                    shutil.rmtree(self._shared_dir, ignore_errors=True)
+                self._shared_dir = None
             del trainer
         self.fit_summary = {"train_pairs": len(train), "optimizer_steps": int(result.global_step),
                             "seconds_reference_and_tokenize": round(t_ref, 2),
