@@ -90,6 +90,24 @@ def distributed_shard() -> tuple[int, int]:
     return 0, 1
 
 
+def write_method_info(directory: Path, method, **extra) -> None:
+    """``method.json`` beside a saved method: what rebuilds it (class, hyperparameters) and what it was fit on."""
+    info = {"class": f"{type(method).__module__}.{type(method).__qualname__}", "method": method.name,
+            "hyperparameters": method.hyperparameters(), "fit_summary": method.fit_summary, **extra}
+    write_atomic(Path(directory) / "method.json", json.dumps(info, indent=1, default=str))
+
+
+def read_method_info(directory: Path, name: str) -> dict:
+    """The ``method.json`` of a saved ``name`` method, with one-line errors for a wrong or missing folder."""
+    info_path = Path(directory) / "method.json"
+    if not info_path.exists():
+        raise UserError(f"no saved method in {directory} (method.json missing); is this a completed run folder?")
+    info = json.loads(info_path.read_text())
+    if info["method"] != name:
+        raise UserError(f"{directory} holds a '{info['method']}' model, not '{name}'")
+    return info
+
+
 class FeatureHeadMethod(ABC):
     """A head trained on frozen backbone features read through the shared :class:`FeatureEncoder`."""
 
@@ -183,23 +201,16 @@ class FeatureHeadMethod(ABC):
         tmp = directory / ".state.safetensors.tmp"
         save_file({k: v.detach().cpu().contiguous() for k, v in self.state_tensors().items()}, str(tmp))
         os.replace(tmp, directory / "state.safetensors")
-        info = {"class": f"{type(self).__module__}.{type(self).__qualname__}", "method": self.name,
-                "hyperparameters": self.hyperparameters(), "fit_summary": self.fit_summary}
+        extra = {}
         if self.encoder is not None:
-            info["backbone"] = self.encoder.backbone.identity()
-            info["probe"] = self.encoder.probe_identity()
-        write_atomic(directory / "method.json", json.dumps(info, indent=1, default=str))
+            extra = {"backbone": self.encoder.backbone.identity(), "probe": self.encoder.probe_identity()}
+        write_method_info(directory, self, **extra)
 
     def load(self, directory: str | os.PathLike) -> FeatureHeadMethod:
         from safetensors.torch import load_file
 
         directory = Path(directory)
-        info_path = directory / "method.json"
-        if not info_path.exists():
-            raise UserError(f"no saved method in {directory} (method.json missing); is this a completed run folder?")
-        info = json.loads(info_path.read_text())
-        if info["method"] != self.name:
-            raise UserError(f"{directory} holds a '{info['method']}' model, not '{self.name}'")
+        info = read_method_info(directory, self.name)
         tensors = load_file(str(directory / "state.safetensors"))
         self.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()})
         self.fit_summary = info.get("fit_summary", {})

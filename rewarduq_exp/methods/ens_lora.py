@@ -27,7 +27,6 @@ reward = mean over members, u = unbiased std over members, bounds reward ± beta
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -45,8 +44,15 @@ from tqdm.auto import tqdm
 from rewarduq_exp.backbone import resolve_device
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.feature_cache import write_atomic
-from rewarduq_exp.methods.base import Scores, TrainingSchedule, bradley_terry_nll, check_positive, weighted_mean
+from rewarduq_exp.methods.base import (
+    Scores,
+    TrainingSchedule,
+    bradley_terry_nll,
+    check_positive,
+    read_method_info,
+    weighted_mean,
+    write_method_info,
+)
 
 HEAD_INITS = ("auto", "pretrained", "fresh")
 
@@ -443,24 +449,15 @@ class EnsLoRA:
         tmp_heads = directory / ".heads.safetensors.tmp"
         save_file({"weight": self.head.detach().float().cpu().contiguous()}, str(tmp_heads))
         os.replace(tmp_heads, directory / "heads.safetensors")
-        info = {"class": f"{type(self).__module__}.{type(self).__qualname__}", "method": self.name,
-                "hyperparameters": self.hyperparameters(), "members": self.member_names,
-                "fit_summary": self.fit_summary}
-        if self.encoder is not None:
-            info["backbone"] = self._backbone().identity()
-        write_atomic(directory / "method.json", json.dumps(info, indent=1, default=str))
+        extra = {"backbone": self._backbone().identity()} if self.encoder is not None else {}
+        write_method_info(directory, self, members=self.member_names, **extra)
 
     def load(self, directory: str | os.PathLike) -> EnsLoRA:
         from peft import PeftModel
         from safetensors.torch import load_file
 
         directory = Path(directory)
-        info_path = directory / "method.json"
-        if not info_path.exists():
-            raise UserError(f"no saved method in {directory} (method.json missing); is this a completed run folder?")
-        info = json.loads(info_path.read_text())
-        if info["method"] != self.name:
-            raise UserError(f"{directory} holds a '{info['method']}' model, not '{self.name}'")
+        info = read_method_info(directory, self.name)
         members = info["members"]
         if len(members) != self.num_members:
             raise UserError(f"saved model has {len(members)} members but method.num_members={self.num_members}")

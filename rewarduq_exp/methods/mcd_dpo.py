@@ -21,7 +21,6 @@ Performance (DESIGN section 5):
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -40,8 +39,7 @@ from tqdm.auto import tqdm
 from rewarduq_exp.backbone import resolve_device
 from rewarduq_exp.distributed import rank, world_size
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.feature_cache import write_atomic
-from rewarduq_exp.methods.base import Scores, TrainingSchedule, check_positive
+from rewarduq_exp.methods.base import Scores, TrainingSchedule, check_positive, read_method_info, write_method_info
 
 WEIGHTS_FILE = "policy.safetensors"
 
@@ -480,23 +478,14 @@ class McdDpo:
         tmp = directory / f".{WEIGHTS_FILE}.tmp"
         save_model(self._ensure_policy(), str(tmp))   # handles the tied LM head / embeddings
         os.replace(tmp, directory / WEIGHTS_FILE)
-        info = {"class": f"{type(self).__module__}.{type(self).__qualname__}", "method": self.name,
-                "hyperparameters": self.hyperparameters(), "fit_summary": self.fit_summary,
-                "weights": WEIGHTS_FILE}
-        if self.encoder is not None:
-            info["backbone"] = self.backbone.identity()
-        write_atomic(directory / "method.json", json.dumps(info, indent=1, default=str))
+        extra = {"backbone": self.backbone.identity()} if self.encoder is not None else {}
+        write_method_info(directory, self, weights=WEIGHTS_FILE, **extra)
 
     def load(self, directory: str | os.PathLike) -> McdDpo:
         from safetensors.torch import load_model
 
         directory = Path(directory)
-        info_path = directory / "method.json"
-        if not info_path.exists():
-            raise UserError(f"no saved method in {directory} (method.json missing); is this a completed run folder?")
-        info = json.loads(info_path.read_text())
-        if info["method"] != self.name:
-            raise UserError(f"{directory} holds a '{info['method']}' model, not '{self.name}'")
+        info = read_method_info(directory, self.name)
         policy = load_causal_lm(self.backbone, dtype=self._train_dtype())
         load_model(policy, str(directory / info.get("weights", WEIGHTS_FILE)), device="cpu")
         policy.requires_grad_(False)
