@@ -6,6 +6,11 @@ that it has nothing to do. These launchers resolve each job's config first, comp
 ``completed`` with that hash: failed, missing and changed runs, and the new points of an extended grid. The skipped
 jobs are reported to Hydra as completed, and a summary of the whole sweep is logged at the end.
 
+A job with several tasks (``hydra.launcher.tasks_per_node=N``, with ``gpus_per_node=N``) is one multi-GPU run: its N
+processes each run the job, and the job function exports the torch.distributed environment (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ...) first, so that they form one process group, exactly as under torchrun. Only
+rank 0 writes the run folder (``rewarduq_exp.distributed``), Hydra's ``.hydra/`` copy of the config and ``train.log``.
+
 Plugins must live under the ``hydra_plugins`` namespace for Hydra to instantiate them (hydra/core/plugins.py).
 """
 
@@ -14,12 +19,14 @@ Plugins must live under the ``hydra_plugins`` namespace for Hydra to instantiate
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobReturn, JobStatus
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 from omegaconf import open_dict
@@ -36,6 +43,29 @@ class SkipCompleted:
             cfg.hydra.job.num = job_num
         HydraConfig.instance().set_config(cfg)  # lets ${hydra:...} in the sweep subdir resolve
         return cfg
+
+    def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state):
+        """The job function, run by each task of a submitit job. A one-task job runs exactly as in the base launcher;
+        a job of several tasks is one torch.distributed run (the base job function, plus the env export and, on
+        ranks > 0, no writes to the run folder)."""
+        if not _export_torch_distributed_env():
+            return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
+        import submitit
+
+        Singleton.set_state(singleton_state)
+        setup_globals()
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(sweep_overrides))
+        with open_dict(cfg.hydra):
+            cfg.hydra.job.id = submitit.JobEnvironment().job_id
+            cfg.hydra.job.num = job_num
+            if int(os.environ["RANK"]) > 0:
+                # Ranks > 0 share rank 0's run folder but write nothing there: no .hydra/ copy of the config (rank 0
+                # writes it; not a task key, so the config hash and the folder name are unchanged) and no train.log
+                # (train_run drops the handler on ranks > 0 too, but Hydra would already have opened the file).
+                cfg.hydra.output_subdir = None
+                _drop_file_log_handlers(cfg.hydra.job_logging)
+        return run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg,
+                       job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
 
     def launch(self, job_overrides, initial_job_idx: int):
         from rewarduq_exp.run_folder import config_hash
@@ -67,6 +97,45 @@ class SkipCompleted:
             results.update(zip(stretch, launched))
         _log_summary(folders, skipped=len(job_overrides) - len(todo))
         return [results[i] for i in range(len(job_overrides))]
+
+
+def _export_torch_distributed_env() -> bool:
+    """In a job of several tasks, export torch.distributed's ``env://`` variables for this task; False (and nothing
+    exported) for a one-task job, which runs as before."""
+    import submitit
+
+    job_env = submitit.JobEnvironment()
+    if job_env.num_tasks <= 1:
+        return False
+    # set_cuda_visible_devices=False: every task keeps seeing all the job's GPUs and accelerate picks
+    # cuda:LOCAL_RANK itself. With True each task would see only its own GPU, as cuda:0, and accelerate's
+    # torch.cuda.set_device(LOCAL_RANK) would fail on every rank but 0.
+    # overwrite=True: the tasks inherit the launcher's environment, and stale RANK/WORLD_SIZE/MASTER_* values there
+    # (a sweep started from inside another distributed job) must not win over this job's own layout.
+    dist_env = submitit.helpers.TorchDistributedEnvironment()
+    if job_env.cluster == "local":
+        # The local executor runs all tasks on this machine; its "hostname" (socket.gethostname()) need not resolve
+        # to an address the tasks can reach (containers, laptops without a hosts entry), the loopback always does.
+        dist_env.master_addr = "127.0.0.1"
+    dist_env.export(set_cuda_visible_devices=False, overwrite=True)
+    # (Hydra has not configured logging yet in the job; submitit's logger writes to the task's log file.)
+    submitit.core.logger.get_logger().info("task %d of %d of one torch.distributed job (master %s:%s)",
+                                           dist_env.rank, dist_env.world_size, dist_env.master_addr,
+                                           dist_env.master_port)
+    return True
+
+
+def _drop_file_log_handlers(job_logging) -> None:
+    """Remove the file handlers (Hydra's ``train.log``) from a ``hydra.job_logging`` dictConfig, in place."""
+    handlers = job_logging.get("handlers") if job_logging is not None else None
+    if not handlers:
+        return
+    files = [name for name, h in handlers.items() if str(h.get("class", "")).endswith("FileHandler")]
+    for name in files:
+        del handlers[name]
+    for section in [job_logging.get("root"), *(job_logging.get("loggers") or {}).values()]:
+        if section is not None and section.get("handlers"):
+            section.handlers = [h for h in section.handlers if h not in files]
 
 
 def _completed_with(folder: Path, chash: str) -> bool:
