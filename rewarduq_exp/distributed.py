@@ -1,14 +1,24 @@
-"""Which process am I? (``torchrun`` / ``accelerate launch`` runs; one process otherwise).
+"""Which process am I, and the few collective steps a run needs (``torchrun`` / ``accelerate launch`` / a
+multi-task Slurm job; one process otherwise, where every helper here is a no-op).
 
-Under a launcher every process runs the whole of ``train.py``: all of them train (the fine-tuning methods through
-TRL/accelerate, which initialise ``torch.distributed``) and all of them score, but only the main process (rank 0)
-writes the run folder, prints the summary and talks to wandb. Before a trainer has initialised ``torch.distributed``
-the launcher's ``RANK`` / ``WORLD_SIZE`` environment variables say the same thing.
+Under a launcher every process runs the whole of ``train.py`` and :func:`setup` joins them into one
+``torch.distributed`` group (through accelerate, so nccl on GPUs and gloo on CPUs, as TRL will use). The work is split,
+not repeated:
+
+* backbone features: each process extracts a contiguous shard, rank 0 assembles the cache entry (features.py);
+* head fits (ENS-MLP, BAY-LIN): rank 0 fits on the cached features and broadcasts the result (seconds of work);
+* ENS-LoRA / MCD-DPO training: data parallel (gradients summed over the processes every step);
+* scoring by the fine-tuning methods: each process scores a shard of the rows, rank 0 gathers (evaluation.py).
+
+Only rank 0 writes the run folder, prints the summary and talks to wandb. Before :func:`setup` the launcher's
+``RANK`` / ``WORLD_SIZE`` environment variables say who is who.
 """
 
 from __future__ import annotations
 
 import os
+
+import numpy as np
 
 
 def _initialized() -> bool:
@@ -35,6 +45,53 @@ def world_size() -> int:
 
 def is_main() -> bool:
     return rank() == 0
+
+
+def setup(device_type: str) -> None:
+    """Join the launcher's processes into one process group (no-op for a single process or when already joined).
+
+    accelerate's ``PartialState`` reads the launcher's environment, picks the backend (``cpu=True``: gloo, otherwise
+    nccl) and binds each process to ``cuda:LOCAL_RANK``; TRL's trainer later finds the same state.
+    """
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1 or _initialized():
+        return
+    from accelerate import PartialState
+
+    PartialState(cpu=device_type == "cpu")
+
+
+def barrier() -> None:
+    if _initialized() and world_size() > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def broadcast_from_main(obj):
+    """Rank 0's ``obj`` on every process (picklable objects; tensors travel as CPU copies)."""
+    if not _initialized() or world_size() == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if is_main() else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_to_all(obj) -> list:
+    """Every process's ``obj``, in rank order, on every process."""
+    if not _initialized() or world_size() == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def shard_rows(n: int) -> np.ndarray:
+    """This process's contiguous block of ``range(n)`` (blocks in rank order concatenate back to ``range(n)``)."""
+    return np.array_split(np.arange(n), world_size())[rank()]
 
 
 def launcher_overrides(argv: list[str]) -> tuple[list[str], str | None]:

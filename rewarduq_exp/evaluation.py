@@ -7,12 +7,13 @@ import logging
 import numpy as np
 import pandas as pd
 
+from rewarduq_exp import distributed
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.errors import UserError
+from rewarduq_exp.methods.base import FeatureHeadMethod, Scores
 from rewarduq_exp.metrics import compute_metrics
 from rewarduq_exp.metrics.kwise import is_kwise, kwise_metrics, kwise_to_pairs
 from rewarduq_exp.metrics.reward_bench import check_scoring, is_reward_bench, reward_bench_metrics
-from rewarduq_exp.methods.base import Scores
 from rewarduq_exp.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,21 @@ def kwise_predictions_frame(data: pd.DataFrame, scores: Scores) -> pd.DataFrame:
 
 
 def score_method(method, data: pd.DataFrame) -> pd.DataFrame:
-    """The predictions table of ``method`` on a pairwise or K-wise frame."""
+    """The predictions table of ``method`` on a pairwise or K-wise frame.
+
+    Under torchrun / accelerate a method that runs its own model per row (ENS-LoRA, MCD-DPO) scores only this
+    process's block of rows and the blocks are gathered, in order, on every process. Feature-head methods score
+    every row on every process: their backbone work is already split inside the feature cache, and the heads take
+    milliseconds.
+    """
+    if distributed.world_size() > 1 and not isinstance(method, FeatureHeadMethod):
+        rows = distributed.shard_rows(len(data))
+        block = _score_rows(method, data.iloc[rows]) if len(rows) else None  # fewer rows than processes
+        return pd.concat([b for b in distributed.gather_to_all(block) if b is not None], ignore_index=True)
+    return _score_rows(method, data)
+
+
+def _score_rows(method, data: pd.DataFrame) -> pd.DataFrame:
     if data_kind(data) == "kwise":
         k = data["completions"].map(len).to_numpy()
         prompts = np.repeat(data["prompt"].to_numpy(), k)  # all K completions of all prompts in one scoring call

@@ -77,7 +77,9 @@ class FeatureEncoder:
         meta = {"backbone": self.backbone.identity(), "probe": self.probe_identity(),
                 "texts": texts_fingerprint(texts), "n": len(texts)}
         key = stable_hash(meta, n=24)
-        feats, hit = self.cache.get_or_compute(key, lambda: self._extract(texts, desc), meta)
+        # Under torchrun / accelerate each process extracts a block of the texts (one process: all of them).
+        feats, hit = self.cache.get_or_compute_sharded(
+            key, len(texts), lambda rows: self._extract([texts[i] for i in rows], desc), meta)
         self.stats["cache_hits" if hit else "cache_misses"] += 1
         return feats.float()
 

@@ -12,6 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from rewarduq_exp.tiny_qwen3 import save_checkpoint
+
 
 def build_tiny_sequence_classifier(causal_lm_dir: str | os.PathLike, target: str | os.PathLike, *,
                                    tie_word_embeddings: bool, seed: int = 0) -> Path:
@@ -34,7 +36,7 @@ def build_tiny_sequence_classifier(causal_lm_dir: str | os.PathLike, target: str
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-cls-", dir=target.parent))
     try:
-        model.save_pretrained(tmp)
+        save_checkpoint(model, tmp)
         AutoTokenizer.from_pretrained(causal_lm_dir).save_pretrained(tmp)
         os.replace(tmp, target)
     finally:

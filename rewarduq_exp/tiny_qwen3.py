@@ -122,6 +122,21 @@ def build_spec(hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: 
     )
 
 
+def save_checkpoint(model, folder: Path) -> None:
+    """``config.json`` + ``model.safetensors`` that ``from_pretrained`` reads, written by THIS process.
+
+    Not ``model.save_pretrained``: in transformers 5 it silently writes no weights on a rank other than 0 once
+    torch.distributed is initialised, and under torchrun whichever rank takes the build lock first builds the model.
+    """
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied to embed_tokens (which headless loaders need): stored once
+    model.config.save_pretrained(folder)
+    save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+
+
 def ensure_tiny_qwen3(
     cache_dir: str | os.PathLike,
     *,
@@ -160,7 +175,7 @@ def ensure_tiny_qwen3(
             _soften_attention(model, attention_temperature)
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-qwen3-", dir=root))
         try:
-            model.save_pretrained(tmp)
+            save_checkpoint(model, tmp)
             tokenizer.save_pretrained(tmp)
             (tmp / "build_spec.json").write_text(json.dumps(spec, indent=1, sort_keys=True))
             os.replace(tmp, target)

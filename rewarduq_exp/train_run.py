@@ -16,12 +16,12 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from rewarduq_exp.backbone import Backbone
+from rewarduq_exp import distributed
+from rewarduq_exp.backbone import Backbone, resolve_device
 from rewarduq_exp.cli import in_multirun, report_user_error
 from rewarduq_exp.data.contract import data_kind, filter_by_length, validate_preferences
 from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
 from rewarduq_exp.data.token_counter import TokenCounter
-from rewarduq_exp.distributed import is_main, world_size
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.evaluation import evaluate_method
 from rewarduq_exp.features import FeatureEncoder
@@ -102,7 +102,7 @@ def check_eval_kind(name: str, loader) -> None:
 def train(cfg: DictConfig) -> dict | None:
     out = Path(HydraConfig.get().runtime.output_dir)
     # torchrun / accelerate launch: every process trains and scores, only rank 0 writes the run folder.
-    folder = RunFolder(out, writer=is_main())
+    folder = RunFolder(out, writer=distributed.is_main())
     if not folder.writer:
         _leave_log_file_to_rank0()
     try:
@@ -137,6 +137,9 @@ def train(cfg: DictConfig) -> dict | None:
 def _train(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
     t0 = time.perf_counter()
     validate_run_config(cfg)
+    # torchrun / accelerate launch / a multi-task Slurm job: one process group before any model or tensor exists
+    # (on GPUs this also binds each process to its own device).
+    distributed.setup(resolve_device(cfg.device).type)
     # Build the method first: its hyperparameters are validated before any data or model is touched.
     method = build(cfg.method, "method", encoder=None)
     loader = build_loader(cfg.dataset)
@@ -194,8 +197,8 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_se
     logger.log_history(method.history)
 
     blocks = {}
-    # Under torchrun every rank scores every eval set in full (duplicated work, nothing written by rank > 0); the
-    # numbers agree because the trained weights are synchronised. Sharding the scoring is left for later.
+    # Under torchrun / accelerate every process takes part in scoring (evaluation.score_method splits the rows);
+    # only rank 0 writes predictions and diagrams.
     for name, frame in eval_frames.items():
         metrics, figures = evaluate_method(method, frame, name, folder, cfg.metric)
         blocks[name] = metrics
@@ -203,8 +206,8 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_se
     folder.write_metrics(blocks)
     uses_features = isinstance(method, FeatureHeadMethod)  # fine-tuning methods run the backbone themselves
     info = {"fit": fit_summary, "token_count_cache": count.stats, "seconds_total": round(time.perf_counter() - t0, 2)}
-    if world_size() > 1:
-        info["world_size"] = world_size()
+    if distributed.world_size() > 1:
+        info["world_size"] = distributed.world_size()
     if uses_features:
         info["features"] = encoder.stats
         logger.log_summary({"features/backbone_forward_passes": encoder.stats["backbone_forward_passes"]})

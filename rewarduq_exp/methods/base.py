@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from rewarduq_exp import distributed
 from rewarduq_exp.backbone import resolve_device
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.feature_cache import write_atomic
@@ -81,13 +82,6 @@ def weighted_mean(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def bradley_terry_nll(margin: torch.Tensor) -> torch.Tensor:
     """-log sigmoid(r_chosen - r_rejected), elementwise (the Bradley-Terry likelihood of the label)."""
     return -F.logsigmoid(margin)
-
-
-def distributed_shard() -> tuple[int, int]:
-    """(rank, world size) when running under torch.distributed, else (0, 1)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def write_method_info(directory: Path, method, **extra) -> None:
@@ -161,9 +155,18 @@ class FeatureHeadMethod(ABC):
         self._build(zc.shape[1])
         weight = torch.tensor(train["weight"].to_numpy(dtype=np.float32))
         t1 = time.perf_counter()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            self._fit_features(zc.to(self.device), zr.to(self.device), weight.to(self.device))
+        if distributed.is_main():
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                self._fit_features(zc.to(self.device), zr.to(self.device), weight.to(self.device))
+        if distributed.world_size() > 1:
+            # The head fit takes seconds on cached features: rank 0 does it (exactly the one-process fit) and the
+            # others take its result rather than repeating it.
+            state, self.history = distributed.broadcast_from_main(
+                ({k: v.detach().cpu() for k, v in self.state_tensors().items()} if distributed.is_main() else None,
+                 self.history))
+            if not distributed.is_main():
+                self.load_state_tensors({k: v.to(self.device) for k, v in state.items()})
         self.fit_summary = {"train_pairs": len(train), "feature_dim": int(zc.shape[1]),
                             "seconds_features": t_features, "seconds_training": time.perf_counter() - t1}
         if self.history:

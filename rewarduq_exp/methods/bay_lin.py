@@ -18,8 +18,8 @@ hiding the data-dependent part (on the synthetic world the ood split's mean u is
 offset changes no margin, so rewards and all accuracy metrics are identical either way;
 ``center_features=false`` gives the reference implementation's raw ``sqrt(z^T H^-1 z)``.
 
-Under torch.distributed each process adds its own shard of the training pairs to H and the shards are summed with
-an all-reduce, so H always covers all the data (the reference code kept rank 0's shard only).
+H always covers all training pairs. (The reference code, under several processes, kept rank 0's shard only; here
+rank 0 fits on all cached features and broadcasts the head and H, see FeatureHeadMethod.fit.)
 """
 
 from __future__ import annotations
@@ -28,8 +28,13 @@ import torch
 from torch import nn
 
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.methods.base import (FeatureHeadMethod, TrainingSchedule, bradley_terry_nll, check_positive,
-                                       distributed_shard, weighted_mean)
+from rewarduq_exp.methods.base import (
+    FeatureHeadMethod,
+    TrainingSchedule,
+    bradley_terry_nll,
+    check_positive,
+    weighted_mean,
+)
 
 HESSIAN_MODES = ("unweighted", "weighted")
 
@@ -41,9 +46,6 @@ def posterior_precision(dz: torch.Tensor, coef: torch.Tensor, reg_lambda: float,
     for i in range(0, len(dz), chunk):
         x = dz[i:i + chunk].double()
         h += x.T @ (x * coef[i:i + chunk].double()[:, None])
-    rank, world = distributed_shard()
-    if world > 1:
-        torch.distributed.all_reduce(h)  # each rank summed its shard; the posterior needs all of them
     return h + reg_lambda * torch.eye(d, dtype=torch.float64, device=dz.device)
 
 
@@ -96,14 +98,12 @@ class BayLin(FeatureHeadMethod):
             return bt + prior, {"loss_bt": bt.detach(), "loss_prior": prior.detach()}
 
         self._train_loop(self.head.parameters(), batch_loss, len(dz), self.schedule, desc=f"{self.name} MAP")
-        rank, world = distributed_shard()
-        shard = slice(rank, None, world)
         with torch.no_grad():
-            coef = weight[shard].double()
+            coef = weight.double()
             if self.hessian == "weighted":
-                s = torch.sigmoid(self.head(dz[shard]).squeeze(-1)).double()
+                s = torch.sigmoid(self.head(dz).squeeze(-1)).double()
                 coef = coef * s * (1 - s)
-            self.set_precision(posterior_precision(dz[shard], coef, self.reg_lambda))
+            self.set_precision(posterior_precision(dz, coef, self.reg_lambda))
 
     def set_precision(self, precision: torch.Tensor) -> None:
         self.precision = precision

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from rewarduq_exp import distributed
 from rewarduq_exp.backbone import resolve_device
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.errors import UserError
@@ -50,7 +51,6 @@ from rewarduq_exp.methods.base import (
     bradley_terry_nll,
     check_positive,
     read_method_info,
-    weighted_mean,
     write_method_info,
 )
 
@@ -264,20 +264,78 @@ class EnsLoRA:
         return torch.stack(out)
 
     # ------------------------------------------------------------------ training
-    def _anchor(self, groups, initial) -> torch.Tensor:
-        """(K,) per member: mean over its trainable parameters of (theta - theta_0)^2 (differentiable)."""
+    def _anchor_one(self, k, params, inits) -> torch.Tensor:
+        """Member k: mean over its trainable parameters (LoRA + head) of (theta - theta_0)^2 (differentiable)."""
+        sq = (self.head[k] - self._head0[k]).pow(2).sum()
+        count = self.head.shape[1]
+        for p, p0 in zip(params, inits):
+            sq = sq + (p - p0).pow(2).sum()
+            count += p.numel()
+        return sq / count
+
+    def _backward_step(self, local, chosen, rejected, weight, groups, initial, mixed: bool,
+                       world: int) -> torch.Tensor:
+        """Backward of this process's part of one step's loss; returns the detached (3, K) parts (bt, anchor,
+        center) that, summed over the processes, are the step's per-member loss terms.
+
+        ``weight`` is already divided by the GLOBAL batch's weight total and the anchor (which every process
+        computes in full) by the number of processes, so the gradients summed over the processes are exactly those
+        of one process training on the whole batch. With one process this is the plain eq. 11.
+        """
+        K, device = self.num_members, self.device
+        zeros = torch.zeros(K, device=device)
+        bt, center = zeros, zeros
+        b = len(local)
+        if b:
+            ids, mask = self._pad([chosen[i] for i in local] + [rejected[i] for i in local])
+        if mixed:
+            anchor = (self._anchor_one_all(groups, initial) if self.reg_lambda > 0 else zeros) / world
+            if b:
+                r = self.member_rewards_ids(ids, mask, mixed=True)             # (K, 2b), one forward
+                bt = (bradley_terry_nll(r[:, :b] - r[:, b:]) * weight).sum(1)
+                center = ((r[:, :b] + r[:, b:]).pow(2) * weight).sum(1)
+            loss = (bt + self.reg_lambda * anchor + self.center_gamma * center).sum()
+            if loss.requires_grad:
+                loss.backward()
+            return torch.stack([bt, anchor, center]).detach()
+        # One pass (and one backward) per member: gradient checkpointing, or mixed training switched off.
+        rows = []
+        for k, name in enumerate(self.member_names):
+            anchor_k = (self._anchor_one(k, groups[k], initial[k]) if self.reg_lambda > 0
+                        else torch.zeros((), device=device)) / world
+            bt_k = center_k = torch.zeros((), device=device)
+            if b:
+                self.model.set_adapter(name)
+                rk = self._pooled(ids, mask) @ self.head[k]
+                bt_k = (bradley_terry_nll(rk[:b] - rk[b:]) * weight).sum()
+                center_k = ((rk[:b] + rk[b:]).pow(2) * weight).sum()
+            loss = bt_k + self.reg_lambda * anchor_k + self.center_gamma * center_k
+            if loss.requires_grad:
+                loss.backward()
+            rows.append(torch.stack([bt_k, anchor_k, center_k]).detach())
+        return torch.stack(rows, dim=1)
+
+    def _anchor_one_all(self, groups, initial) -> torch.Tensor:
         return torch.stack([self._anchor_one(k, p, i) for k, (p, i) in enumerate(zip(groups, initial))])
 
-    def _member_losses(self, rc, rr, weight, groups, initial) -> tuple[torch.Tensor, dict]:
-        bt = torch.stack([weighted_mean(bradley_terry_nll(rc[k] - rr[k]), weight) for k in range(len(rc))])
-        center = torch.stack([weighted_mean((rc[k] + rr[k]).pow(2), weight) for k in range(len(rc))])
-        if self.reg_lambda > 0:
-            anchor = self._anchor(groups, initial)
-        else:
-            anchor = torch.zeros(len(rc), device=rc.device)
-        losses = bt + self.reg_lambda * anchor + self.center_gamma * center
-        return losses, {"loss_bt": bt.detach().mean(), "loss_anchor": anchor.detach().mean(),
-                        "loss_center": center.detach().mean()}
+    @staticmethod
+    def _sum_over_processes(params, parts: torch.Tensor) -> torch.Tensor:
+        """Sum the gradients and the loss parts over the processes, in ONE all-reduce of a flat buffer.
+
+        Not DDP: the per-member path runs K backward passes per step and each touches one member's parameters only,
+        which DDP's once-per-backward bucketed reduction does not support without find_unused_parameters and
+        no_sync juggling; the trainable parameters are small (LoRA + heads), so one flat reduction per step is cheap.
+        """
+        import torch.distributed as dist
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [parts.reshape(-1).to(grads[0].dtype)])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        return flat[offset:].view_as(parts).to(parts.dtype)
 
     def _clip_per_member(self, groups) -> None:
         if self.max_grad_norm is None:
@@ -300,7 +358,9 @@ class EnsLoRA:
         else:
             self.model.train()
 
-    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:
+    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # noqa: A002 (contract name)
+        """Train all K members in one job. ``eval`` is not scored here: the run scores every eval set right after
+        fit, and scoring K members is a full pass over the data."""
         from transformers import get_cosine_schedule_with_warmup
 
         t0 = time.perf_counter()
@@ -330,46 +390,35 @@ class EnsLoRA:
         steps_per_epoch = math.ceil(n / s.batch_size)
         total = max(1, math.ceil(steps_per_epoch * s.num_epochs))
         scheduler = get_cosine_schedule_with_warmup(optimizer, round(s.warmup_ratio * total), total)
+        # Every process draws the same order (same seed) and takes every world-th pair of each global batch, so
+        # method.batch_size stays the total batch whatever the number of processes.
         generator = torch.Generator().manual_seed(self.seed)
+        world, me = distributed.world_size(), distributed.rank()
         order = torch.empty(0, dtype=torch.long)
         self._train_mode(mixed)
         t1 = time.perf_counter()
-        bar = tqdm(range(total), desc=f"{self.name} training", unit="step", disable=not self.show_progress,
-                   leave=False)
+        bar = tqdm(range(total), desc=f"{self.name} training", unit="step",
+                   disable=not (self.show_progress and distributed.is_main()), leave=False)
         for step in bar:
             start = (step % steps_per_epoch) * s.batch_size
             if start == 0:
                 order = torch.randperm(n, generator=generator)
-            index = order[start:start + s.batch_size].tolist()
-            b = len(index)
-            ids, mask = self._pad([chosen[i] for i in index] + [rejected[i] for i in index])
-            weight = weight_all[index].to(self.device)
+            index = order[start:start + s.batch_size]
+            local = index[me::world].tolist()
+            weight = (weight_all[local] / weight_all[index].sum()).to(self.device)
             optimizer.zero_grad(set_to_none=True)
-            if mixed:
-                r = self.member_rewards_ids(ids, mask, mixed=True)          # (K, 2b), one forward
-                losses, parts = self._member_losses(r[:, :b], r[:, b:], weight, groups, initial)
-                losses.sum().backward()
-            else:
-                # One pass per member (gradient checkpointing, or mixed training switched off).
-                rows = []
-                for k, name in enumerate(self.member_names):
-                    self.model.set_adapter(name)
-                    rk = self._pooled(ids, mask) @ self.head[k]
-                    bt = weighted_mean(bradley_terry_nll(rk[:b] - rk[b:]), weight)
-                    center = weighted_mean((rk[:b] + rk[b:]).pow(2), weight)
-                    anchor = (self._anchor_one(k, groups[k], initial[k]) if self.reg_lambda > 0
-                              else torch.zeros((), device=rk.device))
-                    (bt + self.reg_lambda * anchor + self.center_gamma * center).backward()
-                    rows.append((bt.detach(), anchor.detach(), center.detach()))
-                bt, anchor, center = (torch.stack(x) for x in zip(*rows))
-                losses = bt + self.reg_lambda * anchor + self.center_gamma * center
-                parts = {"loss_bt": bt.mean(), "loss_anchor": anchor.mean(), "loss_center": center.mean()}
+            parts = self._backward_step(local, chosen, rejected, weight, groups, initial, mixed, world)
+            if world > 1:
+                parts = self._sum_over_processes(params, parts)
             self._clip_per_member(groups)
             optimizer.step()
             scheduler.step()
             if step % self.log_every == 0 or step == total - 1:
-                record = {"step": step + 1, "loss": float(losses.detach().mean()), "lr": scheduler.get_last_lr()[0],
-                          **{k: float(v) for k, v in parts.items()}}
+                bt, anchor, center = parts
+                losses = bt + self.reg_lambda * anchor + self.center_gamma * center
+                record = {"step": step + 1, "loss": float(losses.mean()), "lr": scheduler.get_last_lr()[0],
+                          "loss_bt": float(bt.mean()), "loss_anchor": float(anchor.mean()),
+                          "loss_center": float(center.mean())}
                 self.history.append(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
         if self.gradient_checkpointing:
@@ -381,22 +430,11 @@ class EnsLoRA:
         self.fit_summary = {"train_pairs": n, "num_members": self.num_members, "steps": total,
                             "mixed_adapter_training": mixed, "head_init": self.head_init_used,
                             "seconds_tokenize": round(t_tok, 3), "seconds_training": time.perf_counter() - t1}
+        if world > 1:
+            self.fit_summary["processes"] = world
         if self.history:
             self.fit_summary["final_train_loss"] = self.history[-1]["loss"]
-        if eval is not None:
-            c, r = self.score_pairs(eval)
-            m = torch.as_tensor(c.reward - r.reward)
-            self.fit_summary["eval_bt_loss"] = float(bradley_terry_nll(m).mean())
-            self.fit_summary["eval_win_rate"] = float((m > 0).double().mean())
         return self.fit_summary
-
-    def _anchor_one(self, k, params, inits) -> torch.Tensor:
-        sq = (self.head[k] - self._head0[k]).pow(2).sum()
-        count = self.head.shape[1]
-        for p, p0 in zip(params, inits):
-            sq = sq + (p - p0).pow(2).sum()
-            count += p.numel()
-        return sq / count
 
     # ------------------------------------------------------------------ scoring
     @torch.no_grad()
