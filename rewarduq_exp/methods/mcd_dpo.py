@@ -10,6 +10,10 @@ give K implicit rewards
 summed over the completion tokens, the chat template's tokens of the assistant turn included (as the authors do).
 reward = mean_k r_k, u = unbiased std_k r_k, bounds reward ± beta * u (paper eq. 9, beta 2).
 
+The DPO loss is the pair-weighted mean of eq. 13 over a micro-batch (DESIGN data contract: weight = repetition); the
+frame's ``weight`` column reaches ``compute_loss`` through :class:`WeightCollator`. A bf16 backbone (a GPU, or CPU with
+``model.keep_dtype_on_cpu=true``) trains and scores under bf16 autocast with fp32 weights (policy and reference).
+
 Performance (DESIGN section 5):
 - training goes through TRL's ``DPOTrainer`` with ``precompute_ref_log_probs=True``: the reference log-probs are
   computed once per pair before training, never per step, per epoch or per MC sample, and no reference copy stays in
@@ -182,32 +186,83 @@ def load_causal_lm(backbone, dtype=None):
 
 
 # ---------------------------------------------------------------------------------------------------- trainer
+class WeightCollator:
+    """TRL's preference collator plus a float32 ``weight`` (B,) taken from the examples' ``weight`` column.
+
+    TRL 1.16 keeps every dataset column through its tokenisation ``map`` (``DPOTrainer._prepare_dataset`` only adds
+    ``prompt_ids``/``chosen_ids``/``rejected_ids``) and through the reference pre-computation (it concatenates the
+    ``ref_*_logps`` columns, axis=1), and with ``remove_unused_columns=False`` the Trainer hands whole rows to the
+    collator; but ``DataCollatorForPreference.torch_call`` builds its output from the id columns and the ref log-probs
+    only, so ``weight`` is dropped there. This wrapper puts it back (one value per pair, same order as the rows).
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, examples):
+        out = self.inner(examples)
+        if examples and "weight" in examples[0]:
+            out["weight"] = torch.tensor([float(e["weight"]) for e in examples], dtype=torch.float32)
+        return out
+
+
+def weighted_dpo_loss(margin: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """Eq. 13 as a weighted mean over the pairs: sum_i w_i * -log sigmoid(m_i) / sum_i w_i.
+
+    Weighting equals repetition (DESIGN data contract): a pair of weight 2 counts like the pair twice. All weights 1
+    (or none) give exactly the plain mean. A batch whose weights are all 0 gives loss 0 (and zero gradient).
+    """
+    nll = -F.logsigmoid(margin)
+    if weight is None:
+        return nll.mean()
+    weight = weight.to(nll.device, nll.dtype)
+    if bool((weight == 1).all()):          # bit-identical to the unweighted loss
+        return nll.mean()
+    return (nll * weight).sum() / weight.sum().clamp_min(torch.finfo(nll.dtype).tiny)
+
+
 def _make_trainer_class():
     from trl import DPOTrainer
 
     class DropoutHeadDPOTrainer(DPOTrainer):
         """TRL's DPO trainer with dropout on the final hidden states before the LM head (eq. 13, sigmoid loss).
 
-        Only ``compute_loss`` changes; TRL keeps the data pipeline, the reference pre-computation, the optimizer,
-        scheduler, accumulation and logging.
+        Only ``compute_loss`` changes (plus the pair weight carried to it); TRL keeps the data pipeline, the reference
+        pre-computation, the optimizer, scheduler, accumulation and logging.
         """
 
         def __init__(self, *args, dropout: float, logprob_chunk: int, **kwargs):
             self.head_dropout = dropout
             self.logprob_chunk = logprob_chunk
             super().__init__(*args, **kwargs)
+            # Wrapped only now: TRL's __init__ builds its collator (pad token checks, mirrored onto the model config)
+            # and already ran the reference pre-computation with it, whose batches must not carry ``weight``
+            # (``compute_ref_log_probs`` passes every non-mask key to the model). Training batches get it.
+            self.data_collator = WeightCollator(self.data_collator)
+
+        def compute_ref_log_probs(self, model, inputs):
+            # In case TRL computes the reference on the fly (not our setup: precompute_ref_log_probs=True): the
+            # weight is no model input.
+            return super().compute_ref_log_probs(model, {k: v for k, v in inputs.items() if k != "weight"})
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             lm = self.accelerator.unwrap_model(model)
             body = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-            hidden = body(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                          use_cache=False).last_hidden_state
-            logps = completion_logps(hidden, lm.lm_head, inputs["input_ids"], inputs["completion_mask"],
-                                     self.logprob_chunk, self.head_dropout, training=model.training)
+            # Accelerate applies mixed precision by wrapping ``model.forward``; the body and the LM head are called
+            # directly here, so the bf16 autocast is entered explicitly (a no-op without mixed precision).
+            with self.accelerator.autocast():
+                hidden = body(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                              use_cache=False).last_hidden_state
+                logps = completion_logps(hidden, lm.lm_head, inputs["input_ids"], inputs["completion_mask"],
+                                         self.logprob_chunk, self.head_dropout, training=model.training)
             chosen, rejected = logps.chunk(2)          # the collator stacks [chosen; rejected]
             ref_c, ref_r = inputs["ref_chosen_logps"].float(), inputs["ref_rejected_logps"].float()
             margin = self.beta * ((chosen - ref_c) - (rejected - ref_r))
-            loss = -F.logsigmoid(margin).mean()        # eq. 13
+            # eq. 13, weighted mean over THIS micro-batch's pairs. With gradient accumulation the Trainer divides each
+            # micro-batch loss by the number of accumulation steps (TRL sets model_accepts_loss_kwargs=False), so an
+            # optimizer step follows the plain mean of the micro-batches' weighted means, not one weighted mean over
+            # the whole effective batch; with micro_batch_size == batch_size the two coincide.
+            loss = weighted_dpo_loss(margin, inputs.get("weight"))
             mode = "train" if model.training else "eval"
             self._metrics[mode]["rewards/margins"].append(margin.detach().mean().item())
             self._metrics[mode]["rewards/accuracies"].append((margin.detach() > 0).float().mean().item())
@@ -226,7 +281,7 @@ class McdDpo:
                  num_samples: int = 20, beta: float = 2.0, batch_size: int = 64, micro_batch_size: int = 8,
                  num_epochs: float = 1.0, warmup_ratio: float = 0.05, weight_decay: float = 0.0,
                  seed: int = 0, device: str = "auto", show_progress: bool = True, score_batch_size: int = 8,
-                 logprob_chunk: int = 64, gradient_checkpointing: bool = True, log_every: int = 1):
+                 logprob_chunk: int = 64, gradient_checkpointing: bool | str = "auto", log_every: int = 1):
         if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
             raise UserError(f"method.dropout={dropout} is invalid: must be in [0, 1)")
         check_positive(num_samples, "method.num_samples", integer=True, minimum=2, inclusive=True)
@@ -235,6 +290,10 @@ class McdDpo:
         check_positive(micro_batch_size, "method.micro_batch_size", integer=True, minimum=1, inclusive=True)
         check_positive(score_batch_size, "method.score_batch_size", integer=True, minimum=1, inclusive=True)
         check_positive(logprob_chunk, "method.logprob_chunk", integer=True, minimum=1, inclusive=True)
+        checkpointing = {"auto": "auto", "true": True, "false": False}.get(str(gradient_checkpointing).lower())
+        if checkpointing is None:
+            raise UserError(f"method.gradient_checkpointing={gradient_checkpointing} is invalid; allowed: auto, true, "
+                            "false")
         self.schedule = TrainingSchedule(learning_rate=float(learning_rate), batch_size=int(batch_size),
                                          num_epochs=float(num_epochs), warmup_ratio=float(warmup_ratio),
                                          weight_decay=float(weight_decay))
@@ -253,7 +312,7 @@ class McdDpo:
         self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
         self.score_batch_size = int(score_batch_size)
         self.logprob_chunk = int(logprob_chunk)
-        self.gradient_checkpointing = bool(gradient_checkpointing)
+        self.gradient_checkpointing = checkpointing   # "auto" (GPU only), True or False
         self.log_every = int(log_every)
         self.history: list[dict] = []
         self.fit_summary: dict = {}
@@ -281,8 +340,13 @@ class McdDpo:
         return self.backbone.tokenizer
 
     def _train_dtype(self):
-        # Trained weights stay fp32 (AdamW on bf16 weights loses small updates); a GPU run autocasts to bf16.
+        # Trained weights stay fp32 (AdamW on bf16 weights loses small updates); a bf16 backbone autocasts to bf16.
         return torch.float32
+
+    def _bf16(self) -> bool:
+        """bf16 autocast in training and scoring: the backbone's dtype is bf16 (on a GPU, or on CPU with
+        ``model.keep_dtype_on_cpu=true``, which makes this path testable without a GPU)."""
+        return self.backbone.dtype == torch.bfloat16
 
     def _ensure_policy(self):
         if self.policy is None:
@@ -291,7 +355,11 @@ class McdDpo:
 
     def _ensure_reference(self):
         if self.reference is None:
-            ref = load_causal_lm(self.backbone)
+            # Same weight dtype as the policy, under the same autocast: the reference then gives the very numbers TRL
+            # pre-computed for training (policy weights before training, ``accelerator.autocast()``), and an untrained
+            # policy has implicit reward 0. Loading it in bf16 instead would give a bf16 residual stream and a
+            # per-sequence offset between policy and reference log-probs that is pure rounding.
+            ref = load_causal_lm(self.backbone, dtype=self._train_dtype())
             ref.requires_grad_(False)
             self.reference = ref.to(self.device).eval()
         return self.reference
@@ -300,10 +368,12 @@ class McdDpo:
     def _dataset(self, frame: pd.DataFrame):
         from datasets import Dataset
 
+        weight = frame["weight"].to_numpy(dtype=float) if "weight" in frame else np.ones(len(frame))
         return Dataset.from_dict({
             "prompt": [_messages(p) for p in frame["prompt"]],
             "chosen": [_messages(c) for c in frame["chosen"]],
             "rejected": [_messages(r) for r in frame["rejected"]],
+            "weight": [float(w) for w in weight],   # pair weight -> WeightCollator -> weighted eq. 13
         })
 
     def _shared_dataset(self, dataset):
@@ -342,18 +412,21 @@ class McdDpo:
         # accumulation steps are divided by N (one process: unchanged).
         accumulation = max(1, s.batch_size // (self.micro_batch_size * world_size()))
         # transformers 5 has no warmup_ratio: the same fraction of the optimizer steps, computed here.
-        total_steps = max(1, math.ceil(math.ceil(len(train) / (self.micro_batch_size * world_size())) / accumulation * s.num_epochs))
+        batches_per_epoch = math.ceil(len(train) / (self.micro_batch_size * world_size()))
+        total_steps = max(1, math.ceil(batches_per_epoch / accumulation * s.num_epochs))
         args = DPOConfig(
             output_dir=output_dir, learning_rate=s.learning_rate, beta=self.dpo_beta, loss_type=["sigmoid"],
             per_device_train_batch_size=self.micro_batch_size, gradient_accumulation_steps=accumulation,
-            num_train_epochs=s.num_epochs, lr_scheduler_type="cosine", warmup_steps=int(round(s.warmup_ratio * total_steps)),
+            num_train_epochs=s.num_epochs, lr_scheduler_type="cosine", warmup_steps=round(s.warmup_ratio * total_steps),
             weight_decay=s.weight_decay, optim="adamw_torch", adam_beta1=s.adam_betas[0], adam_beta2=s.adam_betas[1],
             adam_epsilon=s.adam_eps, seed=self.seed, data_seed=self.seed,
             precompute_ref_log_probs=True, precompute_ref_batch_size=self.score_batch_size,
             max_length=None,                        # the run already drops over-long pairs (never truncate)
             disable_dropout=True,                   # Qwen3's own dropouts off; our head dropout is separate
-            bf16=cuda and self.backbone.dtype == torch.bfloat16, use_cpu=not cuda,
-            gradient_checkpointing=cuda and self.gradient_checkpointing,
+            # bf16=True -> accelerate's bf16 autocast (CPU autocast under use_cpu=True; transformers 5.23 accepts it)
+            bf16=self._bf16(), use_cpu=not cuda,
+            # auto: on a GPU only (activation memory); on CPU it only costs time unless asked for explicitly
+            gradient_checkpointing=cuda if self.gradient_checkpointing == "auto" else self.gradient_checkpointing,
             logging_steps=self.log_every, save_strategy="no", report_to=[], disable_tqdm=not self.show_progress,
             remove_unused_columns=False, dataloader_num_workers=0,
         )
@@ -372,7 +445,7 @@ class McdDpo:
             trainer.remove_callback(ProgressCallback)
         return trainer
 
-    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # noqa: A002 (contract name)
+    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # eval: the contract's name
         t0 = time.perf_counter()
         quiet = not self.show_progress and not os.environ.get("TQDM_DISABLE")
         if quiet:  # TRL's reference pre-computation bar only listens to this variable
@@ -383,7 +456,7 @@ class McdDpo:
             if quiet:
                 os.environ.pop("TQDM_DISABLE", None)
 
-    def _fit(self, train: pd.DataFrame, eval: pd.DataFrame | None, t0: float) -> dict:  # noqa: A002
+    def _fit(self, train: pd.DataFrame, eval: pd.DataFrame | None, t0: float) -> dict:
         with tempfile.TemporaryDirectory(prefix="mcd_dpo-") as tmp:
             trainer = self._make_trainer(train, tmp)
             t_ref = time.perf_counter() - t0        # includes tokenisation and the one reference pass
@@ -435,8 +508,10 @@ class McdDpo:
             yield idx, ids.to(self.device), attn.to(self.device), comp.to(self.device)
 
     def _autocast(self):
-        if self.device.type == "cuda" and self.backbone.dtype == torch.bfloat16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        # The same bf16 autocast as training (accelerate's, see _make_trainer), on the model's device type: CPU
+        # autocast runs this path in tests.
+        if self._bf16():
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return torch.autocast(self.device.type, enabled=False)
 
     @torch.no_grad()
