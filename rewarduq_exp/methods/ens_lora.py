@@ -238,9 +238,12 @@ class EnsLoRA:
         return ids.to(self.device), mask.to(self.device)
 
     def _autocast(self):
+        """Matmuls in the backbone's dtype (bf16 on GPU) while the LoRA weights and heads stay fp32 (PEFT keeps
+        adapters in fp32 on a bf16 base). On CPU the backbone is fp32 unless model.keep_dtype_on_cpu=true, which
+        runs this same bf16 path here (the tests use it)."""
         dtype = self._backbone().dtype
-        if self.device.type == "cuda" and dtype != torch.float32:
-            return torch.autocast("cuda", dtype=dtype)
+        if dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=dtype)
         return torch.autocast(self.device.type, enabled=False)
 
     def _pooled(self, ids, mask, adapter_names=None) -> torch.Tensor:
