@@ -130,3 +130,34 @@ def test_launcher_needs_an_explicit_run_dir(monkeypatch):
     assert launcher_overrides(["hydra.run.dir=x"]) == ([], None)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert launcher_overrides(["method=mcd_dpo"]) == ([], None)
+
+
+def test_full_weights_gathers_an_fsdp_sharded_policy(tmp_path, tiny_backbone):
+    """MCD-DPO under FSDP re-assembles whole weights for scoring and saving (one process here: the gather path of
+    FSDP2's DTensors; two processes need GPUs through accelerate, which runs FSDP on GPUs only)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from rewarduq_exp.methods.mcd_dpo import full_weights
+
+    original = AutoModelForCausalLM.from_pretrained(tiny_backbone.source)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        sharded = AutoModelForCausalLM.from_pretrained(tiny_backbone.source)
+        for layer in sharded.model.layers:
+            fully_shard(layer)
+        fully_shard(sharded)
+        assert type(sharded.lm_head.weight).__name__ == "DTensor"
+        weights = full_weights(sharded)
+    finally:
+        dist.destroy_process_group()
+    assert all(type(v) is torch.Tensor and v.device.type == "cpu" for v in weights.values())
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_backbone.source)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh.load_state_dict(weights)
+    for (name, a), b in zip(original.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name

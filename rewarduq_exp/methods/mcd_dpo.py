@@ -185,6 +185,18 @@ def load_causal_lm(backbone, dtype=None):
     return model
 
 
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """The whole weights of an FSDP-sharded model as CPU tensors, on every process (a collective call).
+
+    ``full_state_dict`` all-gathers every DTensor; without ``cpu_offload`` every process (not only rank 0) receives
+    the result, briefly as one whole copy of the weights on the device, before it moves to the CPU.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return {k: v.detach().to("cpu") for k, v in state.items()}
+
+
 # ---------------------------------------------------------------------------------------------------- trainer
 class WeightCollator:
     """TRL's preference collator plus a float32 ``weight`` (B,) taken from the examples' ``weight`` column.
@@ -472,7 +484,7 @@ class McdDpo:
                     self.history.append({"step": int(rec["step"]), "loss": float(rec["loss"]),
                                          "lr": float(rec.get("learning_rate", float("nan"))),
                                          **{k: float(v) for k, v in rec.items() if k.startswith("rewards/")}})
-            self.policy = trainer.accelerator.unwrap_model(trainer.model)
+            self.policy = self._trained_policy(trainer)
             self.policy.requires_grad_(False)
             self.policy.eval()
             if self._shared_dir is not None:
@@ -487,6 +499,20 @@ class McdDpo:
                             "final_train_loss": self.history[-1]["loss"] if self.history else float("nan")}
         # ``eval`` is not scored here: the run scores every eval set right after fit, and MC scoring is not free.
         return self.fit_summary
+
+    def _trained_policy(self, trainer):
+        """The trained causal LM with whole weights on this process.
+
+        Under FSDP (``accelerate launch --config_file slurm/accelerate/fsdp_4gpu.yaml``) each process holds a shard of
+        every weight; scoring calls the body and the LM head directly, each process on its own rows, and ``save``
+        writes one file, so the shards are gathered into a plain model on every process (the trainer is dropped
+        right after, which frees the sharded copy and the optimiser state).
+        """
+        if not trainer.is_fsdp_enabled:
+            return trainer.accelerator.unwrap_model(trainer.model)
+        policy = load_causal_lm(self.backbone, dtype=self._train_dtype())
+        policy.load_state_dict(full_weights(trainer.model))
+        return policy.to(self.device)
 
     # ------------------------------------------------------------------ scoring
     def _batches(self, prompts, completions):
