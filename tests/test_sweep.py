@@ -63,8 +63,8 @@ def test_sweep_turns_tuned_values_off_and_uses_the_grid(sweep):
         assert cfg["also_evaluate"] == []
 
 
-def test_slurm_script_from_submitit(tmp_path, shared_cache):  # noqa: F811
-    """A dry run: a fake sbatch records the script submitit wrote from our launcher config, then refuses it."""
+def sbatch_dry_run(tmp_path, cache, args, flags=("-m",)) -> str:
+    """The sbatch script submitit writes for ``train.py args``: a fake sbatch records it, then refuses it."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = tmp_path / "sbatch_script.sh"
@@ -73,13 +73,17 @@ def test_slurm_script_from_submitit(tmp_path, shared_cache):  # noqa: F811
         tool = bin_dir / name
         tool.write_text("#!/bin/sh\n" + body)
         tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    proc = run("train.py", args, tmp_path, cache, check=False, flags=list(flags),
+               env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert proc.returncode != 0 and record.exists(), proc.stderr[-2000:]
+    return record.read_text()
+
+
+def test_slurm_script_from_submitit(tmp_path, shared_cache):  # noqa: F811
     args = ["sweep=bay_lin", "model=qwen3-0.6b", "hydra/launcher=slurm", "hydra.launcher.partition=gpu",
             "hydra.launcher.account=my_lab", "hydra.launcher.timeout_min=240",
             "method.learning_rate=1e-3", "method.reg_lambda=1e-3,1e-2"]
-    proc = run("train.py", args, tmp_path, shared_cache, check=False, flags=["-m"],
-               env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
-    assert proc.returncode != 0 and record.exists(), proc.stderr[-2000:]
-    script = record.read_text()
+    script = sbatch_dry_run(tmp_path, shared_cache, args)
     for line in ("#SBATCH --partition=gpu", "#SBATCH --account=my_lab", "#SBATCH --gpus-per-node=1",
                  "#SBATCH --cpus-per-task=8", "#SBATCH --mem=64GB", "#SBATCH --time=240", "#SBATCH --requeue",
                  "#SBATCH --array=0-1%2", "#SBATCH --signal=USR2@120", "export HF_HUB_OFFLINE="):

@@ -4,10 +4,10 @@ torch.distributed run of N processes (rank 0 writes the run folder). Tested on C
 
 import json
 import os
-import stat
 
 from conftest import ROOT
 from test_cli import run, shared_cache  # noqa: F401 (module fixture: the tiny model, built once)
+from test_sweep import sbatch_dry_run
 
 TINY = ["method=bay_lin", "seed=0", "device=cpu", "progress=false", "dataset.n_train=96", "dataset.n_eval=32",
         "dataset.n_ood=32"]
@@ -75,21 +75,9 @@ def test_several_tasks_export_the_torch_distributed_env_and_keep_all_gpus(monkey
 
 
 def test_slurm_script_for_the_4gpu_profile(tmp_path, shared_cache):  # noqa: F811
-    """A dry run as in test_sweep.py: a fake sbatch records the script submitit wrote, then refuses it."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    record = tmp_path / "sbatch_script.sh"
-    for name, body in {"sbatch": f'cat "$1" > {record}\necho "sbatch: error: dry run" >&2\nexit 1\n',
-                       "srun": "exit 0\n"}.items():
-        tool = bin_dir / name
-        tool.write_text("#!/bin/sh\n" + body)
-        tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
     args = ["sweep=bay_lin", "model=qwen3-0.6b", "hydra/launcher=example_h100_4gpu", "method.learning_rate=1e-3",
             "method.reg_lambda=1e-3,1e-2"]
-    proc = run("train.py", args, tmp_path, shared_cache, check=False,
-               flags=["-m", "--config-dir", str(ROOT / "slurm")], env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
-    assert proc.returncode != 0 and record.exists(), proc.stderr[-2000:]
-    script = record.read_text()
+    script = sbatch_dry_run(tmp_path, shared_cache, args, flags=["-m", "--config-dir", str(ROOT / "slurm")])
     for line in ("#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=8",
                  "#SBATCH --nodes=1", "#SBATCH --partition=gpu-h100", "#SBATCH --array=0-1%2"):
         assert line in script, f"{line!r} not in the sbatch script:\n{script}"
