@@ -7,6 +7,7 @@ cache) -> method.score on each eval dataset -> metrics -> run folder -> wandb (i
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -140,6 +141,8 @@ def _train(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
     # torchrun / accelerate launch / a multi-task Slurm job: one process group before any model or tensor exists
     # (on GPUs this also binds each process to its own device).
     distributed.setup(resolve_device(cfg.device).type)
+    if not distributed.is_main():
+        os.environ["TQDM_DISABLE"] = "1"  # one set of progress bars (rank 0's): methods, encoder and TRL read it
     # Build the method first: its hyperparameters are validated before any data or model is touched.
     method = build(cfg.method, "method", encoder=None)
     loader = build_loader(cfg.dataset)
