@@ -65,6 +65,8 @@ class FeatureCache:
         part = self.root / f"{key}.part{distributed.rank()}.pt"
         if len(rows):
             self._save_tensor(compute_rows(rows).contiguous(), part)
+        else:
+            part.unlink(missing_ok=True)  # a stale block of a crashed run must not be stitched in
         distributed.barrier()
         if distributed.is_main():
             parts = [self.root / f"{key}.part{r}.pt" for r in range(distributed.world_size())]
