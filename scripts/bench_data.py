@@ -11,12 +11,8 @@ and read through the real loader (``paths.datasets_dir``), so the timing covers 
 from __future__ import annotations
 
 import os
-import sys
 
-# scripts/select.py would shadow the standard library's `select` (Python puts this folder first on sys.path, and
-# `subprocess` imports `select`), so that entry goes before any other import.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
 
 import argparse
 import tempfile

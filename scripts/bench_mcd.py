@@ -13,10 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
-# scripts/select.py would shadow the standard library's `select`, so this folder leaves sys.path first.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs without install
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402

@@ -10,13 +10,7 @@ config ``<method>/<model>.yaml`` (into --tuned-dir, default --out). When nothing
 closest configurations and exits 0: that is a result, not an error.
 """
 
-import os
-import sys
-
-# This file shadows the standard library's `select` module for every script in this folder (Python puts the
-# script's folder first on sys.path, and `subprocess` imports `select`), so that entry goes before any import.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
 
 import argparse
 from pathlib import Path
