@@ -6,7 +6,8 @@ from pathlib import Path
 
 import hydra
 
-from rewarduq_exp.cli import check_group_choices, fail, register_resolvers
+from rewarduq_exp import sweep_outcome
+from rewarduq_exp.cli import check_group_choices, check_setting_keys, fail, register_resolvers
 from rewarduq_exp.distributed import launcher_overrides
 
 register_resolvers()
@@ -31,9 +32,17 @@ def let_sweep_jobs_import_this_repo() -> None:
 if __name__ == "__main__":
     let_sweep_jobs_import_this_repo()
     check_group_choices(sys.argv[1:])
+    check_setting_keys(sys.argv[1:], "train")
     # torchrun / accelerate launch: one shared run folder (hydra.run.dir required), .hydra/ written by rank 0 only.
     extra, error = launcher_overrides(sys.argv[1:])
     if error:
         fail(error)
     sys.argv += extra
     main()
+    # A multirun: say what became of every job, and fail the command when a run failed (each is recorded in its
+    # folder, and the sweep went on with the others).
+    summary, any_failed = sweep_outcome.report()
+    if summary:
+        print(summary, flush=True)
+    if any_failed:
+        sys.exit(1)

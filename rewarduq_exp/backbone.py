@@ -6,7 +6,6 @@ executes remote code unless the model config turns ``trust_remote_code`` on expl
 
 from __future__ import annotations
 
-import hashlib
 import json
 from functools import cached_property
 from pathlib import Path
@@ -14,6 +13,8 @@ from pathlib import Path
 import torch
 
 from rewarduq_exp.errors import UserError
+from rewarduq_exp.hub_access import hub_reachable, offline_hint
+from rewarduq_exp.run_identity import stable_hash  # noqa: F401 (re-exported: the caches key on it)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,6 +58,7 @@ class Backbone:
             return str(self.cfg.path)
         if not self.cfg.get("hub_id"):
             raise UserError(f"model '{self.name}' has neither hub_id nor path; set model.path=<local checkpoint>")
+        hub_reachable()  # once per process: without network, go offline at once instead of retrying for a minute
         return str(self.cfg.hub_id)
 
     def identity(self) -> dict:
@@ -87,8 +89,9 @@ class Backbone:
         except OSError as err:
             raise UserError(
                 f"could not load the {what} of model '{self.name}' from '{self.source}' "
-                f"({str(err).splitlines()[0][:200]}); without hub access, download it beforehand or point "
-                f"model.path at a local checkpoint, or use model=tiny-qwen3"
+                f"({offline_hint()}{str(err).splitlines()[0][:200]}); without hub access, download it beforehand "
+                f"(huggingface-cli download {self.source}) or point model.path at a local checkpoint, or use "
+                f"model=tiny-qwen3"
             ) from None
 
     @cached_property
@@ -118,8 +121,3 @@ class Backbone:
             raise UserError(f"model.hidden_size={self.cfg.hidden_size} but the checkpoint has hidden size {hidden}")
         model.requires_grad_(False)
         return model.eval().to(self.device)
-
-
-def stable_hash(obj, n: int = 16) -> str:
-    """Hash of a JSON-able object, independent of dict order (used for cache keys and run identities)."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import re
@@ -35,15 +36,30 @@ def run_name(override_dirname: str, *, _root_=None) -> str:
     readable = re.sub(r"[^A-Za-z0-9=.,_-]+", "_", override_dirname)[:80] or "defaults"
     if _root_ is None:
         return f"{readable}-{hashlib.sha1(override_dirname.encode()).hexdigest()[:8]}"
-    from rewarduq_exp.run_folder import config_hash
+    from rewarduq_exp.run_identity import config_hash
 
     task = OmegaConf.masked_copy(_root_, [k for k in _root_ if k != "hydra"])
     return f"{readable}-{config_hash(task)[:10]}"
 
 
+def run_identity(name: str):
+    """``${run_identity:<name>}``: a value owned by :mod:`rewarduq_exp.run_identity` (e.g. the keys a multirun
+    folder name leaves out), so the config does not repeat what the code defines."""
+    from rewarduq_exp import run_identity as ident
+
+    values = {"override_dirname_excluded": ident.override_dirname_excluded}
+    if name not in values:
+        raise ValueError(f"run_identity:{name} is unknown; allowed: {', '.join(values)}")
+    return values[name]()
+
+
 def register_resolvers() -> None:
+    """Resolvers that conf/train.yaml uses; every process that composes or resolves it (train.py, the launchers'
+    jobs, tests) calls this first."""
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver("run_name", run_name)
+    if not OmegaConf.has_resolver("run_identity"):
+        OmegaConf.register_new_resolver("run_identity", run_identity)
 
 
 def _choices(arg: str) -> tuple[str, list[str]] | None:
@@ -74,6 +90,89 @@ def check_group_choices(args: list[str], conf_dir: Path = CONF_DIR, groups=GROUP
         for value in values:
             if value not in allowed:
                 fail(f"unknown {group} '{value}'; allowed: {', '.join(allowed)}")
+
+
+def check_setting_keys(args: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> None:
+    """Exit with one line (status 2) if a ``key=value`` override names a setting the config does not have."""
+    problem = unknown_setting(args, config_name, conf_dir)
+    if problem:
+        fail(problem)
+
+
+def unknown_setting(args: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> str | None:
+    """The one-line message for the first ``key=value`` override that names no setting of the config, or None.
+
+    Hydra reports ``method.num_head=3`` in five lines ("Key 'num_head' is not in struct ...") with exit status 1;
+    a typo is bad input like any other, so it gets one line naming the key, the config it is not in and the allowed
+    keys, and exit 2. ``+key=`` / ``++key=`` / ``~key`` (adding or deleting on purpose) and ``hydra.*`` are Hydra's.
+    The config is composed once per choice of the group the key lives in (``method=ens_mlp,bay_lin`` checks both).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    choices: dict[str, list[str]] = {}
+    keys: list[str] = []
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception:
+            continue  # malformed: Hydra reports it itself
+        name = override.key_or_group
+        if override.package or name == "hydra" or name.startswith(("hydra.", "hydra/")):
+            continue
+        if "/" in name or (conf_dir / name).is_dir():  # a config group choice
+            values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+            choices[name] = [str(v) for v in values if isinstance(v, str)]
+        elif not (override.is_add() or override.is_force_add() or override.is_delete()):
+            keys.append(name)
+    if not keys:
+        return None  # nothing to check: no composition cost for plain commands
+    for key in keys:
+        top = key.split(".", 1)[0]
+        for value in choices.get(top) or [None]:
+            groups = [f"{g}={(value if g == top else vs[0])}" for g, vs in choices.items() if vs]
+            cfg = _compose(config_name, tuple(groups), conf_dir)
+            problem = _missing_key(cfg, key)
+            if problem:
+                chosen = value or (OmegaConf.select(cfg, f"hydra.runtime.choices.{top}") if "." in key else None)
+                where = f" of {top} '{chosen}'" if chosen else ""
+                return f"{key} is not a setting{where}; allowed: {problem}; to add a new key on purpose, use +{key}=..."
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _compose(config_name: str, overrides: tuple, conf_dir: Path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_resolvers()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+            return compose(config_name, overrides=list(overrides), return_hydra_config=True)
+    except Exception:
+        return None  # e.g. a bad group value: reported by check_group_choices or by Hydra itself
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _missing_key(cfg, key: str) -> str | None:
+    """None if ``key`` exists in ``cfg`` (or cannot be judged); else the allowed keys at the first missing level."""
+    from omegaconf import DictConfig
+
+    if cfg is None:
+        return None
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig):
+            return None  # inside a list or a value: not ours to judge
+        if part not in node.keys():  # (``in`` is False for a mandatory ``???`` value that exists)
+            return ", ".join(k for k in node.keys() if k not in ("_target_", "hydra")) or "(none)"
+        node = node._get_node(part)
+        if not isinstance(node, DictConfig):
+            node = None if node is None else node._value()
+    return None
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 from filelock import FileLock
 
 from rewarduq_exp import distributed
-from rewarduq_exp.atomic_write import write_atomic  # re-exported: run_folder and methods import it from here
+from rewarduq_exp.atomic_write import atomic_path, write_atomic
 
 
 class FeatureCache:
@@ -42,14 +41,8 @@ class FeatureCache:
         return torch.load(path, map_location="cpu", weights_only=True)
 
     def _save_tensor(self, tensor: torch.Tensor, path: Path) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=self.root)
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             torch.save(tensor, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     def get_or_compute_sharded(self, key: str, n: int, compute_rows: Callable[[np.ndarray], torch.Tensor],
                                meta: dict) -> tuple[torch.Tensor, bool]:

@@ -11,30 +11,17 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import DictConfig, OmegaConf
 
-from rewarduq_exp.backbone import stable_hash
+from filelock import FileLock
+
+from rewarduq_exp.atomic_write import atomic_path, write_atomic
 from rewarduq_exp.errors import one_line
-from rewarduq_exp.feature_cache import write_atomic
-
-# Keys that do not change a run's numbers: they are left out of its identity (config hash).
-NON_IDENTITY_KEYS = ("force", "progress", "logger", "paths", "sweep_name")
-
-
-def config_hash(cfg: DictConfig) -> str:
-    container = OmegaConf.to_container(cfg, resolve=True)
-    for key in NON_IDENTITY_KEYS:
-        container.pop(key, None)
-    method = container.get("method", {})
-    if isinstance(method, dict):
-        method.pop("show_progress", None)
-    return stable_hash(container, n=12)
+from rewarduq_exp.run_identity import VALIDATION, config_hash, is_completed  # noqa: F401 (config_hash: API)
 
 
 def write_json(path: Path, obj) -> None:
@@ -47,6 +34,9 @@ class RunFolder:
         # Under torchrun / accelerate every process holds a RunFolder on the same directory; only the main one is
         # the writer (status, metrics, predictions). The others read, and write only a failure of their own (below).
         self.writer = writer
+        # What the run is doing: "validation" until its settings are checked (a failure then means the settings
+        # are invalid, not that training broke; selection lists such runs apart), then "running".
+        self.stage = VALIDATION
 
     # ------------------------------------------------------------------ paths
     @property
@@ -74,8 +64,7 @@ class RunFolder:
         return json.loads(self.status_path.read_text())
 
     def is_completed(self, chash: str) -> bool:
-        st = self.status()
-        return st.get("state") == "completed" and st.get("config_hash") == chash and self.metrics_path.exists()
+        return is_completed(self.root, chash)
 
     def start(self, chash: str) -> None:
         self._started = time.time()
@@ -89,15 +78,15 @@ class RunFolder:
             return
         st = self.status()
         st.update(state="completed", finished_at=_now(), seconds=round(time.time() - self._started, 2), **info)
-        st.pop("error", None)
-        st.pop("traceback", None)
+        for key in ("error", "traceback", "stage"):
+            st.pop(key, None)
         write_json(self.status_path, st)
 
     def fail(self, err: BaseException, with_traceback: bool = True) -> None:
         # Every process records its own failure: when a non-main process dies the launcher kills the main one with
         # SIGTERM (no Python exception), so otherwise status.json would say "running" forever.
         st = self.status()
-        st.update(state="failed", finished_at=_now(), error=f"{type(err).__name__}: {one_line(err)}")
+        st.update(state="failed", finished_at=_now(), error=f"{type(err).__name__}: {one_line(err)}", stage=self.stage)
         if not self.writer:
             st["failed_rank"] = _rank()
         if hasattr(self, "_started"):
@@ -113,24 +102,23 @@ class RunFolder:
         return json.loads(self.metrics_path.read_text())
 
     def write_metrics(self, blocks: dict[str, dict], merge: bool = False) -> None:
+        """Write ``metrics.json``; ``merge`` adds/replaces these blocks and keeps the others. The read-merge-write
+        runs under a file lock, so two ``evaluate.py`` runs finishing together on one run folder both land."""
         if not self.writer:
             return
-        data = {**self.read_metrics(), **blocks} if merge else blocks
-        write_json(self.metrics_path, data)
+        if not merge:
+            write_json(self.metrics_path, blocks)
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.root / ".metrics.json.lock")):
+            write_json(self.metrics_path, {**self.read_metrics(), **blocks})
 
     def write_predictions(self, dataset: str, frame: pd.DataFrame) -> Path:
         path = self.predictions_path(dataset)
         if not self.writer:
             return path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             frame.to_parquet(tmp, index=False)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
         return path
 
 

@@ -3,8 +3,10 @@
 A run folder is any folder holding ``.hydra/config.yaml`` with a ``method`` node (``evaluate.py`` output folders
 also have a Hydra config but train nothing, so they are not runs). Its state comes from ``status.json``; a folder
 without a readable ``status.json``, or a completed one without ``metrics.json``, is ``missing`` (the job never
-started or was killed before writing its results). Everything here only reads, so it is safe on sweeps that are
-still running.
+started or was killed before writing its results). A run that failed while its settings were validated, before any
+data or model was touched, is ``invalid``: its settings are a mistake (an unknown key, a value out of range), not a
+point of the grid, so they never become columns of the selection's tables. Everything here only reads, so it is
+safe on sweeps that are still running.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rewarduq_exp.errors import UserError
+from rewarduq_exp.run_identity import NOT_HYPERPARAMETERS, VALIDATION, is_completed
 
-STATES = ("completed", "failed", "running", "missing")
-# Method keys that are not hyperparameters: where the run executes, and the seed (grouped on separately).
-NOT_HYPERPARAMETERS = ("_target_", "seed", "device", "show_progress")
+STATES = ("completed", "failed", "invalid", "running", "missing")
 
 
 @dataclass
@@ -100,10 +101,12 @@ def read_run(folder: str | os.PathLike) -> RunRecord | None:
     error = ""
     if state not in ("completed", "failed", "running"):
         state, error = "missing", status_problem or f"status.json has an unknown state {state!r}"
-    elif state == "completed" and metrics is None:
-        state, error = "missing", metrics_problem
+    elif state == "completed" and (metrics is None or not is_completed(folder, status=status)):
+        state, error = "missing", metrics_problem or "metrics.json missing"
     elif state == "failed":
         error = _first_line(status.get("error") or "failed (no error recorded)")
+        if status.get("stage") == VALIDATION:
+            state = "invalid"
 
     overrides = []
     if (folder / ".hydra" / "overrides.yaml").is_file():

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.run_records import NOT_HYPERPARAMETERS, RunRecord
+from rewarduq_exp.run_identity import NOT_HYPERPARAMETERS
+from rewarduq_exp.run_records import RunRecord
 
 DEFAULT_DATASET = "ultrafeedback_test"
 DEFAULT_ECE = 0.05
@@ -204,8 +205,10 @@ def _select_group(key: tuple, records: list[RunRecord], criteria: Criteria) -> S
     failing = sorted((c for c in configurations if not c.passes_all), key=lambda c: (c.miss, *_rank_order(c)))
     for i, c in enumerate(passing, start=1):
         c.rank = i
+    # Runs with invalid settings (failed validation) are not grid points: their keys are no searched columns.
+    valid = [r for r in records if r.state != "invalid"]
     return Selection(*key, criteria=criteria, records=records, configurations=passing + failing,
-                     searched=searched_keys(records), duplicates=duplicates)
+                     searched=searched_keys(valid), duplicates=duplicates)
 
 
 def _rank_order(c: Configuration) -> tuple:

@@ -112,7 +112,7 @@ def selection_csv(selections: list[Selection]) -> str:
 def selection_markdown(selections: list[Selection], sources: list[str], tuned_files: dict) -> str:
     c = selections[0].criteria if selections else Criteria()
     records = [r for s in selections for r in s.records]
-    counts = ", ".join(f"{n} {state}" for state in ("completed", "failed", "running", "missing")
+    counts = ", ".join(f"{n} {state}" for state in ("completed", "failed", "invalid", "running", "missing")
                        if (n := sum(r.state == state for r in records)))
     out = [
         "# Hyperparameter selection",
@@ -158,6 +158,7 @@ def _group_markdown(s: Selection, tuned_file: Path | None) -> list[str]:
 
     keys = s.searched
     out += _run_list("Failed runs", s.by_state("failed"), keys)
+    out += _run_list("Invalid settings (failed validation; nothing ran)", s.by_state("invalid"), [])
     out += _run_list("Missing runs (never started or killed)", s.by_state("missing"), keys)
     out += _run_list("Unfinished runs (status running: still running, or killed)", s.by_state("running"), keys)
     out += _run_list(f"Completed runs without metrics for `{c.dataset}`", s.without_block(), keys)
@@ -222,7 +223,7 @@ def stdout_summary(selections: list[Selection], tuned_files: dict) -> str:
         else:
             head += (f"NO configuration passes ECE <= {c.ece:g} and EBCE <= {c.ebce:g} on {c.dataset} "
                      f"(0 of {len(s.configurations)}); no tuned config written; closest {len(s.closest())} below")
-        problems = {state: len(s.by_state(state)) for state in ("failed", "missing", "running")}
+        problems = {state: len(s.by_state(state)) for state in ("failed", "invalid", "missing", "running")}
         if any(problems.values()):
             head += "\n  not used: " + ", ".join(f"{n} {state}" for state, n in problems.items() if n)
         blocks.append(head)

@@ -8,10 +8,9 @@ kinds from the tiny Qwen3 (same body weights, same tokenizer).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from rewarduq_exp.atomic_write import atomic_dir
 from rewarduq_exp.tiny_qwen3 import save_checkpoint
 
 
@@ -34,11 +33,7 @@ def build_tiny_sequence_classifier(causal_lm_dir: str | os.PathLike, target: str
     lm = Qwen3ForCausalLM.from_pretrained(causal_lm_dir)
     model.model.load_state_dict(lm.model.state_dict())
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-cls-", dir=target.parent))
-    try:
+    with atomic_dir(target) as tmp:
         save_checkpoint(model, tmp)
         AutoTokenizer.from_pretrained(causal_lm_dir).save_pretrained(tmp)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -12,11 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from filelock import FileLock
+
+from rewarduq_exp.atomic_write import atomic_dir
 
 from rewarduq_exp.data.vocabulary import TOPIC_WORDS, WORDS
 
@@ -173,12 +173,8 @@ def ensure_tiny_qwen3(
             torch.manual_seed(seed)
             model = Qwen3ForCausalLM(config)
             _soften_attention(model, attention_temperature)
-        tmp = Path(tempfile.mkdtemp(prefix=".tiny-qwen3-", dir=root))
-        try:
+        with atomic_dir(target) as tmp:
             save_checkpoint(model, tmp)
             tokenizer.save_pretrained(tmp)
             (tmp / "build_spec.json").write_text(json.dumps(spec, indent=1, sort_keys=True))
-            os.replace(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -109,6 +109,7 @@ def train(cfg: DictConfig) -> dict | None:
     try:
         require_complete(cfg)
     except UserError as err:
+        folder.fail(err, with_traceback=False)  # recorded as invalid settings, not as a run that never started
         report_user_error(err)
         return None
     chash = config_hash(cfg)
@@ -150,6 +151,7 @@ def _train(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
                                   cfg.get("also_evaluate") or ())
     eval_loaders = {es.name: loader if es.config is cfg.dataset else build_loader(es.config) for es in eval_sets}
     check_data_kinds(loader, eval_loaders)
+    folder.stage = "running"  # the settings are valid; from here a failure is the run's, not the settings'
     seed_everything(int(cfg.seed))
     logger = make_logger(cfg, out, out.name) if folder.writer else NullLogger()
     failed = True

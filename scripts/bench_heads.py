@@ -20,20 +20,19 @@ import time
 import torch
 from torch import nn
 
+from rewarduq_exp.methods.base import cosine_schedule_with_warmup
 from rewarduq_exp.methods.ens_mlp import EnsMLP
 
 
 def naive_epoch(method: EnsMLP, zc, zr, weight, sync) -> float:
     """The loop-over-heads baseline, with the same optimiser, schedule, batches and loss terms."""
-    from transformers import get_cosine_schedule_with_warmup
-
     heads = method.heads.separate_heads()
     initial = torch.cat([p.detach().flatten() for h in heads for p in h.parameters()]).view(len(heads), -1)
     s = method.schedule
     n = len(zc)
     steps = -(-n // s.batch_size)
     opt = torch.optim.AdamW(heads.parameters(), lr=s.learning_rate, weight_decay=0.0)
-    sched = get_cosine_schedule_with_warmup(opt, int(round(s.warmup_ratio * steps)), steps)
+    sched = cosine_schedule_with_warmup(opt, int(round(s.warmup_ratio * steps)), steps)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).to(zc.device)
     sync()
     t0 = time.perf_counter()
@@ -50,6 +49,8 @@ def naive_epoch(method: EnsMLP, zc, zr, weight, sync) -> float:
         loss = bt + method.reg_lambda * anchor + method.center_gamma * center
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if s.max_grad_norm is not None:  # the same clipping as the batched fit
+            torch.nn.utils.clip_grad_norm_(heads.parameters(), s.max_grad_norm)
         opt.step()
         sched.step()
     sync()

@@ -85,12 +85,12 @@ def main():
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from rewarduq_exp.backbone import resolve_device
+    from rewarduq_exp.data.registry import CONF_DIR
     from rewarduq_exp.tiny_qwen3 import ensure_tiny_qwen3
 
     device = resolve_device(args.device)
     torch.manual_seed(0)
-    root = os.path.join(os.path.dirname(_HERE), "conf", "model", "tiny-qwen3.yaml")
-    build = dict(OmegaConf.load(root).build)
+    build = dict(OmegaConf.load(CONF_DIR / "model" / "tiny-qwen3.yaml").build)
     tiny = AutoModelForCausalLM.from_pretrained(ensure_tiny_qwen3("outputs/cache", **build)).to(device).eval()
     kw = dict(K=args.samples, p=args.dropout, chunk=args.chunk, repeats=args.repeats, device=device)
     bench("tiny-qwen3", tiny, tiny.config.vocab_size, args.batch, args.length, args.length // 2, **kw)

@@ -48,8 +48,8 @@ def make_run(root: Path, name: str, method: str = "ens_mlp", model: str = "qwen3
     """Write one run folder ``root/name``.
 
     ``hp`` overrides the method defaults (and becomes ``method.<key>=`` overrides); ``metrics`` is the content of
-    metrics.json (default: one ``ultrafeedback_test`` block). ``state`` is completed | failed | running | missing;
-    missing writes no status.json and no metrics.json.
+    metrics.json (default: one ``ultrafeedback_test`` block). ``state`` is completed | failed | invalid | running |
+    missing; missing writes no status.json and no metrics.json; invalid is a run that failed validating its settings.
     """
     hp = dict(hp or {})
     folder = Path(root) / name
@@ -68,10 +68,12 @@ def make_run(root: Path, name: str, method: str = "ens_mlp", model: str = "qwen3
     if state == "missing":
         return folder
     status = {"state": state, "config_hash": f"hash-{name}", "started_at": "2026-01-01T00:00:00+0000"}
-    if state in ("completed", "failed"):
+    if state in ("completed", "failed", "invalid"):
         status["finished_at"] = "2026-01-01T00:10:00+0000"
     if state == "failed":
-        status.update(error=error, traceback="Traceback (most recent call last): ...")
+        status.update(error=error, traceback="Traceback (most recent call last): ...", stage="running")
+    if state == "invalid":
+        status.update(state="failed", error=error, stage="validation")
     (folder / "status.json").write_text(json.dumps(status))
     if state == "completed":
         metrics = metrics if metrics is not None else {"ultrafeedback_test": block()}

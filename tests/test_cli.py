@@ -52,7 +52,7 @@ def trained(tmp_path_factory, shared_cache):
 
 
 @pytest.mark.parametrize("method", ["ens_mlp", "bay_lin"])
-def test_train_writes_complete_run_folder(trained, method):
+def test_train_writes_complete_run_folder(trained, method, shared_cache):
     folder, proc = trained[method]
     status = json.loads((folder / "status.json").read_text())
     assert status["state"] == "completed" and len(status["config_hash"]) == 12
@@ -74,6 +74,16 @@ def test_train_writes_complete_run_folder(trained, method):
     # the summary table is printed at the end, with the truth column beside the win rate
     assert "win_rate" in proc.stdout and "bayes_win" in proc.stdout and "synthetic_ood" in proc.stdout
     assert not list(folder.rglob("*.tmp"))
+    # Every result file and folder has the permissions the umask gives (colleagues on a cluster read run folders
+    # and the shared cache); mkstemp's 0600 would hide them.
+    umask = os.umask(0)
+    os.umask(umask)
+    tiny_model = [p for link in shared_cache.glob("models/*") for p in [link.resolve(), *link.resolve().rglob("*")]]
+    for path in [*folder.rglob("*"), *shared_cache.rglob("*"), *tiny_model]:
+        if path.is_symlink() or path.name.endswith(".lock"):
+            continue
+        expected = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert path.stat().st_mode & 0o777 == expected, (path, oct(path.stat().st_mode & 0o777))
 
 
 def test_second_run_does_no_backbone_forward(trained):
@@ -118,19 +128,27 @@ def test_multirun_and_relaunch_skips_completed(tmp_path, shared_cache):
     assert all(json.loads(f.read_text())["state"] == "completed" for f in folders)
     stamps = {f: f.stat().st_mtime_ns for f in folders}
     again = run("train.py", args, tmp_path, shared_cache, flags=["-m"])
-    assert (again.stdout + again.stderr).count("skipping") == 4
+    # skipped before running (not even a job): the summary says so, and nothing was rewritten
+    assert "sweep: 4 jobs: 0 completed, 4 skipped" in again.stdout
     assert all(f.stat().st_mtime_ns == stamps[f] for f in folders)  # nothing was re-run or rewritten
 
 
 def test_failed_run_in_sweep_is_recorded_and_others_complete(tmp_path, shared_cache):
-    proc = run("train.py", ["method.num_heads=1,3", *SMALL], tmp_path, shared_cache, flags=["-m"])
+    proc = run("train.py", ["method.num_heads=1,3", *SMALL], tmp_path, shared_cache, flags=["-m"], check=False)
     sweep = tmp_path / "outputs" / "multirun" / "default"
     failed_dir, ok_dir = (next(sweep.glob(f"*method.num_heads={k}-*")) for k in (1, 3))
     failed = json.loads((failed_dir / "status.json").read_text())
     assert failed["state"] == "failed" and "method.num_heads=1 is invalid" in failed["error"]
+    assert failed["stage"] == "validation"  # invalid settings, not a crash of training
     assert not (failed_dir / "metrics.json").exists()
     assert json.loads((ok_dir / "status.json").read_text())["state"] == "completed"
-    assert proc.returncode == 0
+    # The sweep went on, then says what failed, where, and fails the command.
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "sweep: 2 jobs: 1 completed, 0 skipped (already completed with the same config), 1 failed" in proc.stdout
+    assert f"failed: {failed_dir}" in proc.stdout and "method.num_heads=1 is invalid" in proc.stdout
+    # Launched again: the completed run is skipped without running, the invalid one fails again.
+    again = run("train.py", ["method.num_heads=1,3", *SMALL], tmp_path, shared_cache, flags=["-m"], check=False)
+    assert again.returncode == 1 and "1 skipped" in again.stdout and "0 completed" in again.stdout
 
 
 @pytest.mark.parametrize("method, expected", [
@@ -188,6 +206,10 @@ BAD_INPUTS = [
     (["metric.n_bins=0"], "metric.n_bins=0 is invalid"),
     (["max_length=5"], "empty after the length filter"),
     (["eval_datasets=[synthetic_test]"], "synthetic split 'test' does not exist"),
+    # a key typo: one line naming the config it is not in and the allowed keys (Hydra's own report is 5 lines)
+    (["method.num_head=3"], "method.num_head is not a setting of method 'ens_mlp'; allowed: num_heads, hidden_dim"),
+    (["method=ens_mlp,bay_lin", "method.num_heads=3"], "method.num_heads is not a setting of method 'bay_lin'"),
+    (["seeed=1"], "seeed is not a setting; allowed: model, method, dataset, probe, metric, logger, seed"),
 ]
 
 
@@ -208,6 +230,9 @@ def test_local_dataset_without_path(tmp_path, shared_cache):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == ("error: missing required setting(s): dataset.path; pass them on "
                                                     "the command line, e.g. dataset.path=<value>")
+    # recorded as invalid settings (select.py lists it so), not as a run that never started
+    (status,) = [json.loads(p.read_text()) for p in (tmp_path / "outputs" / "runs").glob("*/status.json")]
+    assert status["state"] == "failed" and status["stage"] == "validation" and "dataset.path" in status["error"]
 
 
 def test_data_file_missing_a_column(tmp_path, shared_cache):
@@ -244,3 +269,17 @@ def test_wandb_run_is_finished_when_the_run_fails(tmp_path, shared_cache):
     assert proc.returncode == 2
     log = next((folder / "wandb").glob("offline-run-*/logs/debug.log")).read_text()
     assert "finishing run" in log
+
+
+def test_without_network_a_hub_model_fails_at_once(tmp_path, shared_cache):
+    """No network: one probe of the endpoint switches the hub libraries offline, so there are no retries with
+    back-off (a minute and ten warning lines before) and the error says why in one line."""
+    env = {"HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9",
+           "HF_HOME": str(tmp_path / "hf_home")}  # port 9 (discard) is closed: the connection is refused at once
+    proc = run("train.py", ["model=qwen3-0.6b", *SMALL, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,
+               shared_cache, check=False, env=env)
+    assert proc.returncode == 2
+    out = proc.stdout + proc.stderr
+    assert "Retrying" not in out and "does not answer" in out
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert "no network: 127.0.0.1:9 does not answer" in line and "model.path" in line

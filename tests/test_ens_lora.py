@@ -233,3 +233,34 @@ def test_bf16_training_and_scoring_on_cpu(tiny_model_cfg, cache_dir, data, train
     # learn the same thing.
     ref = trained.score(ev["prompt"], ev["chosen"])
     assert np.corrcoef(s.reward, ref.reward)[0, 1] > 0.99
+
+
+def test_anchor_forms_by_hand(tiny_backbone):
+    """anchor=l2: ||theta - theta_0||_2 over the member's LoRA + head parameters (the authors' form, which Table 1's
+    lambdas were tuned with); anchor=mean_squared: the per-parameter mean of (theta - theta_0)^2."""
+    values = {}
+    for anchor in ("l2", "mean_squared"):
+        m = make_method(tiny_backbone, anchor=anchor)
+        m._build()
+        groups = m._lora_params()
+        for p in groups[0]:
+            p.requires_grad_(True)
+        initial = [p.detach().clone() for p in groups[0]]
+        m._head0 = m.head.detach().clone()
+        # At theta = theta_0 the anchor is 0 and its gradient finite (the L2 norm's is 0 there, not NaN).
+        start = m._anchor_one(0, groups[0], initial)
+        start.backward()
+        assert float(start.detach()) == 0.0
+        assert all(torch.isfinite(p.grad).all() for p in groups[0] if p.grad is not None)
+        n_lora = groups[0][0].numel()
+        total = sum(p.numel() for p in groups[0]) + m.head.shape[1]
+        with torch.no_grad():
+            groups[0][0].add_(0.5)    # every element of one LoRA matrix moves by 0.5
+            m.head[0].add_(0.25)      # every head weight by 0.25
+        squares = n_lora * 0.25 + m.head.shape[1] * 0.0625
+        values[anchor] = float(m._anchor_one(0, groups[0], initial).detach())
+        expected = squares ** 0.5 if anchor == "l2" else squares / total
+        assert values[anchor] == pytest.approx(expected, rel=1e-5)
+    assert values["l2"] > 100 * values["mean_squared"]  # the same lambda is a much stronger pull in the l2 form
+    with pytest.raises(UserError, match="method.anchor='l1' is invalid; allowed: l2, mean_squared"):
+        make_method(tiny_backbone, anchor="l1")

@@ -207,6 +207,23 @@ def test_markdown_lists_failed_and_missing_runs(tmp_path):
     assert "Runs: 4 (2 completed, 1 failed, 1 missing)" in md
 
 
+def test_runs_with_invalid_settings_are_listed_apart_and_add_no_columns(tmp_path):
+    """A run that failed validating its settings (a typo'd key, a value out of range) is not a grid point: it is
+    listed as invalid (not as missing or as a crash), and its keys do not become columns of the tables."""
+    make_run(tmp_path, "a", hp={"learning_rate": 1e-3}, metrics=uf(rs=0.4))
+    make_run(tmp_path, "b", hp={"learning_rate": 1e-2}, metrics=uf(rs=0.3))
+    make_run(tmp_path, "typo", hp={"learning_rate": 1e-3, "num_head": 3}, state="invalid",
+             error="UserError: method.num_head is not a setting of EnsMLP; allowed: num_heads, ...")
+    selection = one_group(tmp_path)
+    assert selection.searched == ["learning_rate"]
+    assert [r.path.name for r in selection.by_state("invalid")] == ["typo"] and not selection.by_state("failed")
+    out, _ = write_reports([selection], tmp_path)
+    md = (out / "selection.md").read_text()
+    assert "### Invalid settings (failed validation; nothing ran) (1)" in md and "num_head is not a setting" in md
+    assert "Runs: 3 (2 completed, 1 invalid)" in md and "num_head |" not in md
+    assert "num_head" not in (out / "selection.csv").read_text().splitlines()[0].split(",")
+
+
 def test_no_configuration_passes(tmp_path):
     make_run(tmp_path, "near", hp={"learning_rate": 1e-3}, metrics=uf(rs=0.2, ece=0.06, ebce=0.01))
     make_run(tmp_path, "far", hp={"learning_rate": 1e-2}, metrics=uf(rs=0.9, ece=0.10, ebce=0.03))

@@ -22,11 +22,11 @@ def sweep(tmp_path_factory, shared_cache):  # noqa: F811
     args = ["sweep=ens_mlp", "hydra/launcher=local", f"paths.datasets_dir={hub}", "progress=false",
             "method.num_heads=4", *REDUCED_GRID]
     env = {"HF_DATASETS_CACHE": str(cwd / "hf_cache")}
-    first = run("train.py", args, cwd, shared_cache, env=env, flags=["-m"])
+    first = run("train.py", args, cwd, shared_cache, env=env, flags=["-m"], check=False)
     folder = cwd / "outputs" / "multirun" / "ens_mlp"
     status = {p.parent: json.loads(p.read_text()) for p in folder.glob("*/status.json")}
     stamps = {p: p.stat().st_mtime_ns for p in folder.glob("*/status.json")}
-    second = run("train.py", args, cwd, shared_cache, env=env, flags=["-m"])
+    second = run("train.py", args, cwd, shared_cache, env=env, flags=["-m"], check=False)
     return {"cwd": cwd, "folder": folder, "status": status, "stamps": stamps, "first": first, "second": second}
 
 
@@ -36,6 +36,10 @@ def test_grid_runs_as_separate_submitit_jobs(sweep):
     states = sorted(s["state"] for s in status.values())
     assert states == ["completed"] * 4 + ["failed"] * 2
     assert any(sweep["folder"].glob(".submitit/*/*_log.out"))  # really launched through submitit
+    # the sweep went on past the failures, then says so and fails the command
+    assert sweep["first"].returncode == 1
+    assert "sweep: 6 jobs: 4 completed, 0 skipped (already completed with the same config), 2 failed" in \
+        sweep["first"].stdout
     for path, st in status.items():
         if st["state"] == "completed":
             metrics = json.loads((path / "metrics.json").read_text())
@@ -51,7 +55,8 @@ def test_relaunch_submits_only_what_did_not_complete(sweep):
     completed = [p for p, st in sweep["status"].items() if st["state"] == "completed"]
     for path in completed:  # not re-run, not rewritten
         assert (path / "status.json").stat().st_mtime_ns == sweep["stamps"][path / "status.json"]
-    assert "6 jobs (4 completed, 2 failed); 4 skipped without submitting" in log
+    assert "sweep: 6 jobs: 0 completed, 4 skipped (already completed with the same config), 2 failed" in log
+    assert sweep["second"].returncode == 1
 
 
 def test_sweep_turns_tuned_values_off_and_uses_the_grid(sweep):

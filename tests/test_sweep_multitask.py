@@ -18,7 +18,7 @@ def test_two_task_local_job_is_one_distributed_run(tmp_path, shared_cache):  # n
     proc = run("train.py", [*TINY, "hydra/launcher=local", "hydra.launcher.tasks_per_node=2",
                             f"hydra.sweep.dir={sweep_dir}"], tmp_path, shared_cache, flags=["-m"])
     log = proc.stdout + proc.stderr
-    assert "1 jobs (1 completed)" in log, log[-3000:]
+    assert "sweep: 1 jobs: 1 completed" in log, log[-3000:]
 
     folders = [p.parent for p in sweep_dir.glob("*/status.json")]
     assert len(folders) == 1  # both tasks ran in the one run folder

@@ -1,10 +1,13 @@
-"""Submitit launchers (local and Slurm) that never submit a run whose folder already holds it, completed.
+"""Launchers (in-process, submitit local and Slurm) that never submit a run whose folder already holds it, completed.
 
 Hydra has no resume: launched again, a sweep would submit every job, and each would only find out on the cluster
 that it has nothing to do. These launchers resolve each job's config first, compute its identity (the same
 ``config_hash`` a run writes into ``status.json``) and submit only the jobs whose folder does not say
 ``completed`` with that hash: failed, missing and changed runs, and the new points of an extended grid. The skipped
-jobs are reported to Hydra as completed, and a summary of the whole sweep is logged at the end.
+jobs are reported to Hydra as completed. Every job's outcome (completed, skipped, failed) is recorded in
+``rewarduq_exp.sweep_outcome``; ``train.py`` prints the summary at the end and exits non-zero when a job failed.
+``rewarduq_basic`` (the default of ``conf/train.yaml``) is Hydra's in-process BasicLauncher with the same skipping and
+summary.
 
 A job with several tasks (``hydra.launcher.tasks_per_node=N``, with ``gpus_per_node=N``) is one multi-GPU run: its N
 processes each run the job, and the job function exports the torch.distributed environment (``RANK``,
@@ -17,7 +20,6 @@ Plugins must live under the ``hydra_plugins`` namespace for Hydra to instantiate
 # (no "from __future__ import annotations": Hydra execs plugin modules outside sys.modules, and dataclasses
 # with string annotations need the module there)
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -26,10 +28,17 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher, BasicLauncherConf
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 from omegaconf import open_dict
+
+from rewarduq_exp.cli import register_resolvers
+
+# conf/train.yaml's resolvers must exist wherever a job's config is composed: this module is imported by every sweep
+# job process (the launcher is unpickled there), before the job's config is loaded.
+register_resolvers()
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +77,7 @@ class SkipCompleted:
                        job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
 
     def launch(self, job_overrides, initial_job_idx: int):
-        from rewarduq_exp.run_folder import config_hash
+        from rewarduq_exp.run_identity import config_hash, is_completed
 
         results: dict[int, JobReturn] = {}
         todo: list[int] = []
@@ -80,7 +89,7 @@ class SkipCompleted:
             task_cfg = cfg.copy()
             with open_dict(task_cfg):
                 del task_cfg["hydra"]
-            if _completed_with(folder, config_hash(task_cfg)):
+            if is_completed(folder, config_hash(task_cfg)):
                 log.info("skip #%d (completed, same config): %s", initial_job_idx + i, folder.name)
                 results[i] = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=None)
             else:
@@ -93,9 +102,18 @@ class SkipCompleted:
             else:
                 stretches.append([i])
         for stretch in stretches:
-            launched = super().launch([job_overrides[i] for i in stretch], initial_job_idx + stretch[0])
+            try:
+                launched = super().launch([job_overrides[i] for i in stretch], initial_job_idx + stretch[0])
+            except Exception as err:  # e.g. a Slurm job killed before it could record anything: the others go on
+                log.error("jobs #%d-#%d ended without a result (%s: %s); they are listed as failed",
+                          initial_job_idx + stretch[0], initial_job_idx + stretch[-1], type(err).__name__, err)
+                launched = [JobReturn(overrides=list(job_overrides[i]), status=JobStatus.FAILED,
+                                      _return_value=err) for i in stretch]
             results.update(zip(stretch, launched))
-        _log_summary(folders, skipped=len(job_overrides) - len(todo))
+        from rewarduq_exp import sweep_outcome
+
+        for i, folder in folders.items():
+            sweep_outcome.record(folder, skipped=i not in todo)
         return [results[i] for i in range(len(job_overrides))]
 
 
@@ -138,25 +156,8 @@ def _drop_file_log_handlers(job_logging) -> None:
             section.handlers = [h for h in section.handlers if h not in files]
 
 
-def _completed_with(folder: Path, chash: str) -> bool:
-    try:
-        status = json.loads((folder / "status.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return status.get("state") == "completed" and status.get("config_hash") == chash
-
-
-def _log_summary(folders: dict[int, Path], skipped: int) -> None:
-    states = {}
-    for folder in folders.values():
-        try:
-            state = json.loads((folder / "status.json").read_text()).get("state", "missing")
-        except (OSError, ValueError):
-            state = "missing"
-        states[state] = states.get(state, 0) + 1
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
-    log.info("sweep: %d jobs (%s); %d skipped without submitting. Failed runs keep their error in status.json; "
-             "scripts/select.py lists them.", len(folders), counts, skipped)
+class SkipCompletedBasicLauncher(SkipCompleted, BasicLauncher):
+    """Hydra's in-process launcher (jobs one after another in this process), skipping completed runs."""
 
 
 class SkipCompletedLocalLauncher(SkipCompleted, LocalLauncher):
@@ -165,6 +166,11 @@ class SkipCompletedLocalLauncher(SkipCompleted, LocalLauncher):
 
 class SkipCompletedSlurmLauncher(SkipCompleted, SlurmLauncher):
     pass
+
+
+@dataclass
+class SkipCompletedBasicConf(BasicLauncherConf):
+    _target_: str = "hydra_plugins.rewarduq_launchers.skip_completed.SkipCompletedBasicLauncher"
 
 
 @dataclass
@@ -177,6 +183,8 @@ class SkipCompletedSlurmConf(SlurmQueueConf):
     _target_: str = "hydra_plugins.rewarduq_launchers.skip_completed.SkipCompletedSlurmLauncher"
 
 
+ConfigStore.instance().store(group="hydra/launcher", name="rewarduq_basic", node=SkipCompletedBasicConf,
+                             provider="rewarduq_exp")
 ConfigStore.instance().store(group="hydra/launcher", name="rewarduq_local_base", node=SkipCompletedLocalConf,
                              provider="rewarduq_exp")
 ConfigStore.instance().store(group="hydra/launcher", name="rewarduq_slurm_base", node=SkipCompletedSlurmConf,

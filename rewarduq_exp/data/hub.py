@@ -25,6 +25,7 @@ import numpy as np
 
 from rewarduq_exp.data.contract import validate_preferences
 from rewarduq_exp.errors import UserError
+from rewarduq_exp.hub_access import hub_reachable, offline_hint
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class HubDataset:
         from huggingface_hub.utils import logging as hub_logging
 
         hub_logging.set_verbosity_error()  # the retry warnings of an unreachable hub would bury the one-line error
+        hub_reachable()  # once per process: without network, go offline at once instead of retrying for a minute
         try:
             return datasets.load_dataset(self.hub_id, self.config_name, data_dir=data_dir, revision=self.revision,
                                          split=split)
@@ -153,7 +155,8 @@ class HubDataset:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise UserError(
                 f"dataset '{self.name}': could not fetch {self.hub_id} (split {split}) from the Hugging Face hub "
-                f"({type(err).__name__}: {reason}); without network, download it elsewhere with `huggingface-cli "
+                f"({offline_hint()}{type(err).__name__}: {reason}); without network, download it elsewhere with "
+                f"`huggingface-cli "
                 f"download {self.hub_id} --repo-type dataset --local-dir DIR` and pass dataset.path=DIR "
                 f"(or paths.datasets_dir=<folder holding {self.hub_id}>, or dataset.data_files=<file>)") from None
 

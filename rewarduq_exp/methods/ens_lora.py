@@ -7,12 +7,23 @@ prompt + completion. Members differ from the start: member k's LoRA A matrices a
 (seed, k). (LoRA B starts at zero, so with a pretrained Skywork head all members start from the same rewards and
 diverge through their different A matrices.)
 
-Loss of member k (eq. 11): Bradley-Terry NLL (weighted by the pair weight) + lambda * mean over the member's
-trainable parameters of the squared deviation from their initial values + gamma * mean (r_c + r_r)^2. The anchor is
-differentiable (the reference code's was gradient-free and an unsquared L2 norm; notes/reference-rewarduq.md 9.4).
+Loss of member k (eq. 11): Bradley-Terry NLL (weighted by the pair weight) + lambda * anchor_k + gamma * mean
+(r_c + r_r)^2, where the anchor pulls the member's trainable parameters theta_k (LoRA + head) towards their initial
+values theta_k0 in one of two forms (``anchor``):
+
+* ``l2`` (default): ``||theta_k - theta_k0||_2``, the unsquared L2 norm over all of the member's trainable
+  parameters, not divided by their count. This is what the authors' code trains with (their LoRA trainer:
+  ``lambda * torch.norm(weights - initial_weights, p=2)``), so Table 1's lambdas (0.01, 0.001 for 4B) and the
+  sweep grid {0.001, 0.01, 0.1} mean this form. Its gradient has norm lambda wherever theta != theta_0 (a constant
+  pull); at theta = theta_0 the norm is computed as a norm of per-tensor norms, whose (sub)gradient there is 0, not
+  NaN.
+* ``mean_squared``: the mean over those parameters of (theta - theta_0)^2, the form ENS-MLP's eq. 11 uses (per
+  parameter, so the same lambda is a much weaker pull: tune lambda anew when choosing it).
+
 The ensemble's loss is the SUM of the member losses, so each member gets exactly the gradient of its own
-independent run; gradients are clipped per member (max_grad_norm, the HF Trainer default 1.0 the authors trained
-with). Every member sees the same minibatch (one job trains the whole ensemble).
+independent run (the authors trained each member in its own run); gradients are clipped per member
+(``max_grad_norm``, the HF Trainer default 1.0 the authors trained with). Every member sees the same minibatch (one
+job trains the whole ensemble).
 
 One forward can serve all members: the batch is replicated K times and each row is routed to its member's adapter with
 PEFT's ``adapter_names=`` (mixed-adapter batch; notes/ecosystem.md 3.1). PEFT refuses ``adapter_names`` in train
@@ -29,7 +40,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import time
 import warnings
 from contextlib import contextmanager
@@ -42,6 +52,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from rewarduq_exp import distributed
+from rewarduq_exp.atomic_write import atomic_dir, atomic_path
 from rewarduq_exp.backbone import resolve_device
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.errors import UserError
@@ -50,11 +61,13 @@ from rewarduq_exp.methods.base import (
     TrainingSchedule,
     bradley_terry_nll,
     check_positive,
+    cosine_schedule_with_warmup,
     read_method_info,
     write_method_info,
 )
 
 HEAD_INITS = ("auto", "pretrained", "fresh")
+ANCHORS = ("l2", "mean_squared")
 
 
 @contextmanager
@@ -85,7 +98,8 @@ class EnsLoRA:
 
     def __init__(self, encoder=None, num_members: int = 8, lora_rank: int = 16, lora_alpha: float = 32,
                  lora_dropout: float = 0.0, target_modules="all-linear", learning_rate: float = 1e-4,
-                 reg_lambda: float = 0.01, center_gamma: float = 0.01, beta: float = 2.0, batch_size: int = 16,
+                 reg_lambda: float = 0.01, anchor: str = "l2", center_gamma: float = 0.01, beta: float = 2.0,
+                 batch_size: int = 16,
                  num_epochs: float = 1.0, warmup_ratio: float = 0.05, weight_decay: float = 0.0,
                  adam_betas=(0.9, 0.999), adam_eps: float = 1e-8, max_grad_norm: float | None = 1.0,
                  head_init: str = "auto", mixed_adapter_training="auto", mixed_adapter_scoring="auto",
@@ -106,14 +120,14 @@ class EnsLoRA:
             if not self.target_modules:
                 raise UserError("method.target_modules is empty: use all-linear or a list of module names")
         self.reg_lambda = float(check_positive(reg_lambda, "method.reg_lambda", inclusive=True))
+        if anchor not in ANCHORS:
+            raise UserError(f"method.anchor={anchor!r} is invalid; allowed: {', '.join(ANCHORS)}")
+        self.anchor = anchor
         self.center_gamma = float(check_positive(center_gamma, "method.center_gamma", inclusive=True))
         self.beta = float(check_positive(beta, "method.beta"))
         self.schedule = TrainingSchedule(learning_rate, batch_size, num_epochs, warmup_ratio, weight_decay,
-                                         tuple(adam_betas), adam_eps)
+                                         tuple(adam_betas), adam_eps, max_grad_norm)
         self.schedule.validate()
-        if max_grad_norm is not None:
-            check_positive(max_grad_norm, "method.max_grad_norm")
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         if head_init not in HEAD_INITS:
             raise UserError(f"method.head_init={head_init!r} is invalid; allowed: {', '.join(HEAD_INITS)}")
         self.head_init = head_init
@@ -140,8 +154,8 @@ class EnsLoRA:
     def hyperparameters(self) -> dict:
         return {"num_members": self.num_members, "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
                 "lora_dropout": self.lora_dropout, "target_modules": self.target_modules,
-                "reg_lambda": self.reg_lambda, "center_gamma": self.center_gamma, "beta": self.beta,
-                **vars(self.schedule), "max_grad_norm": self.max_grad_norm, "head_init": self.head_init,
+                "reg_lambda": self.reg_lambda, "anchor": self.anchor, "center_gamma": self.center_gamma,
+                "beta": self.beta, **vars(self.schedule), "head_init": self.head_init,
                 "head_init_used": self.head_init_used, "seed": self.seed}
 
     # ------------------------------------------------------------------ building
@@ -268,13 +282,14 @@ class EnsLoRA:
 
     # ------------------------------------------------------------------ training
     def _anchor_one(self, k, params, inits) -> torch.Tensor:
-        """Member k: mean over its trainable parameters (LoRA + head) of (theta - theta_0)^2 (differentiable)."""
-        sq = (self.head[k] - self._head0[k]).pow(2).sum()
-        count = self.head.shape[1]
-        for p, p0 in zip(params, inits):
-            sq = sq + (p - p0).pow(2).sum()
-            count += p.numel()
-        return sq / count
+        """Member k's anchor over its trainable parameters (LoRA + head), differentiable: the L2 norm
+        ||theta - theta_0|| (``anchor=l2``) or the mean of (theta - theta_0)^2 (``anchor=mean_squared``)."""
+        diffs = [self.head[k] - self._head0[k]] + [p - p0 for p, p0 in zip(params, inits)]
+        if self.anchor == "l2":
+            # A norm of per-tensor norms: vector_norm's (sub)gradient at 0 is 0, where sqrt(sum of squares) would
+            # give 0 * inf = NaN at the first step (theta = theta_0).
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in diffs]))
+        return sum(d.pow(2).sum() for d in diffs) / sum(d.numel() for d in diffs)
 
     def _backward_step(self, local, chosen, rejected, weight, groups, initial, mixed: bool,
                        world: int) -> torch.Tensor:
@@ -341,12 +356,12 @@ class EnsLoRA:
         return flat[offset:].view_as(parts).to(parts.dtype)
 
     def _clip_per_member(self, groups) -> None:
-        if self.max_grad_norm is None:
+        if self.schedule.max_grad_norm is None:
             return
         for k, params in enumerate(groups):
             grads = [p.grad for p in params if p.grad is not None]
             sq = self.head.grad[k].pow(2).sum() + sum(g.pow(2).sum() for g in grads)
-            scale = (self.max_grad_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+            scale = (self.schedule.max_grad_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
             for g in grads:
                 g.mul_(scale)
             self.head.grad[k].mul_(scale)
@@ -364,8 +379,6 @@ class EnsLoRA:
     def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # noqa: A002 (contract name)
         """Train all K members in one job. ``eval`` is not scored here: the run scores every eval set right after
         fit, and scoring K members is a full pass over the data."""
-        from transformers import get_cosine_schedule_with_warmup
-
         t0 = time.perf_counter()
         self._build()
         self.history = []
@@ -392,7 +405,7 @@ class EnsLoRA:
                                       weight_decay=s.weight_decay)
         steps_per_epoch = math.ceil(n / s.batch_size)
         total = max(1, math.ceil(steps_per_epoch * s.num_epochs))
-        scheduler = get_cosine_schedule_with_warmup(optimizer, round(s.warmup_ratio * total), total)
+        scheduler = cosine_schedule_with_warmup(optimizer, round(s.warmup_ratio * total), total)
         # Every process draws the same order (same seed) and takes every world-th pair of each global batch, so
         # method.batch_size stays the total batch whatever the number of processes.
         generator = torch.Generator().manual_seed(self.seed)
@@ -482,14 +495,10 @@ class EnsLoRA:
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / ".adapters.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(str(tmp), selected_adapters=self.member_names, safe_serialization=True)
-        shutil.rmtree(directory / "adapters", ignore_errors=True)
-        os.replace(tmp, directory / "adapters")
-        tmp_heads = directory / ".heads.safetensors.tmp"
-        save_file({"weight": self.head.detach().float().cpu().contiguous()}, str(tmp_heads))
-        os.replace(tmp_heads, directory / "heads.safetensors")
+        with atomic_dir(directory / "adapters", replace=True) as tmp:
+            self.model.save_pretrained(str(tmp), selected_adapters=self.member_names, safe_serialization=True)
+        with atomic_path(directory / "heads.safetensors") as tmp:
+            save_file({"weight": self.head.detach().float().cpu().contiguous()}, str(tmp))
         extra = {"backbone": self._backbone().identity()} if self.encoder is not None else {}
         write_method_info(directory, self, members=self.member_names, **extra)
 

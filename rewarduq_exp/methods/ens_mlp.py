@@ -70,7 +70,8 @@ class EnsMLP(FeatureHeadMethod):
     def __init__(self, num_heads: int = 20, hidden_dim: int = 128, num_hidden_layers: int = 2, init_gain: float = 1.0,
                  learning_rate: float = 1e-3, reg_lambda: float = 0.1, center_gamma: float = 0.01,
                  beta: float = 2.0, batch_size: int = 64, num_epochs: float = 1.0, warmup_ratio: float = 0.05,
-                 weight_decay: float = 0.0, adam_betas=(0.9, 0.999), adam_eps: float = 1e-8, **common):
+                 weight_decay: float = 0.0, adam_betas=(0.9, 0.999), adam_eps: float = 1e-8,
+                 max_grad_norm: float | None = 1.0, **common):
         super().__init__(**common)
         self.num_heads = check_positive(num_heads, "method.num_heads", integer=True, minimum=2, inclusive=True)
         self.hidden_dim = check_positive(hidden_dim, "method.hidden_dim", integer=True, minimum=1, inclusive=True)
@@ -81,7 +82,7 @@ class EnsMLP(FeatureHeadMethod):
         self.center_gamma = check_positive(center_gamma, "method.center_gamma", inclusive=True)
         self.beta = check_positive(beta, "method.beta")
         self.schedule = TrainingSchedule(learning_rate, batch_size, num_epochs, warmup_ratio, weight_decay,
-                                         tuple(adam_betas), adam_eps)
+                                         tuple(adam_betas), adam_eps, max_grad_norm)
         self.schedule.validate()
         self.heads: BatchedMLPHeads | None = None
         self.initial: list[torch.Tensor] = []

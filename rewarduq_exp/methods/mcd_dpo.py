@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
+from rewarduq_exp.atomic_write import atomic_path
 from rewarduq_exp.backbone import resolve_device
 from rewarduq_exp.distributed import rank, world_size
 from rewarduq_exp.errors import UserError
@@ -576,9 +577,8 @@ class McdDpo:
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{WEIGHTS_FILE}.tmp"
-        save_model(self._ensure_policy(), str(tmp))   # handles the tied LM head / embeddings
-        os.replace(tmp, directory / WEIGHTS_FILE)
+        with atomic_path(directory / WEIGHTS_FILE) as tmp:
+            save_model(self._ensure_policy(), str(tmp))   # handles the tied LM head / embeddings
         extra = {"backbone": self.backbone.identity()} if self.encoder is not None else {}
         write_method_info(directory, self, weights=WEIGHTS_FILE, **extra)
 

@@ -9,9 +9,6 @@ and no global figure registry to leak into.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from rewarduq_exp.atomic_write import atomic_path
 from rewarduq_exp.metrics.calibration import CalibrationCurve, calibration_curves
 
 PRED_FILE = "calibration_pred.png"
@@ -68,16 +66,8 @@ def draw_reliability(
 def save_figure(fig: Figure, path: Path) -> None:
     """Save ``fig`` atomically; the format (png, pdf, ...) follows the file suffix."""
     # Readers (e.g. a dashboard polling the run dir) never see a half-written PNG.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format=path.suffix.lstrip(".") or "png", dpi=_DPI)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the plot should be readable like any other output
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fig.savefig(fh, format=path.suffix.lstrip(".") or "png", dpi=_DPI)
 
 
 def plot_calibration_diagrams(

@@ -1,0 +1,69 @@
+"""Is the Hugging Face hub reachable? Asked once per process, before the first hub download.
+
+Without network, ``huggingface_hub`` retries every request with back-off (five retries, 1+2+4+8+8 s) and logs each
+retry, so a run on a machine without network spent 50 s and printed 10 warning lines before our one-line error.
+Here one TCP connection to the hub endpoint (``HF_ENDPOINT``, default https://huggingface.co; the proxy instead when
+``HTTPS_PROXY`` is set) with a short timeout decides: if it fails, the process switches ``huggingface_hub``,
+``transformers`` and ``datasets`` to offline mode, so files already in the local cache still load and anything else
+fails at once with the usual "not in the cache" error, which the callers turn into one line.
+
+Nothing changes when the user set ``HF_HUB_OFFLINE`` themselves, or when the endpoint answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 3.0
+_state: dict[str, str] = {}  # "mode": online | offline-by-user | offline-unreachable, decided once
+
+
+def _endpoint() -> tuple[str, int]:
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    url = urlsplit(proxy or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    return url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+
+
+def go_offline() -> None:
+    """Offline mode for this process: the environment (for modules imported later) and the loaded libraries."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import datasets.config
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = True
+    datasets.config.HF_DATASETS_OFFLINE = True
+
+
+def hub_reachable() -> bool:
+    """True when the hub endpoint accepts a connection (checked once; False also switches to offline mode)."""
+    if "mode" not in _state:
+        if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+            _state["mode"] = "offline-by-user"
+        else:
+            host, port = _endpoint()
+            try:
+                socket.create_connection((host, port), timeout=TIMEOUT_S).close()
+                _state["mode"] = "online"
+            except OSError as err:
+                _state["mode"] = "offline-unreachable"
+                log.warning("the Hugging Face hub (%s:%d) does not answer (%s): working offline, only files already "
+                            "in the local cache load", host, port, err)
+                go_offline()
+    return _state["mode"] == "online"
+
+
+def offline_hint() -> str:
+    """Why a hub file could not be fetched, for one-line error messages ("" when the hub was reachable)."""
+    mode = _state.get("mode")
+    if mode == "offline-unreachable":
+        host, port = _endpoint()
+        return f"no network: {host}:{port} does not answer; "
+    if mode == "offline-by-user":
+        return "HF_HUB_OFFLINE is set; "
+    return ""

@@ -1,0 +1,85 @@
+"""One atomic-write helper for every result file: no half-written files, and permissions that follow the umask
+(mkstemp's 0600 made results unreadable to colleagues sharing a run folder on a cluster)."""
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rewarduq_exp.atomic_write import atomic_dir, atomic_path, write_atomic
+from rewarduq_exp.feature_cache import FeatureCache
+from rewarduq_exp.run_folder import RunFolder
+
+
+@pytest.fixture
+def umask_002():
+    old = os.umask(0o002)  # group-writable, as shared project folders on clusters often are
+    yield
+    os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_files_and_folders_follow_the_umask(tmp_path, umask_002):
+    write_atomic(tmp_path / "a.json", "{}")
+    with atomic_path(tmp_path / "t.pt") as tmp:
+        torch.save(torch.zeros(2), tmp)
+    with atomic_path(tmp_path / "w.safetensors") as tmp:  # safetensors writes a file of its own, mode 0600
+        save_file({"w": torch.zeros(2)}, str(tmp))
+    with atomic_dir(tmp_path / "model") as tmp:
+        (tmp / "w.txt").write_text("x")
+    assert mode(tmp_path / "a.json") == 0o664 and mode(tmp_path / "t.pt") == 0o664
+    assert mode(tmp_path / "w.safetensors") == 0o664
+    assert mode(tmp_path / "model") == 0o775 and (tmp_path / "model" / "w.txt").read_text() == "x"
+
+
+def test_run_folder_and_cache_files_follow_the_umask(tmp_path, umask_002):
+    folder = RunFolder(tmp_path / "run")
+    folder.start("abc")
+    folder.write_metrics({"eval": {"win_rate": 0.5}})
+    folder.write_predictions("eval", pd.DataFrame({"id": ["0"], "chosen_reward": [1.0]}))
+    folder.finish()
+    cache = FeatureCache(tmp_path / "cache")
+    cache.get_or_compute("k", lambda: torch.ones(3, 2), {"what": "test"})
+    files = [tmp_path / "run" / n for n in ("status.json", "metrics.json", "predictions/eval.parquet")]
+    files += [tmp_path / "cache" / n for n in ("k.pt", "k.json")]
+    assert {f.name: mode(f) for f in files} == {f.name: 0o664 for f in files}
+
+
+def test_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "metrics.json"
+    write_atomic(target, "old")
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("killed")
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+
+
+def test_concurrent_metric_merges_both_land(tmp_path, monkeypatch):
+    """evaluate.py on two datasets of one run, finishing together: each merges its block into metrics.json."""
+    folder = RunFolder(tmp_path)
+    folder.write_metrics({"train_eval": {"win_rate": 0.6}})
+    read = RunFolder.read_metrics
+
+    def slow_read(self):
+        data = read(self)
+        time.sleep(0.3)  # the window in which an unlocked merge loses the other writer's block
+        return data
+
+    monkeypatch.setattr(RunFolder, "read_metrics", slow_read)
+    threads = [threading.Thread(target=RunFolder(tmp_path).write_metrics, args=({name: {"win_rate": 0.7}},),
+                                kwargs={"merge": True}) for name in ("reward_bench", "hh_rlhf_test")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(json.loads((tmp_path / "metrics.json").read_text())) == {"train_eval", "reward_bench", "hh_rlhf_test"}

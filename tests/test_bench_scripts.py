@@ -1,0 +1,31 @@
+"""Every benchmark script runs (tiny sizes): a broken script (scripts/bench_mcd.py once died with a NameError) cannot
+land again. The numbers are not checked here (tests never assert timings); each script prints its ratio against the
+naive way measured in the same run, and the smoke run checks that line is there."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# script -> (arguments for a tiny run, a phrase of the ratio line it prints)
+SMOKE = {
+    "bench_data.py": (["--pairs", "40"], "faster than naive"),
+    "bench_heads.py": (["--pairs", "128", "--dim", "16", "--heads", "3", "--repeats", "1"], "speed-up"),
+    "bench_lora.py": (["--members", "2", "--texts", "4", "--repeats", "1", "--train-pairs", "0"], "speed-up"),
+    "bench_mcd.py": (["--samples", "2", "--batch", "2", "--length", "12", "--repeats", "1"], "ratio"),
+}
+
+
+def test_every_benchmark_script_has_a_smoke_run():
+    assert sorted(p.name for p in (ROOT / "scripts").glob("bench*.py")) == sorted(SMOKE)
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_benchmark_script_runs(script, tmp_path):
+    args, phrase = SMOKE[script]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert phrase in proc.stdout, proc.stdout[-2000:]
