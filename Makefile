@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-all bench clean
 
 # torch==2.13.0 first: a bare "torch" requirement would pull several GB of CUDA wheels on a CPU machine.
 $(VENV)/.installed: pyproject.toml
@@ -20,8 +20,19 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) train.py
 
+# Lint, then the tests on two workers (pytest-xdist): whole files per worker, so a file's fixtures are made once, in
+# the order tests/conftest.py gives (longest first).
+# Tests marked slow are left out here: each one checks a capability that a fast test also covers (README, Tests).
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m ruff check .
+	$(PYTEST) -m "not slow"
+
+# Everything, slow end-to-end checks included (torchrun launches, default-size acceptance runs).
+test-all: setup
+	$(PY) -m ruff check .
+	$(PYTEST)
 
 bench: setup
 	$(PY) scripts/bench_heads.py

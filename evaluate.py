@@ -19,7 +19,16 @@ def main(cfg):
 def _dataset_as_plain_key(args: list[str]) -> list[str]:
     # conf/dataset is a config group (train.py selects it), but here dataset=<name>[_<split>] only names what to
     # score, and <name>_<split> is not a config file; pass it on as the plain key eval_datasets.
-    return [f"eval_datasets={a.split('=', 1)[1]}" if a.startswith("dataset=") else a for a in args]
+    # dataset.<key>=<value> sets a key of the evaluated dataset's config: conf/evaluate.yaml cannot list every
+    # dataset's keys, so it is added (++) under `dataset` and checked against that config once it is known.
+    def plain(arg: str) -> str:
+        if arg.startswith("dataset="):
+            return f"eval_datasets={arg.split('=', 1)[1]}"
+        if arg.startswith("dataset.") and "=" in arg:
+            return f"++{arg}"
+        return arg
+
+    return [plain(a) for a in args]
 
 
 if __name__ == "__main__":

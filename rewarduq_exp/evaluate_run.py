@@ -1,8 +1,9 @@
 """What ``python evaluate.py`` does.
 
-* ``run=<run folder> [dataset=<name>]``: rebuild the saved method from the run's config and ``model/``, score the
-  dataset, and add its predictions, diagrams and metrics block to that run folder (metrics.json is merged, not
-  replaced), so selection and tables see the new evaluation.
+* ``run=<run folder> [dataset=<name>] [dataset.<key>=<value> ...]``: rebuild the saved method from the run's config
+  and ``model/``, score the dataset (its config changed by the ``dataset.<key>`` options, e.g.
+  ``dataset.subsets=[harmless-base]``), and add its predictions, diagrams and metrics block to that run folder
+  (metrics.json is merged, not replaced), so selection and tables see the new evaluation.
 * ``predictions=<file.parquet>``: re-score a predictions file (from any source) with the chosen metric config; the
   metrics and diagrams go to this evaluation's own output folder.
 """
@@ -18,7 +19,7 @@ from omegaconf import OmegaConf
 
 from rewarduq_exp.backbone import Backbone
 from rewarduq_exp.cli import report_user_error
-from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
+from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets, with_options
 from rewarduq_exp.data.token_counter import TokenCounter
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.evaluation import diagrams, evaluate_method, score_predictions
@@ -56,7 +57,7 @@ def rescore_predictions(cfg) -> dict:
     name = path.stem
     metrics = score_predictions(frame, cfg.metric)  # validates the columns with one-line errors
     out = Path(HydraConfig.get().runtime.output_dir)
-    diagrams(frame, out / "figures" / name, cfg.metric, title=name)
+    diagrams(frame, out / "figures" / name, cfg.metric, title=name, metrics=metrics)
     write_json(out / "metrics.json", {name: metrics})
     print(f"re-scored {path} -> {out / 'metrics.json'}\n{summary_table({name: metrics})}", flush=True)
     return {name: metrics}
@@ -77,6 +78,11 @@ def evaluate_run_folder(cfg) -> dict:
     names = cfg.eval_datasets if cfg.eval_datasets is not None else run_cfg.eval_datasets
     also = run_cfg.get("also_evaluate") or () if cfg.eval_datasets is None else ()
     eval_sets = resolve_eval_sets(names, run_cfg.dataset, int(run_cfg.seed), cfg.paths, also)
+    # dataset.<key>=... (e.g. dataset.subsets=[harmless-base]) sets that key of each evaluated dataset's config
+    options = OmegaConf.to_container(cfg.dataset, resolve=True) if cfg.get("dataset") is not None else None
+    if options is not None and not isinstance(options, dict):
+        raise UserError(f"dataset options must be dataset.<key>=<value>, not dataset={options}")
+    eval_sets = with_options(eval_sets, options)
     eval_loaders = {es.name: build_loader(es.config) for es in eval_sets}
     for name, loader in eval_loaders.items():
         check_eval_kind(name, loader)

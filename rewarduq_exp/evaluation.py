@@ -9,11 +9,8 @@ import pandas as pd
 
 from rewarduq_exp import distributed
 from rewarduq_exp.data.contract import data_kind
-from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.base import FeatureHeadMethod, Scores
-from rewarduq_exp.metrics import compute_metrics
-from rewarduq_exp.metrics.kwise import is_kwise, kwise_metrics, kwise_to_pairs
-from rewarduq_exp.metrics.reward_bench import check_scoring, is_reward_bench, reward_bench_metrics
+from rewarduq_exp.metrics.scoring import diagram_table, score_predictions  # noqa: F401 (score_predictions: API)
 from rewarduq_exp.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -37,35 +34,17 @@ def predictions_frame(data: pd.DataFrame, chosen: Scores, rejected: Scores) -> p
     return frame
 
 
-def score_predictions(predictions: pd.DataFrame, metric_cfg) -> dict:
-    """Metrics of a predictions table; ``metric.scoring`` picks how (auto | pairs | reward_bench).
-
-    K-wise tables (RewardBench 2) always get :func:`kwise_metrics`. ``auto`` uses RewardBench scoring when every
-    subset is a RewardBench subset and plain :func:`compute_metrics` otherwise.
-    """
-    check_scoring(metric_cfg)
-    scoring = metric_cfg.get("scoring", "auto")
-    n_bins, alphas = int(metric_cfg.n_bins), tuple(metric_cfg.alphas)
-    if is_kwise(predictions):
-        if scoring == "reward_bench":
-            raise UserError("metric.scoring=reward_bench needs a pairwise predictions table, got a K-wise one; "
-                            "use metric.scoring=auto")
-        return kwise_metrics(predictions, n_bins=n_bins, alphas=alphas)
-    if scoring == "reward_bench" or (
-            scoring == "auto" and "subset" in predictions.columns and is_reward_bench(predictions["subset"])):
-        return reward_bench_metrics(predictions, n_bins=n_bins, alphas=alphas,
-                                    weighting=metric_cfg.get("reward_bench_weighting", "official"))
-    return compute_metrics(predictions, n_bins=n_bins, alphas=alphas)
-
-
-def diagrams(predictions: pd.DataFrame, out_dir, metric_cfg, title: str) -> list:
+def diagrams(predictions: pd.DataFrame, out_dir, metric_cfg, title: str, metrics: dict | None = None) -> list:
+    """Reliability diagrams of a predictions table, weighted as its metrics are (RewardBench: subset weights); the
+    headings print ``metrics`` (the dataset's metrics.json block) when given."""
     if not metric_cfg.get("diagrams", True):
         return []
     from rewarduq_exp.metrics.diagrams import plot_calibration_diagrams
 
-    if is_kwise(predictions):  # the diagrams are pairwise: draw them for the best-vs-other pairs
-        predictions = kwise_to_pairs(predictions)
-    return plot_calibration_diagrams(predictions, out_dir, n_bins=int(metric_cfg.n_bins), title=title)
+    table, note = diagram_table(predictions, metric_cfg.get("scoring", "auto"),
+                                metric_cfg.get("reward_bench_weighting", "official"))
+    return plot_calibration_diagrams(table, out_dir, n_bins=int(metric_cfg.n_bins),
+                                     title=f"{title}: {note}" if note else title, reported=metrics)
 
 
 def kwise_predictions_frame(data: pd.DataFrame, scores: Scores) -> pd.DataFrame:
@@ -81,6 +60,8 @@ def kwise_predictions_frame(data: pd.DataFrame, scores: Scores) -> pd.DataFrame:
         "lowers": [list(v) for v in np.split(scores.lower, cut)],
         "uppers": [list(v) for v in np.split(scores.upper, cut)],
         "best": data["best"].astype(int).to_numpy(),
+        "num_correct": (data["num_correct"].astype(int).to_numpy() if "num_correct" in data.columns
+                        else np.ones(len(data), dtype=int)),
     })
 
 
@@ -116,5 +97,6 @@ def evaluate_method(method, data: pd.DataFrame, name: str, folder: RunFolder, me
     folder.write_predictions(name, predictions)
     metrics = score_predictions(predictions, metric_cfg)
     # Diagrams are files of the run folder: only its writer (rank 0 under torchrun) draws them.
-    figures = diagrams(predictions, folder.figures_dir(name), metric_cfg, title=name) if getattr(folder, "writer", True) else []
+    figures = (diagrams(predictions, folder.figures_dir(name), metric_cfg, title=name, metrics=metrics)
+               if getattr(folder, "writer", True) else [])
     return metrics, figures

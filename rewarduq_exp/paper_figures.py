@@ -2,7 +2,11 @@
 
 * Figure 2: RS_0.2 per method (bars) and backbone (groups), one panel per training dataset.
 * Figure 3: reliability diagrams per method and backbone: predicted probability vs empirical frequency, plus the
-  lower- and upper-bound curves.
+  lower- and upper-bound curves. The curves are weighted as the metrics are (RewardBench: the subset weights of the
+  run's ``metric.reward_bench_weighting``) and the ECE/EBCE printed are the run's metrics.json values, so the figure
+  agrees with the selection and Table 1.
+* Figure 4: background on the ranking score RS_alpha (Appendix A.4): (a) its attainable range against the win rate,
+  (b) the weights f_alpha of eq. 20.
 * Figure 5: win rate, CT, CF, ECE and EBCE per method and backbone.
 
 Each (method, backbone, training dataset) is shown with one configuration: the winner of the selection rule
@@ -15,19 +19,24 @@ as the run's own diagrams do.
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from omegaconf import OmegaConf
 
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.metrics.calibration import calibration_curves
 from rewarduq_exp.metrics.diagrams import draw_reliability, save_figure
+from rewarduq_exp.metrics.preference import ranking_score_weight
+from rewarduq_exp.metrics.scoring import diagram_table, score_predictions
 from rewarduq_exp.run_records import RunRecord
 from rewarduq_exp.selection import Configuration, Selection
 from rewarduq_exp.table1 import method_name, method_order, model_order
@@ -186,9 +195,47 @@ def figure5(shown: list[Shown], dataset: str, out_dir: Path) -> list[Path] | Non
 
 
 # ---------------------------------------------------------------------------------------------------- diagrams
+@dataclass
+class Panel:
+    """One Figure 3 panel: the curves drawn and the numbers printed, as the run's metrics weight and report them."""
+
+    curves: dict
+    ece: float
+    ebce: float
+    note: str  # how the rows are weighted ("" for plain data)
+
+
+def figure3_panel(run: RunRecord, table: pd.DataFrame, dataset: str, n_bins: int | None = None) -> Panel:
+    """The curves of ``table`` weighted as the run's metrics weight them (its ``metric`` config: scoring, RewardBench
+    weighting and, unless ``n_bins`` is given, bins) and the ECE/EBCE of its metrics.json block for ``dataset``; the
+    latter are recomputed the same way when the block lacks them (a run scored before the metric existed)."""
+    metric_cfg = _run_metric_config(run)
+    scoring = str(metric_cfg.get("scoring", "auto"))
+    weighting = str(metric_cfg.get("reward_bench_weighting", "official"))
+    run_bins = int(metric_cfg.get("n_bins", 20))
+    drawn, note = diagram_table(table, scoring, weighting)
+    curves = calibration_curves(drawn, n_bins=n_bins or run_bins)
+    block = run.metrics.get(dataset, {})
+    if "ece" not in block or "ebce" not in block:
+        # The run's own bins, so the numbers are those its metrics.json would hold.
+        block = score_predictions(table, OmegaConf.create({
+            "n_bins": run_bins, "alphas": [0.2], "scoring": scoring, "reward_bench_weighting": weighting,
+            "kwise_tie_rule": str(metric_cfg.get("kwise_tie_rule", "official"))}))
+    return Panel(curves, float(block["ece"]), float(block["ebce"]), note)
+
+
+def _run_metric_config(run: RunRecord) -> dict:
+    path = run.path / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return {}
+    node = OmegaConf.load(path).get("metric")
+    return OmegaConf.to_container(node, resolve=False) if node is not None else {}
+
+
 def figure3(shown: list[Shown], dataset: str, out_dir: Path, models: list[str] | None = None,
-            n_bins: int = 20) -> list[Path] | None:
-    """Reliability diagrams: rows are backbones (``models``, default all), columns methods."""
+            n_bins: int | None = None) -> list[Path] | None:
+    """Reliability diagrams: rows are backbones (``models``, default all), columns methods; each panel as
+    :func:`figure3_panel` (``n_bins`` default: each run's ``metric.n_bins``)."""
     items = [x for x in shown if not models or x.model in models]
     tables = {}
     for x in items:
@@ -201,7 +248,16 @@ def figure3(shown: list[Shown], dataset: str, out_dir: Path, models: list[str] |
     rows = sorted({(x.model, x.train_dataset) for x in items}, key=lambda r: (model_order(r[0]), r[1]))
     methods = sorted({x.method for x in items}, key=method_order)
     several_train = len({x.train_dataset for x in items}) > 1
-    fig = _figure((4.6 * len(methods), 4.4 * len(rows) + 0.4))
+    panels = {id(x): figure3_panel(tables[id(x)][0], tables[id(x)][1], dataset, n_bins) for x in items}
+    weighted = "; ".join(sorted({p.note for p in panels.values() if p.note}))
+    # Under the official weighting the printed numbers are category means, which one pooled curve cannot show.
+    mean = any("official" in p.note for p in panels.values())
+    note = (f"{weighted}: curves pool the rows with the metrics' weights (each category 1/4); ECE/EBCE from "
+            "metrics.json" + (" (official: mean of the 4 category values)" if mean else "")) if weighted else ""
+    # Wrapped to the figure's width (about 13 characters per inch at this size): one method column is narrow.
+    title = [f"calibration on {dataset}", *textwrap.wrap(note, int(13 * 4.6 * len(methods)))]
+    # Room for the title lines and the legend below, on top of the square panels.
+    fig = _figure((4.6 * len(methods), 4.4 * len(rows) + 0.6 + 0.2 * len(title)))
     axes = fig.subplots(len(rows), len(methods), squeeze=False)
     for r, (model, train) in enumerate(rows):
         for c, method in enumerate(methods):
@@ -210,11 +266,11 @@ def figure3(shown: list[Shown], dataset: str, out_dir: Path, models: list[str] |
             if item is None:
                 ax.set_axis_off()
                 continue
-            run, table = tables[id(item)]
-            curves = calibration_curves(table, n_bins=n_bins)
-            ebce = 0.5 * (curves["lower"].lower_error() + curves["upper"].upper_error())
+            run = tables[id(item)][0]
+            panel = panels[id(item)]
+            curves = panel.curves
             heading = (f"{method_name(method)} / {model}" + (f" ({train})" if several_train else "")
-                       + f"\nECE {curves['pred'].ece():.3f}, EBCE {ebce:.3f}\n{item.how}, seed {run.seed}")
+                       + f"\nECE {panel.ece:.3f}, EBCE {panel.ebce:.3f}\n{item.how}, seed {run.seed}")
             draw_reliability(fig, ax, curves["pred"], heading=heading,
                              xlabel="preference probability (prediction or bound)",
                              marker_label="mean predicted probability")
@@ -223,7 +279,7 @@ def figure3(shown: list[Shown], dataset: str, out_dir: Path, models: list[str] |
     # One legend for all panels: per-panel legends would cover the curves they explain. Fewer columns when there
     # are few panels, so the legend is never wider than the figure.
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 2 * len(methods)), fontsize=8)
-    fig.suptitle(f"calibration on {dataset}")
+    fig.suptitle("\n".join(title), fontsize=10)
     return _save(fig, out_dir / "figure3_calibration")
 
 
@@ -243,6 +299,73 @@ def _bound_curves(ax, curves) -> list:
     if legend is not None:
         legend.remove()
     return handles + extra
+
+
+# ---------------------------------------------------------------------------------------------------- figure 4
+FIGURE4_RANGE_ALPHAS = (0.0, 0.2, 1.0)  # panel (a), as in the paper
+FIGURE4_ALPHAS = (0.0, 0.2, 0.5, 1.0)  # panel (b)
+# The caption's worked example (alpha 0.2, win rate 0.6 -> 0.8), marked in panel (b).
+_EXAMPLE_ALPHA, _EXAMPLE_RATES = 0.2, (0.6, 0.8)
+
+
+def figure4(out_dir: Path, alphas=FIGURE4_ALPHAS, range_alphas=FIGURE4_RANGE_ALPHAS,
+            shown: list[Shown] | None = None, dataset: str | None = None) -> list[Path]:
+    """Background on RS_alpha (paper Figure 4, Appendix A.4).
+
+    (a) For each of ``range_alphas``, the attainable range of RS_alpha against the win rate w: from -f_alpha(1 - w)
+    (every false prediction confident, no true one) to f_alpha(w) (every true one confident, no false one), by
+    eq. 20; RS_0 spans [-1, 1] whatever w, RS_1 spans [w - 1, w]. With ``shown`` and ``dataset``, the shown
+    configurations' (win rate, RS_0.2) on ``dataset`` are marked.
+    (b) The weights f_alpha(x) = x / (x + alpha (1 - x)) of eq. 20 for each of ``alphas``, with the caption's
+    example: at alpha 0.2, w 0.6 -> 0.8 moves f(w) 0.88 -> 0.95 and f(1 - w) 0.77 -> 0.56.
+    """
+    x = np.linspace(0.0, 1.0, 401)
+    every = sorted({float(a) for a in (*alphas, *range_alphas)})
+    color = {a: _COLORS(i % 10) for i, a in enumerate(every)}
+    fig = _figure((11.0, 5.0))
+    ax_range, ax_weight = fig.subplots(1, 2)
+    for a in range_alphas:
+        a = float(a)
+        upper, lower = ranking_score_weight(x, a), -ranking_score_weight(1.0 - x, a)
+        ax_range.fill_between(x, lower, upper, color=color[a], alpha=0.07, linewidth=0)
+        ax_range.plot(x, upper, color=color[a])
+        ax_range.plot(x, lower, color=color[a], linestyle="--")
+    for a in alphas:
+        ax_weight.plot(x, ranking_score_weight(x, float(a)), color=color[float(a)])
+    handles = [Line2D([], [], color=color[a], label=f"α = {a:g}") for a in every]
+    handles += [Line2D([], [], color="0.3", label="(a) max  f$_α$(w)"),
+                Line2D([], [], color="0.3", linestyle="--", label="(a) min  −f$_α$(1 − w)")]
+    if shown and dataset:
+        points = [(x_.values(dataset, "win_rate")[0], x_.values(dataset, "rs_0.2")[0]) for x_ in shown]
+        points = [pt for pt in points if not any(math.isnan(v) for v in pt)]
+        if points:
+            ax_range.scatter(*zip(*points), marker="x", color="black", zorder=5)
+            handles.append(Line2D([], [], marker="x", linestyle="", color="black",
+                                  label=f"shown runs: RS$_{{0.2}}$ on {dataset}"))
+    ax_range.axhline(0.0, color="0.3", linewidth=0.8)
+    ax_range.set(xlabel="win rate w", ylabel="attainable RS$_α$", title="(a) ranking score ranges",
+                 xlim=(0, 1), ylim=(-1.05, 1.05))
+
+    # The caption's example: the true-confidence weight f(w) and the false-confidence weight f(1 - w).
+    a = _EXAMPLE_ALPHA
+    w0, w1 = _EXAMPLE_RATES
+    for (u, v), label in (((w0, w1), "f(w)"), ((1 - w0, 1 - w1), "f(1 − w)")):
+        fu, fv = ranking_score_weight(u, a), ranking_score_weight(v, a)
+        ax_weight.annotate("", xy=(v, fv), xytext=(u, fu),
+                           arrowprops={"arrowstyle": "->", "color": "black", "linewidth": 1.0})
+        ax_weight.plot([u, v], [fu, fv], "o", color="black", markersize=3.5, zorder=5)
+    f = {r: ranking_score_weight(r, a) for r in (w0, w1, 1 - w0, 1 - w1)}
+    ax_weight.text(0.98, 0.03, f"α = {a:g}, w {w0:g} → {w1:g}:\n"
+                               f"f(w) {f[w0]:.2f} → {f[w1]:.2f} (×{f[w1] / f[w0]:.2f})\n"
+                               f"f(1 − w) {f[1 - w0]:.2f} → {f[1 - w1]:.2f} (×{f[1 - w1] / f[1 - w0]:.2f})",
+                   transform=ax_weight.transAxes, ha="right", va="bottom", fontsize=8,
+                   bbox={"facecolor": "white", "edgecolor": "0.7", "alpha": 0.9})
+    ax_weight.set(xlabel="x (win rate w, or 1 − w)", ylabel="f$_α$(x) = x / (x + α(1 − x))",
+                  title="(b) ranking score weights (eq. 20)", xlim=(0, 1), ylim=(0, 1.05))
+    for ax in (ax_range, ax_weight):
+        ax.grid(alpha=0.3)
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), fontsize=9)
+    return _save(fig, out_dir / "figure4_ranking_score")
 
 
 # ---------------------------------------------------------------------------------------------------- output

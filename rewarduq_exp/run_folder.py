@@ -16,7 +16,6 @@ import traceback
 from pathlib import Path
 
 import pandas as pd
-
 from filelock import FileLock
 
 from rewarduq_exp.atomic_write import atomic_path, write_atomic

@@ -7,6 +7,7 @@ COLUMNS = (
     ("n_pairs", "pairs"),
     ("win_rate", "win_rate"),
     ("best_of_k_accuracy", "best_of_K"),
+    ("rb2_score", "RB2"),
     ("truth/bayes_win_rate", "bayes_win"),
     ("ct_rate", "CT"),
     ("cf_rate", "CF"),
@@ -35,6 +36,9 @@ def summary_table(blocks: dict[str, dict]) -> str:
     header = ["dataset"] + [t for _, t in keys]
     rows = [[name] + [_fmt(m.get(k)) for k, _ in keys] for name, m in blocks.items()]
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    def line(r):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     sep = "-" * len(line(header))
     return "\n".join([sep, line(header), sep] + [line(r) for r in rows] + [sep])

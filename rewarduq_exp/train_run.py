@@ -29,6 +29,7 @@ from rewarduq_exp.features import FeatureEncoder
 from rewarduq_exp.loggers import NullLogger, make_logger
 from rewarduq_exp.methods.base import FeatureHeadMethod
 from rewarduq_exp.metrics import check_alphas, check_n_bins
+from rewarduq_exp.metrics.kwise import check_tie_rule
 from rewarduq_exp.metrics.reward_bench import check_scoring
 from rewarduq_exp.run_folder import RunFolder, config_hash, write_json
 from rewarduq_exp.summary import summary_table
@@ -60,6 +61,7 @@ def validate_metric_config(metric_cfg) -> None:
     except UserError:
         raise UserError(f"metric.alphas={list(metric_cfg.alphas)} is invalid: each alpha must be in [0, 1]") from None
     check_scoring(metric_cfg)
+    check_tie_rule(metric_cfg.get("kwise_tie_rule", "official"))
 
 
 def validate_run_config(cfg: DictConfig) -> None:

@@ -15,6 +15,8 @@ import os
 import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
 
 import argparse
+import atexit
+import shutil
 import statistics
 import tempfile
 import time
@@ -47,7 +49,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("TQDM_DISABLE", "1")
-    cache = tempfile.mkdtemp(prefix="bench_lora_")
+    cache = tempfile.mkdtemp(prefix="bench_lora_")  # the benchmark's own model; removed at exit
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
     cfg = OmegaConf.create({"name": "bench-qwen3", "builder": "tiny-qwen3", "hub_id": None, "revision": None,
                             "path": None, "dtype": "float32", "trust_remote_code": False,
                             "build": {"hidden_size": args.hidden, "num_layers": args.layers,

@@ -1,11 +1,11 @@
-"""Draw the RewardUQ paper's comparison figures (2, 3 and 5) from run folders.
+"""Draw the RewardUQ paper's figures (2, 3, 4 and 5) from run folders.
 
     python scripts/figures.py outputs/multirun/sweep_*                       # RewardBench if the runs have it
     python scripts/figures.py outputs/multirun --dataset ultrafeedback_test --models qwen3-0.6b qwen3-4b
 
 Each (method, backbone, training dataset) is shown with the configuration the selection rule picks on
 --select-dataset (as scripts/select.py), or the best --rank one when none passes (hatched bars, noted in titles).
-Writes figure2_rs, figure3_calibration and figure5_metrics as PNG and PDF into --out (default:
+Writes figure2_rs, figure3_calibration, figure4_ranking_score and figure5_metrics as PNG and PDF into --out (default:
 <first folder>/figures); a figure without data is skipped with a note.
 """
 
@@ -28,6 +28,7 @@ from rewarduq_exp.paper_figures import (
     default_dataset,
     figure2,
     figure3,
+    figure4,
     figure5,
     shown_configurations,
 )
@@ -65,6 +66,7 @@ def main(argv=None) -> None:
               + (f", {settings}" if settings else ""))
     for name, paths in (("Figure 2 (RS_0.2)", figure2(shown, dataset, out)),
                         ("Figure 3 (calibration)", figure3(shown, dataset, out, args.models)),
+                        ("Figure 4 (RS_alpha ranges and weights)", figure4(out, shown=shown, dataset=dataset)),
                         ("Figure 5 (metrics)", figure5(shown, dataset, out))):
         if paths is None:
             print(f"{name}: skipped, no data for {dataset}")

@@ -141,8 +141,12 @@ def write_reward_bench2(root: Path) -> Path:
         rows.append({"id": str(i), "prompt": p, "chosen": [c], "rejected": [r, r + " Maybe.", "No idea."],
                      "num_correct": 1, "num_incorrect": 3, "total_completions": 4,
                      "models": ["m1", "m2", "m3", "m4"], "subset": subsets[i % 5], "additional_metadata": meta})
-    rows.append({"id": "ties-0", "prompt": "Name a colour of the rainbow.", "chosen": ["Red.", "Green."],
-                 "rejected": ["Brown.", "Pink."], "num_correct": 2, "num_incorrect": 2, "total_completions": 4,
+    # Ties: the same question once with one correct answer ("ref:<n>") and once with several ("tied:<n>").
+    rows.append({"id": "ref:0", "prompt": "Name the colour of a clear daytime sky.", "chosen": ["Blue."],
+                 "rejected": ["Brown.", "Pink.", "Black."], "num_correct": 1, "num_incorrect": 3,
+                 "total_completions": 4, "models": [], "subset": "Ties", "additional_metadata": meta})
+    rows.append({"id": "tied:0", "prompt": "Name a colour of the rainbow.", "chosen": ["Red.", "Green.", "Blue."],
+                 "rejected": ["Brown.", "Pink."], "num_correct": 3, "num_incorrect": 2, "total_completions": 5,
                  "models": [], "subset": "Ties", "additional_metadata": meta})
     return _parquet_repo(root, "allenai/reward-bench-2", {"test": rows}, feats)
 

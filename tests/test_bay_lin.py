@@ -119,7 +119,9 @@ def test_precision_sums_over_all_processes():
         port = s.getsockname()[1]
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_distributed_worker, args=(2, port, zc, zr, w, out), nprocs=2, join=True)
+    # fork, not spawn: the workers need nothing but torch, which this process has imported already (spawn would
+    # start two fresh interpreters that import it again, most of this test's time)
+    mp.start_processes(_distributed_worker, args=(2, port, zc, zr, w, out), nprocs=2, join=True, start_method="fork")
     for rank in (0, 1):
         torch.testing.assert_close(out[rank], single.precision)
 

@@ -2,11 +2,10 @@
 land again. The numbers are not checked here (tests never assert timings); each script prints its ratio against the
 naive way measured in the same run, and the smoke run checks that line is there."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from entry_points import run_entry_point
 
 ROOT = Path(__file__).resolve().parents[1]
 # script -> (arguments for a tiny run, a phrase of the ratio line it prints)
@@ -25,7 +24,6 @@ def test_every_benchmark_script_has_a_smoke_run():
 @pytest.mark.parametrize("script", sorted(SMOKE))
 def test_benchmark_script_runs(script, tmp_path):
     args, phrase = SMOKE[script]
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_entry_point(ROOT / "scripts" / script, args, tmp_path)  # as `python scripts/<script>`
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert phrase in proc.stdout, proc.stdout[-2000:]

@@ -2,36 +2,27 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from conftest import ROOT
+from entry_points import run_entry_point
+
 from rewarduq_exp.metrics import METRIC_NAMES
 
 SMALL = ["progress=false", "dataset.n_train=600", "dataset.n_eval=200", "dataset.n_ood=200"]
+# Runs whose test does not look at the PNGs skip them (~0.4 s each, four per run);
+# test_train_writes_complete_run_folder, test_diagrams and the wandb test check that they are written.
+NO_FIGURES = ["metric.diagrams=false"]
 
 
-@pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory, tiny_backbone):
-    """One cache per module: the tiny model is built once and features are shared, as in a real sweep."""
-    cache = tmp_path_factory.mktemp("cli_cache")
-    (cache / "models").mkdir()
-    built = Path(tiny_backbone.source)
-    (cache / "models" / built.name).symlink_to(built)
-    return cache
-
-
-def run(script, args, cwd, cache, check=True, env=None, flags=()):
-    cmd = [sys.executable, str(ROOT / script), *flags, f"paths.output_root={cwd / 'outputs'}",
-           f"paths.cache_dir={cache}", *args]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
+def run(script, args, cwd, cache, check=True, env=None, flags=(), fresh_process=False):
+    """``python <script> <flags> paths.output_root=... paths.cache_dir=... <args>`` in ``cwd`` (see entry_points)."""
+    args = [*flags, f"paths.output_root={cwd / 'outputs'}", f"paths.cache_dir={cache}", *args]
+    proc = run_entry_point(ROOT / script, args, cwd, env=env, fresh_process=fresh_process)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
@@ -121,7 +112,7 @@ def test_evaluate_rescores_predictions_with_other_metric_config(trained, tmp_pat
 
 
 def test_multirun_and_relaunch_skips_completed(tmp_path, shared_cache):
-    args = ["method=ens_mlp,bay_lin", "seed=0,1", *SMALL]
+    args = ["method=ens_mlp,bay_lin", "method.beta=1.0,2.0", *SMALL, *NO_FIGURES]
     run("train.py", args, tmp_path, shared_cache, flags=["-m"])
     folders = sorted((tmp_path / "outputs" / "multirun" / "default").glob("*/status.json"))
     assert len(folders) == 4
@@ -134,9 +125,10 @@ def test_multirun_and_relaunch_skips_completed(tmp_path, shared_cache):
 
 
 def test_failed_run_in_sweep_is_recorded_and_others_complete(tmp_path, shared_cache):
-    proc = run("train.py", ["method.num_heads=1,3", *SMALL], tmp_path, shared_cache, flags=["-m"], check=False)
+    args = ["method.num_heads=1,3", *SMALL, *NO_FIGURES]
+    proc = run("train.py", args, tmp_path, shared_cache, flags=["-m"], check=False)
     sweep = tmp_path / "outputs" / "multirun" / "default"
-    failed_dir, ok_dir = (next(sweep.glob(f"*method.num_heads={k}-*")) for k in (1, 3))
+    failed_dir, ok_dir = (next(sweep.glob(f"*method.num_heads={k}[,-]*")) for k in (1, 3))
     failed = json.loads((failed_dir / "status.json").read_text())
     assert failed["state"] == "failed" and "method.num_heads=1 is invalid" in failed["error"]
     assert failed["stage"] == "validation"  # invalid settings, not a crash of training
@@ -147,7 +139,7 @@ def test_failed_run_in_sweep_is_recorded_and_others_complete(tmp_path, shared_ca
     assert "sweep: 2 jobs: 1 completed, 0 skipped (already completed with the same config), 1 failed" in proc.stdout
     assert f"failed: {failed_dir}" in proc.stdout and "method.num_heads=1 is invalid" in proc.stdout
     # Launched again: the completed run is skipped without running, the invalid one fails again.
-    again = run("train.py", ["method.num_heads=1,3", *SMALL], tmp_path, shared_cache, flags=["-m"], check=False)
+    again = run("train.py", args, tmp_path, shared_cache, flags=["-m"], check=False)
     assert again.returncode == 1 and "1 skipped" in again.stdout and "0 completed" in again.stdout
 
 
@@ -188,7 +180,7 @@ def test_local_file_training_with_named_eval_datasets(tmp_path, shared_cache):
     folder = tmp_path / "outputs" / "runs" / "local"
     run("train.py", ["dataset=local", f"dataset.path={tmp_path / 'pairs.jsonl'}",
                      f"dataset.eval_path={tmp_path / 'held_out.jsonl'}", "eval_datasets=[local_eval,synthetic_ood]",
-                     "progress=false", f"hydra.run.dir={folder}"], tmp_path, shared_cache)
+                     "progress=false", *NO_FIGURES, f"hydra.run.dir={folder}"], tmp_path, shared_cache)
     metrics = json.loads((folder / "metrics.json").read_text())
     assert list(metrics) == ["local_eval", "synthetic_ood"]
     assert metrics["local_eval"]["n_pairs"] == 100

@@ -4,15 +4,14 @@ complete run folders, and evaluate.py reproduces the training metrics from what 
 import json
 
 import pytest
-
-from test_cli import run, shared_cache  # noqa: F401 (module fixture: the tiny model, built once)
+from test_cli import run
 
 SMALL = ["progress=false", "dataset.n_train=160", "dataset.n_eval=60", "dataset.n_ood=60"]
 FAST = {"ens_lora": ["method.num_members=3", "method.lora_rank=4"], "mcd_dpo": ["method.num_samples=5"]}
 
 
 @pytest.mark.parametrize("method", ["ens_lora", "mcd_dpo"])
-def test_fine_tuning_method_end_to_end(tmp_path, shared_cache, method):  # noqa: F811
+def test_fine_tuning_method_end_to_end(tmp_path, shared_cache, method):
     folder = tmp_path / "outputs" / "runs" / method
     proc = run("train.py", [f"method={method}", *SMALL, *FAST[method], f"hydra.run.dir={folder}"], tmp_path,
                shared_cache)

@@ -60,6 +60,8 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
     for doc in DOCS:
         text = doc.read_text().replace("\\\n", " ")  # shell line continuations
         for line in text.splitlines():
+            if line.lstrip().startswith("$ "):
+                continue  # a shell transcript of bad input, shown on purpose (README, Errors)
             for match in re.finditer(r"python (train|evaluate)\.py([^`#\n]*)", line):
                 try:
                     args = shlex.split(match.group(2))

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.ens_mlp import BatchedMLPHeads, EnsMLP
 

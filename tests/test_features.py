@@ -1,15 +1,12 @@
 """Feature extraction and the shared feature cache (DESIGN section 3)."""
 
-import json
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
+import multiprocessing
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rewarduq_exp.backbone import Backbone
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.data.synthetic import SyntheticWorld
 from rewarduq_exp.errors import UserError
@@ -50,8 +47,9 @@ def test_batched_extraction_matches_one_by_one(tiny_backbone, frame, tmp_path, l
 
 def test_last_hidden_layer_index_equals_final_norm_output(tiny_backbone, frame, tmp_path):
     # hidden_states[num_layers] is the final-norm output in transformers 5, so layer=-1 and layer=L agree
-    a = FeatureEncoder(tiny_backbone, probe(-1), tmp_path, 2048, show_progress=False).encode(frame["prompt"], frame["chosen"])
-    b = FeatureEncoder(tiny_backbone, probe(1), tmp_path, 2048, show_progress=False).encode(frame["prompt"], frame["chosen"])
+    a, b = (FeatureEncoder(tiny_backbone, probe(layer), tmp_path, 2048, show_progress=False).encode(frame["prompt"],
+                                                                                                   frame["chosen"])
+            for layer in (-1, 1))
     torch.testing.assert_close(a, b)
 
 
@@ -90,39 +88,35 @@ def test_cache_key_covers_probe_data_and_length(tiny_backbone, frame, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
 
 
-CONCURRENT = textwrap.dedent("""
-    import sys, json
-    from omegaconf import OmegaConf
-    from rewarduq_exp.backbone import Backbone
-    from rewarduq_exp.data.synthetic import SyntheticWorld
-    from rewarduq_exp.features import FeatureEncoder
-    cache, model_yaml = sys.argv[1], sys.argv[2]
-    frame = SyntheticWorld(n_train=2000).load("train")  # extraction outlasts the start-up jitter
-    bb = Backbone(OmegaConf.load(model_yaml), cache_dir=cache, device="cpu")
-    enc = FeatureEncoder(bb, OmegaConf.create(dict(layer=-1, pooling="last", batch_size=16)), cache + "/features",
-                         2048, show_progress=False)
-    zc, zr = enc.encode_pairs(frame)
-    print(json.dumps({**enc.stats, "sum": float(zc.sum() + zr.sum())}))
-""")
+def _extract_in_child(cache: str, model_yaml: str, results) -> None:
+    """One of two processes that extract the same features into one cache at the same time."""
+    try:
+        frame = SyntheticWorld(n_train=2000).load("train")  # extraction outlasts the start-up jitter
+        bb = Backbone(OmegaConf.load(model_yaml), cache_dir=cache, device="cpu")
+        enc = FeatureEncoder(bb, probe(batch_size=16), cache + "/features", 2048, show_progress=False)
+        zc, zr = enc.encode_pairs(frame)
+        results.put({**enc.stats, "sum": float(zc.sum() + zr.sum())})
+    except BaseException as error:  # the parent waits for one result per child
+        results.put({"error": repr(error)})
 
 
 def test_two_processes_extract_one_entry(tmp_path, tiny_backbone):
-    from conftest import ROOT
+    from conftest import ROOT, cache_with_tiny_model
 
-    script = tmp_path / "extract.py"
-    script.write_text(CONCURRENT)
     # share the session's tiny model so both processes start extracting at about the same time
-    cache = tmp_path / "cache"
-    (cache / "models").mkdir(parents=True)
-    built = Path(tiny_backbone.source)
-    (cache / "models" / built.name).symlink_to(built)
-    cmd = [sys.executable, str(script), str(cache), str(ROOT / "conf/model/tiny-qwen3.yaml")]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    results = []
+    cache = cache_with_tiny_model(tmp_path / "cache", tiny_backbone)
+    # fork: two processes with this one's imports (a fresh interpreter would spend most of the test importing)
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_extract_in_child, args=(str(cache), str(ROOT / "conf/model/tiny-qwen3.yaml"),
+                                                         results)) for _ in range(2)]
     for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
+        p.start()
+    results = [results.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert not [r["error"] for r in results if "error" in r]
     assert sorted(r["cache_misses"] for r in results) == [0, 1]  # exactly one process extracted
     assert min(r["backbone_forward_passes"] for r in results) == 0
     assert results[0]["sum"] == results[1]["sum"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from hub_fixtures import HH_SUBSETS, write_all
+
 from rewarduq_exp.data.contract import PREFERENCE_COLUMNS, render
 from rewarduq_exp.data.registry import build_loader, load_dataset_config
 from rewarduq_exp.errors import UserError
@@ -98,17 +98,21 @@ def test_reward_bench_strings_ids_and_subsets(hub_root):
     assert (frame.weight == 1.0).all()  # category weighting happens in the metrics, from the subsets
 
 
-def test_reward_bench2_kwise_shape_and_ties_excluded(hub_root):
+def test_reward_bench2_kwise_shape_and_ties_kept(hub_root):
     frame = loader("reward_bench2", hub_root).load("test")
-    assert list(frame.columns[:4]) == ["id", "prompt", "completions", "best"]
-    assert len(frame) == 10 and "Ties" not in set(frame.subset)
-    assert all(len(c) == 4 for c in frame.completions) and (frame.best == 0).all()
+    assert list(frame.columns[:5]) == ["id", "prompt", "completions", "best", "num_correct"]
+    assert len(frame) == 12 and (frame.best == 0).all()
+    # Ties is kept (the official score includes it), with its number of correct answers from the hub
+    ties = frame[frame.subset == "Ties"].set_index("id")
+    assert ties.num_correct.to_dict() == {"ref:0": 1, "tied:0": 3}
+    assert [len(c) for c in ties.completions] == [4, 5]
+    frame = frame[frame.subset != "Ties"]
+    assert all(len(c) == 4 for c in frame.completions) and (frame.num_correct == 1).all()
     row = frame.iloc[0]
     assert row.completions[0] == [{"role": "assistant", "content": row.completions[0][0]["content"]}]
     assert row.completions[0][0]["content"].startswith("Here is a careful")
     assert row.completions[3] == [{"role": "assistant", "content": "No idea."}]
-    with pytest.raises(UserError, match="Ties.*exclude_subsets"):
-        loader("reward_bench2", hub_root, exclude_subsets=[]).load("test")
+    assert "Ties" not in set(loader("reward_bench2", hub_root, exclude_subsets=["Ties"]).load("test").subset)
 
 
 def test_helpsteer2_scores_and_multiturn_prompt(hub_root):
@@ -195,6 +199,7 @@ def test_bad_local_path_and_unknown_split(hub_root, tmp_path):
 
 def test_every_hub_config_names_a_loader_with_a_fixture():
     from hub_fixtures import WRITERS
+
     from rewarduq_exp.data.registry import available
 
     hub_configs = {n for n in available("dataset") if "hub_id" in load_dataset_config(n, seed=0)}

@@ -11,7 +11,7 @@ import pytest
 
 from rewarduq_exp.data.contract import PREFERENCE_COLUMNS
 from rewarduq_exp.data.local import LocalPreferenceFile
-from rewarduq_exp.data.registry import available, build_loader, load_dataset_config, resolve_eval_sets
+from rewarduq_exp.data.registry import available, build_loader, load_dataset_config, resolve_eval_sets, with_options
 from rewarduq_exp.errors import UserError
 
 
@@ -166,6 +166,49 @@ def test_local_config_through_hydra(tmp_path):
     assert contents(ev.loc[2, "chosen"]) == [("assistant", "e")]
 
 
+def write_jsonl_gz(path, rows):
+    import gzip
+
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def test_jsonl_gz_in_hh_rlhf_schema_reads_transcripts(tmp_path):
+    """A .jsonl.gz file in the exact Anthropic/hh-rlhf schema loads; shared turns become the prompt."""
+    rows = [
+        {"chosen": "\n\nHuman: What is 2+2?\n\nAssistant: Four.",
+         "rejected": "\n\nHuman: What is 2+2?\n\nAssistant: Five."},
+        {"chosen": "\n\nHuman: Hi!\n\nAssistant: Hello.\n\nHuman: A colour?\n\nAssistant: Blue.",
+         "rejected": "\n\nHuman: Hi!\n\nAssistant: Hello.\n\nHuman: A colour?\n\nAssistant: Seven."},
+        {"chosen": "no transcript markers here", "rejected": "\n\nHuman: hi\n\nAssistant: x"},  # dropped, counted
+    ]
+    cfg = load_dataset_config("local", seed=0)
+    cfg.path = str(write_jsonl_gz(tmp_path / "train.jsonl.gz", rows))
+    f = build_loader(cfg).load("train")
+    check_contract(f)
+    assert f["id"].tolist() == ["train-0", "train-1"] and f.attrs["dropped_unsplittable"] == 1
+    assert contents(f.loc[0, "prompt"]) == [("user", "What is 2+2?")]
+    assert contents(f.loc[0, "chosen"]) == [("assistant", "Four.")]
+    assert contents(f.loc[0, "rejected"]) == [("assistant", "Five.")]
+    assert contents(f.loc[1, "prompt"]) == [("user", "Hi!"), ("assistant", "Hello."), ("user", "A colour?")]
+    assert contents(f.loc[1, "chosen"]) == [("assistant", "Blue.")]
+    assert contents(f.loc[1, "rejected"]) == [("assistant", "Seven.")]
+
+
+def test_compressed_plain_pairs(tmp_path):
+    """Any readable type may be compressed: a .jsonl.gz of plain-string pairs reads like its .jsonl."""
+    f = LocalPreferenceFile(str(write_jsonl_gz(tmp_path / "pairs.jsonl.gz", STRING_ROWS))).load("train")
+    assert contents(f.loc[1, "chosen"]) == [("assistant", "Blue, of course")]
+
+
+def test_plain_strings_without_prompt_column_say_what_is_needed(tmp_path):
+    """Plain-string replies with no prompt column and no transcripts: one line naming both ways to fix it."""
+    path = write_jsonl(tmp_path / "x.jsonl", [{"chosen": "Four.", "rejected": "Five."}])
+    with pytest.raises(UserError, match=r"x\.jsonl.*no 'prompt' column.*dataset\.columns\.prompt.*Human:"):
+        LocalPreferenceFile(str(path)).load("train")
+
+
 # ---------------------------------------------------------------------------------------------- errors
 def test_missing_column_names_it_and_lists_found(tmp_path):
     """A file without 'chosen' says so, lists what it found, and tells how to map it."""
@@ -191,6 +234,9 @@ def test_unknown_extension(tmp_path):
     path.write_text("x")
     with pytest.raises(UserError, match=r"dataset\.path=.*unsupported file type '\.txt'.*\.jsonl.*\.parquet.*\.csv"):
         LocalPreferenceFile(str(path)).load("train")
+    (tmp_path / "pairs.txt.gz").write_bytes(b"")
+    with pytest.raises(UserError, match=r"unsupported file type '\.txt\.gz'.*optionally compressed"):
+        LocalPreferenceFile(str(tmp_path / "pairs.txt.gz")).load("train")
 
 
 def test_missing_file(tmp_path):
@@ -240,6 +286,43 @@ def test_malformed_file_message_says_what_is_wrong(tmp_path):
     with pytest.raises(UserError) as err:
         LocalPreferenceFile(str(path)).load("train")
     assert "parse" in str(err.value).lower()
+
+
+def write_empty(path):
+    """An empty data file of the kind its name says (a CSV with only its header, a Parquet file with the schema)."""
+    if path.name == "header_only.csv":
+        path.write_text("prompt,chosen,rejected\n")
+    elif path.suffix == ".parquet":
+        pd.DataFrame({c: pd.Series([], dtype=str) for c in ("prompt", "chosen", "rejected")}).to_parquet(path)
+    elif path.name.endswith(".gz"):
+        write_jsonl_gz(path, [])
+    else:
+        path.write_text("\n" if path.suffix == ".jsonl" else "")
+    return path
+
+
+EMPTY_FILES = {"empty.jsonl": "the file is empty", "empty.csv": "the file is empty",
+               "header_only.csv": "only a header line", "empty.parquet": "", "empty.jsonl.gz": "the file is empty"}
+
+
+@pytest.mark.parametrize("name", EMPTY_FILES)
+def test_empty_file_says_it_has_no_rows(tmp_path, name):
+    """Empty files, a header-only CSV and an empty Parquet file are refused in one line naming the file."""
+    path = write_empty(tmp_path / name)
+    with pytest.raises(UserError, match=rf"^dataset\.path={re.escape(str(path))}: file has no rows"
+                                        rf"{re.escape(f' ({EMPTY_FILES[name]})' if EMPTY_FILES[name] else '')}$"):
+        LocalPreferenceFile(str(path)).load("train")
+
+
+@pytest.mark.parametrize("name", EMPTY_FILES)
+def test_empty_data_files_of_a_hub_dataset_say_they_have_no_rows(tmp_path, name):
+    """The same files given to a hub dataset as dataset.data_files get the same clear error."""
+    path = write_empty(tmp_path / name)
+    for dataset in ("ultrafeedback", "hh_rlhf"):
+        cfg = load_dataset_config(dataset, seed=0)
+        cfg.data_files = str(path)
+        with pytest.raises(UserError, match=rf"^dataset '{dataset}': data file {re.escape(str(path))} has no rows"):
+            build_loader(cfg).load("train")
 
 
 def test_csv_with_numeric_looking_answers(tmp_path):
@@ -312,6 +395,40 @@ def test_build_loader_surfaces_user_errors():
     cfg.n_trian = 5
     with pytest.raises(UserError, match=r"dataset\.n_trian is not a setting of SyntheticWorld; allowed: .*n_train"):
         build_loader(cfg)
+
+
+def test_with_options_sets_keys_of_each_eval_set_and_leaves_the_run_config(tmp_path):
+    """evaluate.py's dataset.<key>=... options: set in a copy of every evaluated config, nested keys included."""
+    write_jsonl(tmp_path / "eval.jsonl", [{"q": "a", "chosen": "b", "rejected": "c"}])
+    train_cfg = load_dataset_config("local", seed=0)
+    train_cfg.path = str(tmp_path / "eval.jsonl")
+    (es,) = with_options(resolve_eval_sets(["local_eval"], train_cfg, seed=0),
+                         {"eval_path": str(tmp_path / "eval.jsonl"), "columns": {"prompt": "q"}})
+    assert es.config.columns.prompt == "q" and es.config.columns.chosen == "chosen"
+    assert train_cfg.eval_path is None and train_cfg.columns.prompt == "prompt"
+    assert contents(build_loader(es.config).load("eval").loc[0, "prompt"]) == [("user", "a")]
+    sets = with_options(resolve_eval_sets(["synthetic"], None, seed=0), {"n_ood": 7})
+    assert [s.config.n_ood for s in sets] == [7, 7]
+
+
+@pytest.mark.parametrize("names, options, message", [
+    (["hh_rlhf_test"], {"subset": ["harmless-base"]},
+     r"^dataset\.subset is not a setting of dataset 'hh_rlhf'; allowed: dataset\.hub_id, .*dataset\.subsets, "),
+    (["local_eval"], {"columns": {"promt": "q"}},
+     r"^dataset\.columns\.promt is not a setting of dataset 'local'; allowed: dataset\.columns\.prompt, "),
+    (["local_eval"], {"columns": "q"}, r"^dataset\.columns is a group of settings.*dataset\.columns\.prompt="),
+    (["synthetic_ood", "hh_rlhf_test"], {"subsets": ["harmless-base"]},
+     r"^dataset\.subsets is not a setting of dataset 'synthetic'"),
+])
+def test_with_options_unknown_key_names_the_allowed_keys(names, options, message):
+    with pytest.raises(UserError, match=message):
+        with_options(resolve_eval_sets(names, None, seed=0), options)
+
+
+def test_build_loader_without_a_required_file_says_which_key():
+    """dataset=local named without its file (e.g. by evaluate.py): one line naming dataset.path."""
+    with pytest.raises(UserError, match=r"dataset 'local' needs dataset\.path: pass dataset\.path=<value>"):
+        build_loader(load_dataset_config("local", seed=0))
 
 
 def test_synthetic_yaml_matches_code_defaults():

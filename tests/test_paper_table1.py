@@ -20,7 +20,8 @@ from rewarduq_exp.cli import register_resolvers
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT.parent / "shared" / "papers" / "rewarduq.txt"
 
-# model: (ENS-MLP eta, lambda, gamma), (ENS-LoRA eta, lambda, gamma), (MCD-DPO eta, lambda=dpo beta, p), (BAY-LIN eta, lambda)
+# model: (ENS-MLP eta, lambda, gamma), (ENS-LoRA eta, lambda, gamma), (MCD-DPO eta, lambda = dpo beta, p),
+#        (BAY-LIN eta, lambda)
 TABLE1 = {
     "qwen3-0.6b": ((1e-3, 0.0, 0.01), (1e-4, 0.01, 0.01), (1e-5, 0.01, 0.05), (0.01, 0.01)),
     "qwen3-1.7b": ((1e-3, 0.0, 0.01), (1e-4, 0.01, 0.01), (1e-5, 0.01, 0.1), (1e-3, 0.01)),

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from entry_points import run_entry_point
 from fake_runs import block, make_run
 from omegaconf import OmegaConf
 
@@ -39,9 +38,8 @@ def sweep(tmp_path_factory) -> Path:
 
 
 def run_script(name: str, *args) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MPLBACKEND": "Agg"}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+    """``python scripts/<name> <args>`` (in this process, see tests/entry_points.py)."""
+    return run_entry_point(ROOT / "scripts" / name, list(args), ROOT)
 
 
 def test_select_script(sweep, tmp_path):
@@ -84,7 +82,7 @@ def test_figures_script(sweep, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "plotting reward_bench_filtered" in proc.stdout
     assert "bay_lin / qwen3-4b (ultrafeedback): best rs_0.2, none passes" in proc.stdout
-    for stem in ("figure2_rs", "figure3_calibration", "figure5_metrics"):
+    for stem in ("figure2_rs", "figure3_calibration", "figure4_ranking_score", "figure5_metrics"):
         png = (tmp_path / f"{stem}.png").read_bytes()
         assert png[:8] == PNG_MAGIC and len(png) > 10_000
         assert (tmp_path / f"{stem}.pdf").stat().st_size > 1_000
@@ -109,3 +107,122 @@ def test_figure3_skipped_without_predictions(tmp_path):
     shown = shown_configurations(select(find_runs([tmp_path])))
     assert figure3(shown, "ultrafeedback_test", tmp_path / "figs") is None
     assert not (tmp_path / "figs").exists()
+
+
+def rewardbench_predictions(seed: int = 0, n: int = 600):
+    """A RewardBench-shaped predictions table: subsets of all four categories, math-prm and hep-* included."""
+    import numpy as np
+    import pandas as pd
+
+    from rewarduq_exp.metrics.reward_bench import CATEGORY_OF
+
+    rng = np.random.default_rng(seed)
+    subsets = rng.choice(sorted(CATEGORY_OF), size=n)
+    shift = np.where(np.char.startswith(subsets.astype(str), "hep"), 2.0, 0.3)  # categories differ in accuracy
+    cr, rr = rng.normal(size=n) + shift, rng.normal(size=n)
+    uc, ur = rng.gamma(2.0, 0.3, n), rng.gamma(2.0, 0.3, n)
+    return pd.DataFrame({"id": [f"p{i}" for i in range(n)], "subset": subsets, "weight": 1.0,
+                         "chosen_reward": cr, "chosen_lower": cr - uc, "chosen_upper": cr + uc,
+                         "rejected_reward": rr, "rejected_lower": rr - ur, "rejected_upper": rr + ur})
+
+
+@pytest.mark.parametrize("weighting", ["official", "reference"])
+def test_figure3_uses_the_reward_bench_weighting_of_the_metrics(tmp_path, weighting):
+    """Figure 3 prints the ECE/EBCE of metrics.json and draws curves with the same RewardBench row weights."""
+    import yaml
+
+    from rewarduq_exp.metrics.calibration import calibration_curves
+    from rewarduq_exp.metrics.reward_bench import reward_bench_metrics
+    from rewarduq_exp.paper_figures import figure3_panel
+    from rewarduq_exp.run_records import read_run
+
+    table = rewardbench_predictions()
+    metrics = reward_bench_metrics(table, weighting=weighting)
+    folder = make_run(tmp_path, "rb", metrics={"reward_bench_filtered": metrics})
+    config = yaml.safe_load((folder / ".hydra" / "config.yaml").read_text())
+    config["metric"] = {"n_bins": 20, "scoring": "auto", "reward_bench_weighting": weighting}
+    (folder / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    record = read_run(folder)
+    panel = figure3_panel(record, table, "reward_bench_filtered")
+    assert (panel.ece, panel.ebce) == (metrics["ece"], metrics["ebce"])
+    assert panel.note == f"RewardBench weighting ({weighting})"
+    raw = calibration_curves(table)["pred"].ece()  # the row mix, as Figure 3 drew it before
+    assert abs(raw - metrics["ece"]) > 1e-3
+    if weighting == "reference":  # pooled over all rows with the reference weights: exactly the metric
+        assert panel.curves["pred"].ece() == pytest.approx(metrics["ece"])
+    # A run scored before these metrics existed: recomputed the same way.
+    (folder / "metrics.json").write_text('{"reward_bench_filtered": {}}')
+    again = figure3_panel(read_run(folder), table, "reward_bench_filtered")
+    assert again.ece == pytest.approx(metrics["ece"]) and again.ebce == pytest.approx(metrics["ebce"])
+
+
+def test_ranking_score_weights_and_figure4(tmp_path):
+    """Eq. 20: RS_alpha = f_alpha(w) CT/w - f_alpha(1-w) CF/(1-w), and the caption's numbers of Figure 4."""
+    import numpy as np
+
+    from rewarduq_exp.metrics.preference import ranking_score, ranking_score_weight
+    from rewarduq_exp.paper_figures import figure4
+
+    f = ranking_score_weight
+    # Caption: alpha 0.2, win rate 0.6 -> 0.8: true-confidence weight 0.88 -> 0.95 (x1.08), false 0.77 -> 0.56 (x0.73;
+    # the caption's factors are ratios of its rounded weights: 0.56 / 0.77 = 0.727, unrounded 0.722)
+    true_w, false_w = (round(f(0.6, 0.2), 2), round(f(0.8, 0.2), 2)), (round(f(0.4, 0.2), 2), round(f(0.2, 0.2), 2))
+    assert true_w == (0.88, 0.95) and round(true_w[1] / true_w[0], 2) == 1.08
+    assert false_w == (0.77, 0.56) and round(false_w[1] / false_w[0], 2) == 0.73
+    x = np.linspace(0, 1, 11)
+    assert f(x, 0.0) == pytest.approx(np.ones(11)) and f(x, 1.0) == pytest.approx(x)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        ct, ut, cf = rng.dirichlet([1, 1, 1, 1])[:3]
+        t, fr, a = ct + ut, 1 - ct - ut, rng.uniform()
+        assert ranking_score(ct, cf, t, fr, a) == pytest.approx(f(t, a) * ct / t - f(fr, a) * cf / fr)
+    paths = figure4(tmp_path)
+    assert [p.suffix for p in paths] == [".png", ".pdf"] and paths[0].read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("weighting", ["official", "reference"])
+def test_run_diagrams_use_the_reward_bench_row_weights(tmp_path, monkeypatch, weighting):
+    """A run's own figures/<dataset>/calibration_*.png weight RewardBench rows as its metrics do and print the
+    metrics.json numbers; other tables are drawn as they are."""
+    import numpy as np
+    from fake_runs import predictions
+
+    import rewarduq_exp.metrics.diagrams as diagrams_module
+    from rewarduq_exp.evaluation import diagrams, score_predictions
+    from rewarduq_exp.metrics.reward_bench import CATEGORY_OF, reward_bench_row_weights
+
+    calls = []
+    monkeypatch.setattr(diagrams_module, "plot_calibration_diagrams",
+                        lambda table, out_dir, **kw: calls.append((table, kw)) or [])
+    cfg = OmegaConf.create({"n_bins": 20, "alphas": [0.2], "scoring": "auto", "reward_bench_weighting": weighting})
+    table = rewardbench_predictions()
+    metrics = score_predictions(table, cfg)
+    diagrams(table, tmp_path, cfg, "reward_bench_filtered", metrics=metrics)
+    drawn, kw = calls[-1]
+    assert np.allclose(drawn["weight"], reward_bench_row_weights(table, weighting))
+    per_category = drawn.groupby(table["subset"].map(CATEGORY_OF))["weight"].sum()
+    assert np.allclose(per_category, 1.0)  # each category counts equally, as in the metrics
+    assert kw["reported"] is metrics and kw["title"] == f"reward_bench_filtered: RewardBench weighting ({weighting})"
+
+    plain = predictions()
+    diagrams(plain, tmp_path, cfg, "ultrafeedback_test")
+    assert calls[-1][0] is plain and calls[-1][1]["title"] == "ultrafeedback_test"
+
+
+def test_figure3_panel_follows_the_runs_bins(tmp_path):
+    """A run scored with metric.n_bins=10: Figure 3 bins its curves and recomputes missing numbers with 10 bins."""
+    import yaml
+
+    from rewarduq_exp.metrics.reward_bench import reward_bench_metrics
+    from rewarduq_exp.paper_figures import figure3_panel
+    from rewarduq_exp.run_records import read_run
+
+    table = rewardbench_predictions(seed=1)
+    folder = make_run(tmp_path, "rb10", metrics={"reward_bench_filtered": {}})
+    config = yaml.safe_load((folder / ".hydra" / "config.yaml").read_text())
+    config["metric"] = {"n_bins": 10, "scoring": "auto", "reward_bench_weighting": "official"}
+    (folder / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    panel = figure3_panel(read_run(folder), table, "reward_bench_filtered")
+    expected = reward_bench_metrics(table, n_bins=10)
+    assert len(panel.curves["pred"].weight) == 10
+    assert panel.ece == pytest.approx(expected["ece"]) and panel.ebce == pytest.approx(expected["ebce"])

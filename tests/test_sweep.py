@@ -6,57 +6,60 @@ import os
 import stat
 
 import pytest
-
+from entry_points import run_entry_point
 from hub_fixtures import write_ultrafeedback
-from test_cli import run, shared_cache  # noqa: F401 (module fixture: the tiny model, built once)
+from test_cli import run
 
-# 2 x 3 points of the ENS-MLP grid; center_gamma=-1 is invalid, so 2 of the 6 runs fail on purpose.
+# 3 points of the ENS-MLP grid; reg_lambda=-1 is invalid, so 1 of the 3 runs fails on purpose.
 # A command-line value of a grid key replaces that axis (with -m, which comma lists need on the command line).
-REDUCED_GRID = ["method.learning_rate=1e-3", "method.reg_lambda=0.0,0.1", "method.center_gamma=0.0,0.01,-1.0"]
+REDUCED_GRID = ["method.learning_rate=1e-3", "method.reg_lambda=0.0,0.1,-1.0", "method.center_gamma=0.0"]
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory, shared_cache):  # noqa: F811
+def sweep(tmp_path_factory, shared_cache):
     cwd = tmp_path_factory.mktemp("sweep")
     hub = write_ultrafeedback(cwd / "hub").parents[1]
     args = ["sweep=ens_mlp", "hydra/launcher=local", f"paths.datasets_dir={hub}", "progress=false",
-            "method.num_heads=4", *REDUCED_GRID]
-    env = {"HF_DATASETS_CACHE": str(cwd / "hf_cache")}
-    first = run("train.py", args, cwd, shared_cache, env=env, flags=["-m"], check=False)
+            "method.num_heads=4", "metric.diagrams=false", *REDUCED_GRID]
+    first = run("train.py", args, cwd, shared_cache, flags=["-m"], check=False)
     folder = cwd / "outputs" / "multirun" / "ens_mlp"
     status = {p.parent: json.loads(p.read_text()) for p in folder.glob("*/status.json")}
     stamps = {p: p.stat().st_mtime_ns for p in folder.glob("*/status.json")}
-    second = run("train.py", args, cwd, shared_cache, env=env, flags=["-m"], check=False)
+    # Relaunched without the invalid point: nothing to submit. (A relaunch re-runs failed runs: the same SkipCompleted
+    # code, tested with the in-process launcher in test_cli.test_failed_run_in_sweep_is_recorded_and_others_complete.)
+    completed_only = [a.replace(",-1.0", "") for a in args]
+    second = run("train.py", completed_only, cwd, shared_cache, flags=["-m"], check=False)
     return {"cwd": cwd, "folder": folder, "status": status, "stamps": stamps, "first": first, "second": second}
 
 
 def test_grid_runs_as_separate_submitit_jobs(sweep):
     status = sweep["status"]
-    assert len(status) == 6
+    assert len(status) == 3
     states = sorted(s["state"] for s in status.values())
-    assert states == ["completed"] * 4 + ["failed"] * 2
+    assert states == ["completed"] * 2 + ["failed"]
     assert any(sweep["folder"].glob(".submitit/*/*_log.out"))  # really launched through submitit
     # the sweep went on past the failures, then says so and fails the command
     assert sweep["first"].returncode == 1
-    assert "sweep: 6 jobs: 4 completed, 0 skipped (already completed with the same config), 2 failed" in \
+    assert "sweep: 3 jobs: 2 completed, 0 skipped (already completed with the same config), 1 failed" in \
         sweep["first"].stdout
     for path, st in status.items():
         if st["state"] == "completed":
             metrics = json.loads((path / "metrics.json").read_text())
             assert list(metrics) == ["ultrafeedback_test"]  # the sweep evaluates on the validation split only
         else:
-            assert "center_gamma=-1.0" in path.name and "method.center_gamma=-1.0 is invalid" in st["error"]
+            assert "method.reg_lambda=-1.0 is invalid" in st["error"]
             assert not (path / "metrics.json").exists()
 
 
-def test_relaunch_submits_only_what_did_not_complete(sweep):
+def test_relaunch_skips_completed_runs_before_submitting(sweep):
     log = sweep["second"].stdout + sweep["second"].stderr
-    assert log.count("completed, same config") == 4
+    assert log.count("completed, same config") == 2
     completed = [p for p, st in sweep["status"].items() if st["state"] == "completed"]
     for path in completed:  # not re-run, not rewritten
         assert (path / "status.json").stat().st_mtime_ns == sweep["stamps"][path / "status.json"]
-    assert "sweep: 6 jobs: 0 completed, 4 skipped (already completed with the same config), 2 failed" in log
-    assert sweep["second"].returncode == 1
+    assert "sweep: 2 jobs: 0 completed, 2 skipped (already completed with the same config), 0 failed" in log
+    assert len(list(sweep["folder"].glob(".submitit/*/*_submitted.pkl"))) == 3  # the first launch's jobs only
+    assert sweep["second"].returncode == 0
 
 
 def test_sweep_turns_tuned_values_off_and_uses_the_grid(sweep):
@@ -84,7 +87,7 @@ def sbatch_dry_run(tmp_path, cache, args, flags=("-m",)) -> str:
     return record.read_text()
 
 
-def test_slurm_script_from_submitit(tmp_path, shared_cache):  # noqa: F811
+def test_slurm_script_from_submitit(tmp_path, shared_cache):
     args = ["sweep=bay_lin", "model=qwen3-0.6b", "hydra/launcher=slurm", "hydra.launcher.partition=gpu",
             "hydra.launcher.account=my_lab", "hydra.launcher.timeout_min=240",
             "method.learning_rate=1e-3", "method.reg_lambda=1e-3,1e-2"]
@@ -96,7 +99,7 @@ def test_slurm_script_from_submitit(tmp_path, shared_cache):  # noqa: F811
     assert "srun" in script and "submitit.core._submit" in script
 
 
-def test_launcher_settings_shown_without_launching(tmp_path, shared_cache):  # noqa: F811
+def test_launcher_settings_shown_without_launching(tmp_path, shared_cache):
     proc = run("train.py", ["sweep=ens_mlp", "model=qwen3-0.6b", "hydra/launcher=slurm", "--cfg", "hydra", "-p",
                             "hydra.launcher"], tmp_path, shared_cache)
     assert "SkipCompletedSlurmLauncher" in proc.stdout and "array_parallelism: 16" in proc.stdout
@@ -104,31 +107,28 @@ def test_launcher_settings_shown_without_launching(tmp_path, shared_cache):  # n
 
 
 def test_selection_on_the_real_sweep_lists_failures_and_its_tuned_file_is_picked_up(sweep, tmp_path,
-                                                                                   shared_cache):  # noqa: F811
-    import subprocess
-    import sys
-
+                                                                                   shared_cache):
     from conftest import ROOT
 
     extra = tmp_path / "conf_extra"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/select.py"), str(sweep["folder"]),
-                           "--out", str(tmp_path / "selection"), "--tuned-dir", str(extra / "tuned"),
-                           "--ece", "1", "--ebce", "1"],  # the tiny model is not calibrated: any run may win
-                          capture_output=True, text=True, timeout=300)
+    proc = run_entry_point(ROOT / "scripts/select.py", [sweep["folder"], "--out", tmp_path / "selection",
+                                                        "--tuned-dir", extra / "tuned",
+                                                        "--ece", "1", "--ebce", "1"],  # any run may win: uncalibrated
+                           tmp_path)
     assert proc.returncode == 0, proc.stderr
     report = (tmp_path / "selection" / "selection.md").read_text()
-    assert report.count("center_gamma=-1.0") >= 2 or "failed" in report.lower()
-    assert "method.center_gamma=-1.0 is invalid" in report
+    assert "method.reg_lambda=-1.0 is invalid" in report
     tuned = extra / "tuned" / "ens_mlp" / "tiny-qwen3.yaml"
     assert tuned.read_text().startswith("# @package _global_")
     import yaml
 
     chosen = yaml.safe_load(tuned.read_text())["method"]
-    assert set(chosen) == {"reg_lambda", "center_gamma"}  # exactly the axes that varied
+    # exactly the axes that varied among valid runs
+    assert set(chosen) == {"reg_lambda"}
     shown = run("train.py", ["method=ens_mlp", "model=tiny-qwen3"], tmp_path, shared_cache,
                 flags=["--config-dir", str(extra), "--cfg", "job"])
     method = yaml.safe_load(shown.stdout)["method"]
-    assert (method["reg_lambda"], method["center_gamma"]) == (chosen["reg_lambda"], chosen["center_gamma"])
+    assert method["reg_lambda"] == chosen["reg_lambda"]
 
 
 def test_run_folder_name_hashes_the_resolved_config():
@@ -146,8 +146,8 @@ def test_run_folder_name_hashes_the_resolved_config():
         return OmegaConf.create(base)
 
     name = run_name("seed=0", _root_=root())
-    assert name.startswith("seed=0-") and name.endswith(config_hash(OmegaConf.masked_copy(root(), ["seed", "method",
-                                                                                                  "force", "paths"]))[:10])
+    identity = config_hash(OmegaConf.masked_copy(root(), ["seed", "method", "force", "paths"]))
+    assert name.startswith("seed=0-") and name.endswith(identity[:10])
     assert run_name("seed=0", _root_=root(**{"method.learning_rate": 1e-4})) != name  # a changed default: new folder
     assert run_name("seed=0", _root_=root(**{"paths.output_root": "b"})) == name     # where outputs go: same run
     assert run_name("seed=0", _root_=root(**{"force": True})) == name
@@ -155,14 +155,10 @@ def test_run_folder_name_hashes_the_resolved_config():
 
 
 def test_table1_and_figures_on_the_real_sweep(sweep, tmp_path):
-    import subprocess
-    import sys
-
     from conftest import ROOT
 
     for script, out in (("table1.py", "table1.md"), ("figures.py", "figure3_calibration.png")):
-        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), str(sweep["folder"]),
-                               "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+        proc = run_entry_point(ROOT / "scripts" / script, [sweep["folder"], "--out", tmp_path], tmp_path)
         assert proc.returncode == 0, proc.stderr
         assert (tmp_path / out).stat().st_size > 0
     assert "tiny-qwen3" in (tmp_path / "table1.md").read_text()

@@ -6,14 +6,14 @@ import json
 import os
 
 from conftest import ROOT
-from test_cli import run, shared_cache  # noqa: F401 (module fixture: the tiny model, built once)
+from test_cli import run
 from test_sweep import sbatch_dry_run
 
 TINY = ["method=bay_lin", "seed=0", "device=cpu", "progress=false", "dataset.n_train=96", "dataset.n_eval=32",
-        "dataset.n_ood=32"]
+        "dataset.n_ood=32", "metric.diagrams=false"]
 
 
-def test_two_task_local_job_is_one_distributed_run(tmp_path, shared_cache):  # noqa: F811
+def test_two_task_local_job_is_one_distributed_run(tmp_path, shared_cache):
     sweep_dir = tmp_path / "sweep"
     proc = run("train.py", [*TINY, "hydra/launcher=local", "hydra.launcher.tasks_per_node=2",
                             f"hydra.sweep.dir={sweep_dir}"], tmp_path, shared_cache, flags=["-m"])
@@ -74,7 +74,7 @@ def test_several_tasks_export_the_torch_distributed_env_and_keep_all_gpus(monkey
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"  # each process sees all GPUs and uses cuda:LOCAL_RANK
 
 
-def test_slurm_script_for_the_4gpu_profile(tmp_path, shared_cache):  # noqa: F811
+def test_slurm_script_for_the_4gpu_profile(tmp_path, shared_cache):
     args = ["sweep=bay_lin", "model=qwen3-0.6b", "hydra/launcher=example_h100_4gpu", "method.learning_rate=1e-3",
             "method.reg_lambda=1e-3,1e-2"]
     script = sbatch_dry_run(tmp_path, shared_cache, args, flags=["-m", "--config-dir", str(ROOT / "slurm")])

@@ -25,10 +25,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher, BasicLauncherConf
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
-from hydra._internal.core_plugins.basic_launcher import BasicLauncher, BasicLauncherConf
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher

@@ -35,13 +35,15 @@ def make_preference_frame(ids, prompts, chosen, rejected, weight=None, subset=No
     )
 
 
-def make_kwise_frame(ids, prompts, completions, best, weight=None, subset=None) -> pd.DataFrame:
-    """K-wise data (e.g. RewardBench 2): ``completions`` is a list of K completions per prompt, ``best`` the index
-    of the correct one."""
+def make_kwise_frame(ids, prompts, completions, best, weight=None, subset=None, num_correct=None) -> pd.DataFrame:
+    """K-wise data (e.g. RewardBench 2): ``completions`` is a list of K completions per prompt; completions
+    ``best .. best + num_correct - 1`` are the correct ones (``num_correct`` default 1)."""
     frame = make_preference_frame(ids, prompts, [None] * len(ids), [None] * len(ids), weight, subset)
     frame = frame.drop(columns=["chosen", "rejected"])
     frame.insert(2, "completions", list(completions))
     frame.insert(3, "best", np.asarray(best, dtype=np.int64))
+    frame.insert(4, "num_correct", np.ones(len(ids), dtype=np.int64) if num_correct is None
+                 else np.asarray(num_correct, dtype=np.int64))
     return frame
 
 
@@ -92,7 +94,8 @@ def as_messages(value, default_role: str, *, source: str, column: str) -> list[d
 def validate_preferences(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     missing = [c for c in PREFERENCE_COLUMNS if c not in frame.columns]
     if missing:
-        raise UserError(f"{source}: missing column(s) {', '.join(missing)}; found: {', '.join(map(str, frame.columns))}")
+        found = ", ".join(map(str, frame.columns))
+        raise UserError(f"{source}: missing column(s) {', '.join(missing)}; found: {found}")
     if len(frame) == 0:
         raise UserError(f"{source}: no preference pairs")
     weight = frame["weight"].to_numpy(dtype=float)

@@ -29,18 +29,73 @@ from rewarduq_exp.hub_access import hub_reachable, offline_hint
 
 log = logging.getLogger(__name__)
 
-FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # datasets decompresses these itself
 
 
-def file_builder(path: str) -> str:
+def _split_suffixes(path: str) -> tuple[str, str | None]:
+    """(file type suffix, compression suffix or None) of a data file's name, lower case."""
     name = Path(path).name.lower()
-    for suffix in (".gz", ".bz2", ".xz", ".zst"):
-        name = name.removesuffix(suffix)
-    builder = FILE_BUILDERS.get(Path(name).suffix)
+    compression = next((c for c in COMPRESSIONS if name.endswith(c)), None)
+    if compression:
+        name = name.removesuffix(compression)
+    return Path(name).suffix, compression
+
+
+def file_builder(path: str, what: str | None = None) -> str:
+    """The ``datasets`` builder that reads a data file, by its type suffix (a compression suffix may follow).
+
+    This is the one place that decides which data files can be read (``dataset.data_files`` of the hub loaders and
+    ``dataset=local`` both use it); ``what`` names the file in the error (default ``data file <path>``).
+    """
+    suffix, compression = _split_suffixes(path)
+    builder = FILE_BUILDERS.get(suffix)
     if builder is None:
-        raise UserError(f"data file {path}: unsupported type; allowed: {', '.join(FILE_BUILDERS)} "
-                        "(optionally compressed, e.g. .jsonl.gz)")
+        shown = (suffix or "") + (compression or "") or "(none)"
+        raise UserError(f"{what or f'data file {path}'}: unsupported file type '{shown}'; allowed: "
+                        f"{', '.join(FILE_BUILDERS)}, optionally compressed ({', '.join(COMPRESSIONS)}, "
+                        "e.g. .jsonl.gz)")
     return builder
+
+
+def no_rows(path: str) -> str | None:
+    """``has no rows (...)`` when a data file certainly holds no rows, else None (also when it cannot tell).
+
+    Checked before reading: ``datasets`` fails on such files with messages that do not say so (``StopIteration``,
+    ``Instruction "train" corresponds to no data!``, ``BatchSize must be greater than 0``). Cheap for any file
+    size: a Parquet footer, or the first two non-blank lines of a text file.
+    """
+    import bz2
+    import gzip
+    import lzma
+
+    path = Path(path)
+    suffix, compression = _split_suffixes(str(path))
+    builder = FILE_BUILDERS.get(suffix)
+    try:
+        if compression is None and path.stat().st_size == 0:
+            return "has no rows (the file is empty)"
+        if builder == "parquet" and compression is None:
+            import pyarrow.parquet as pq
+
+            return "has no rows" if pq.ParquetFile(path).metadata.num_rows == 0 else None
+        opener = {None: open, ".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(compression)
+        if builder not in ("json", "csv") or opener is None:
+            return None
+        lines, empty_array = 0, False
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            for line in iter(lambda: f.readline(1 << 16), ""):  # bounded: one JSON array may fill one line
+                if builder == "json" and line.strip() == "[]":
+                    empty_array = True
+                    continue
+                lines += bool(line.strip())
+                if lines > (builder == "csv"):  # a CSV's first line is its header
+                    return None
+    except Exception:  # unreadable: the reader reports what is wrong
+        return None
+    if empty_array:
+        return "has no rows (an empty JSON array)"
+    return "has no rows (the file is empty)" if lines == 0 else "has no rows (only a header line)"
 
 
 def sample_indices(n: int, num_samples, seed: int, key: str) -> np.ndarray | None:
@@ -117,11 +172,21 @@ class HubDataset:
             if not files:
                 raise UserError(f"dataset '{self.name}': dataset.data_files has no entry for split '{split}'; "
                                 f"it has: {', '.join(self.data_files)}")
-            first = files if isinstance(files, str) else files[0]
-            if not Path(first).exists():
-                raise UserError(f"dataset '{self.name}': data file {first} not found")
-            return self._read(lambda: datasets.load_dataset(file_builder(first), data_files={split: files},
-                                                            split=split), f"data file {first}")
+            files = [files] if isinstance(files, str) else list(files)
+            for file in files:
+                if not Path(file).exists():
+                    raise UserError(f"dataset '{self.name}': data file {file} not found")
+            builder = file_builder(files[0])
+            for file in files:
+                problem = no_rows(file)
+                if problem:
+                    raise UserError(f"dataset '{self.name}': data file {file} {problem}")
+            named = files[0] if len(files) == 1 else f"{files[0]} (and {len(files) - 1} more)"
+            table = self._read(lambda: datasets.load_dataset(builder, data_files={split: files}, split=split),
+                               f"data file {named}")
+            if len(table) == 0:
+                raise UserError(f"dataset '{self.name}': data file {named} has no rows")
+            return table
         folder = self.local_folder()
         if folder is not None:
             if (folder / "dataset_dict.json").exists() or (folder / "state.json").exists():

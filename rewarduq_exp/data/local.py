@@ -1,9 +1,15 @@
-"""Users' own preference files (``dataset=local``): JSONL, JSON, Parquet or CSV, one pair per row.
+"""Users' own preference files (``dataset=local``): JSONL, JSON, Parquet, CSV or Arrow, one pair per row, optionally
+compressed (``.jsonl.gz``, ...; which file types are readable is decided in one place, :func:`hub.file_builder`).
 
 Read through ``datasets.load_dataset`` (the same machinery as the hub loaders), then mapped onto the contract:
 ``columns`` says which file column holds each contract column. ``prompt``/``chosen``/``rejected`` may be plain
 strings or lists of ``{role, content}`` messages; the prompt column may be missing when chosen/rejected are whole
 conversations that share the prompt turns (see ``conversation.py``: no turn is ever duplicated).
+
+Transcripts: when the file has no prompt column and chosen/rejected hold strings, they are read as HH-RLHF
+transcripts ("\\n\\nHuman: ...\\n\\nAssistant: ...", the Anthropic/hh-rlhf schema); the turns both sides share
+become the prompt, and rows that are not transcripts are dropped and counted like any unsplittable pair. If no row
+is a transcript the file is refused with a one-line error (plain-string replies need a prompt column).
 """
 
 from __future__ import annotations
@@ -13,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from rewarduq_exp.data.contract import validate_preferences
-from rewarduq_exp.data.conversation import PairColumns, normalise_pairs
+from rewarduq_exp.data.conversation import PairColumns, normalise_pairs, parse_transcript
+from rewarduq_exp.data.hub import file_builder, no_rows
 from rewarduq_exp.errors import UserError
 
-FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 TEXT = ("prompt", "chosen", "rejected")
 REQUIRED = ("chosen", "rejected")          # prompt may be implicit in chosen/rejected conversations
 OPTIONAL = ("prompt", "id", "weight", "subset")
@@ -51,9 +57,10 @@ class LocalPreferenceFile:
         path = Path(path)
         if not path.exists():
             raise UserError(f"{key}={path}: file not found")
-        fmt = FORMATS.get(path.suffix.lower())
-        if fmt is None:
-            raise UserError(f"{key}={path}: unsupported file type '{path.suffix}'; allowed: {', '.join(FORMATS)}")
+        fmt = file_builder(str(path), what=f"{key}={path}")
+        problem = no_rows(str(path))
+        if problem:
+            raise UserError(f"{key}={path}: file {problem}")
         source = f"dataset '{self.name}' ({path})"
         try:
             table = datasets.load_dataset(fmt, data_files=str(path), split="train").to_pandas()
@@ -62,6 +69,8 @@ class LocalPreferenceFile:
             while root.__cause__ is not None:  # the parser's own message (e.g. pyarrow's) says what is wrong
                 root = root.__cause__
             raise UserError(f"{source}: could not be read as {fmt} ({type(root).__name__}: {root})") from None
+        if len(table) == 0:
+            raise UserError(f"{key}={path}: file has no rows")
         found = ", ".join(map(str, table.columns))
         if fmt == "csv":  # CSV infers numbers for texts such as the answer "4"; the text columns must stay text
             for col in TEXT:
@@ -81,5 +90,15 @@ class LocalPreferenceFile:
             weight=column("weight"),
             subset=[str(v) for v in column("subset")] if column("subset") is not None else None,
         )
-        frame = normalise_pairs(cols, source)
+        frame = normalise_pairs(cols, source, transcripts=self._are_transcripts(cols, source))
         return validate_preferences(frame, source)
+
+    def _are_transcripts(self, cols: PairColumns, source: str) -> bool:
+        """No prompt column and string chosen/rejected: HH-RLHF transcripts (see the module docstring)."""
+        if cols.prompt is not None or not all(isinstance(v, str) for v in cols.chosen + cols.rejected):
+            return False
+        if any(parse_transcript(c) and parse_transcript(r) for c, r in zip(cols.chosen, cols.rejected)):
+            return True
+        raise UserError(f"{source}: chosen/rejected are plain strings and there is no '{self.columns['prompt']}' "
+                        "column; add one (or map yours with dataset.columns.prompt=<column>), or give HH-RLHF "
+                        "transcripts ('\\n\\nHuman: ...\\n\\nAssistant: ...') in chosen/rejected")

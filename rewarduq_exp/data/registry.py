@@ -8,7 +8,7 @@ file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hydra.utils import instantiate
@@ -55,6 +55,10 @@ def build(node: DictConfig, key: str, **kwargs):
 
 
 def build_loader(dataset_cfg: DictConfig):
+    missing = sorted(OmegaConf.missing_keys(dataset_cfg))
+    if missing:  # e.g. dataset=local named by evaluate.py without its file: one line, not OmegaConf's report
+        keys = ", ".join(f"dataset.{k.removeprefix('dataset.')}" for k in missing)
+        raise UserError(f"dataset '{dataset_cfg.get('name')}' needs {keys}: pass {keys.split(', ')[0]}=<value>")
     return build(dataset_cfg, "dataset")
 
 
@@ -103,4 +107,34 @@ def resolve_eval_sets(names, train_cfg: DictConfig | None, seed: int, paths=None
         splits = [split] if split is not None else list(cfg.eval_splits)
         for s in splits:
             out.append(EvalSet(f"{cfg.name}_{s}", cfg, s))
+    return out
+
+
+def _check_option_keys(node: DictConfig, options: dict, prefix: str, dataset: str) -> None:
+    for key, value in options.items():
+        allowed = [k for k in node.keys() if k not in ("_target_", "name")]
+        if key not in allowed:
+            raise UserError(f"{prefix}{key} is not a setting of dataset '{dataset}'; allowed: "
+                            f"{', '.join(prefix + k for k in allowed) or '(none)'}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            if not isinstance(value, dict):
+                raise UserError(f"{prefix}{key} is a group of settings, not one value; set them one by one, "
+                                f"e.g. {prefix}{key}.{next(iter(child.keys()), '<key>')}=<value>")
+            _check_option_keys(child, value, f"{prefix}{key}.", dataset)
+
+
+def with_options(eval_sets: list[EvalSet], options: dict | None) -> list[EvalSet]:
+    """The eval sets with ``options`` (``dataset.<key>=...`` given to evaluate.py) set in each one's loader config.
+
+    Every evaluated dataset must have every key (a key it lacks is a UserError naming the allowed keys). Each eval
+    set gets its own resolved copy, so the run's own config (and its interpolations) stays as it was.
+    """
+    if not options:
+        return list(eval_sets)
+    out = []
+    for es in eval_sets:
+        _check_option_keys(es.config, options, "dataset.", str(es.config.name))
+        config = OmegaConf.create(OmegaConf.to_container(es.config, resolve=True))
+        out.append(replace(es, config=OmegaConf.merge(config, options)))
     return out

@@ -19,8 +19,13 @@ import torch
 from torch import nn
 
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.methods.base import (FeatureHeadMethod, TrainingSchedule, bradley_terry_nll, check_positive,
-                                       weighted_mean)
+from rewarduq_exp.methods.base import (
+    FeatureHeadMethod,
+    TrainingSchedule,
+    bradley_terry_nll,
+    check_positive,
+    weighted_mean,
+)
 
 
 class BatchedMLPHeads(nn.Module):

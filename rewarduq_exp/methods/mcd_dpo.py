@@ -13,6 +13,8 @@ reward = mean_k r_k, u = unbiased std_k r_k, bounds reward ± beta * u (paper eq
 The DPO loss is the pair-weighted mean of eq. 13 over a micro-batch (DESIGN data contract: weight = repetition); the
 frame's ``weight`` column reaches ``compute_loss`` through :class:`WeightCollator`. A bf16 backbone (a GPU, or CPU with
 ``model.keep_dtype_on_cpu=true``) trains and scores under bf16 autocast with fp32 weights (policy and reference).
+Gradients are clipped to a total norm of ``max_grad_norm`` (1.0, the HF Trainer default the authors trained with, so
+Table 1's values hold with it; null = off), passed to TRL's config explicitly.
 
 Performance (DESIGN section 5):
 - training goes through TRL's ``DPOTrainer`` with ``precompute_ref_log_probs=True``: the reference log-probs are
@@ -44,7 +46,14 @@ from rewarduq_exp.atomic_write import atomic_path
 from rewarduq_exp.backbone import resolve_device
 from rewarduq_exp.distributed import rank, world_size
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.methods.base import Scores, TrainingSchedule, check_positive, read_method_info, write_method_info
+from rewarduq_exp.methods.base import (
+    Scores,
+    TrainingSchedule,
+    check_max_grad_norm,
+    check_positive,
+    read_method_info,
+    write_method_info,
+)
 
 WEIGHTS_FILE = "policy.safetensors"
 
@@ -294,7 +303,8 @@ class McdDpo:
                  num_samples: int = 20, beta: float = 2.0, batch_size: int = 64, micro_batch_size: int = 8,
                  num_epochs: float = 1.0, warmup_ratio: float = 0.05, weight_decay: float = 0.0,
                  seed: int = 0, device: str = "auto", show_progress: bool = True, score_batch_size: int = 8,
-                 logprob_chunk: int = 64, gradient_checkpointing: bool | str = "auto", log_every: int = 1):
+                 logprob_chunk: int = 64, gradient_checkpointing: bool | str = "auto", log_every: int = 1,
+                 max_grad_norm: float | None = 1.0):
         if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
             raise UserError(f"method.dropout={dropout} is invalid: must be in [0, 1)")
         check_positive(num_samples, "method.num_samples", integer=True, minimum=2, inclusive=True)
@@ -307,9 +317,11 @@ class McdDpo:
         if checkpointing is None:
             raise UserError(f"method.gradient_checkpointing={gradient_checkpointing} is invalid; allowed: auto, true, "
                             "false")
+        # None (no clipping) or a number > 0; it reaches DPOConfig explicitly (see _make_trainer)
+        max_grad_norm = check_max_grad_norm(max_grad_norm, "method.max_grad_norm")
         self.schedule = TrainingSchedule(learning_rate=float(learning_rate), batch_size=int(batch_size),
                                          num_epochs=float(num_epochs), warmup_ratio=float(warmup_ratio),
-                                         weight_decay=float(weight_decay))
+                                         weight_decay=float(weight_decay), max_grad_norm=max_grad_norm)
         self.schedule.validate()
         if int(batch_size) % int(micro_batch_size) and int(batch_size) > int(micro_batch_size):
             raise UserError(f"method.batch_size={batch_size} must be a multiple of method.micro_batch_size="
@@ -339,7 +351,8 @@ class McdDpo:
         return {"learning_rate": s.learning_rate, "dpo_beta": self.dpo_beta, "dropout": self.dropout,
                 "num_samples": self.num_samples, "beta": self.beta, "batch_size": s.batch_size,
                 "micro_batch_size": self.micro_batch_size, "num_epochs": s.num_epochs,
-                "warmup_ratio": s.warmup_ratio, "weight_decay": s.weight_decay, "seed": self.seed}
+                "warmup_ratio": s.warmup_ratio, "weight_decay": s.weight_decay, "max_grad_norm": s.max_grad_norm,
+                "seed": self.seed}
 
     # ------------------------------------------------------------------ models
     @property
@@ -433,6 +446,9 @@ class McdDpo:
             num_train_epochs=s.num_epochs, lr_scheduler_type="cosine", warmup_steps=round(s.warmup_ratio * total_steps),
             weight_decay=s.weight_decay, optim="adamw_torch", adam_beta1=s.adam_betas[0], adam_beta2=s.adam_betas[1],
             adam_epsilon=s.adam_eps, seed=self.seed, data_seed=self.seed,
+            # Explicit, not the Trainer's default by accident: Table 1's eq. 13 values were tuned with the HF Trainer
+            # clipping at 1.0; transformers 5 clips only when max_grad_norm > 0, so null (no clipping) -> 0.0.
+            max_grad_norm=s.max_grad_norm if s.max_grad_norm is not None else 0.0,
             precompute_ref_log_probs=True, precompute_ref_batch_size=self.score_batch_size,
             max_length=None,                        # the run already drops over-long pairs (never truncate)
             disable_dropout=True,                   # Qwen3's own dropouts off; our head dropout is separate
@@ -448,7 +464,8 @@ class McdDpo:
             dataset = self._shared_dataset(dataset)
         Trainer = _make_trainer_class()
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated",
+                                    category=FutureWarning)
             trainer = Trainer(model=model, ref_model=None, args=args, train_dataset=dataset,
                               processing_class=self.tokenizer, dropout=self.dropout, logprob_chunk=self.logprob_chunk)
         if not self.show_progress:

@@ -34,6 +34,21 @@ _ARRAY_NAMES = tuple(
 )
 
 
+def ranking_score_weight(x, alpha: float):
+    """f_alpha(x) = x / (x + alpha (1 - x)) (RewardUQ eq. 20), the weight RS_alpha puts on the relative confidence:
+
+        RS_alpha = f_alpha(w) * CT / w - f_alpha(1 - w) * CF / (1 - w),   w = win rate,
+
+    so f_alpha(w) is the largest RS_alpha can reach at win rate w (every true prediction confident) and
+    -f_alpha(1 - w) the smallest. f_0 = 1 everywhere (RS_0 in [-1, 1]); f_1(x) = x (RS_1 in [w - 1, w]).
+    """
+    x = np.asarray(x, dtype=float)
+    den = x + alpha * (1.0 - x)
+    # x = 0: 0 for alpha > 0; for alpha = 0 the limit x / x = 1.
+    out = np.divide(x, den, out=np.full_like(x, 1.0 if alpha == 0 else 0.0), where=den > 0)
+    return out if out.ndim else float(out)
+
+
 def sigmoid(x: np.ndarray) -> np.ndarray:
     """Logistic function; the tanh form never overflows."""
     return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=float)))
@@ -95,7 +110,8 @@ def validate_pairs(
         if len(w) != n:
             raise UserError(f"weight must have one value per pair ({n}), got {len(w)}")
         if not np.isfinite(w).all():
-            raise UserError(f"weight has NaN/inf values in {describe_rows(~np.isfinite(w), ids)}; weights must be finite")
+            raise UserError(f"weight has NaN/inf values in {describe_rows(~np.isfinite(w), ids)}; "
+                            "weights must be finite")
         if (w < 0).any():
             raise UserError(f"weight is negative in {describe_rows(w < 0, ids)}; weights must be >= 0")
     if not w.sum() > 0:
@@ -105,7 +121,8 @@ def validate_pairs(
         col = (c if j < 3 else r)[:, j % 3]
         bad = ~np.isfinite(col)
         if bad.any():
-            raise UserError(f"{name} has NaN/inf values in {describe_rows(bad, ids)}; rewards and bounds must be finite")
+            raise UserError(f"{name} has NaN/inf values in {describe_rows(bad, ids)}; "
+                            "rewards and bounds must be finite")
 
     for side, arr, nm in (("chosen", c, names[:3]), ("rejected", r, names[3:])):
         reward, lower, upper = arr[:, 0], arr[:, 1], arr[:, 2]

@@ -116,6 +116,22 @@ def subset_weights(counts: dict[str, float], weighting: str) -> dict[str, float]
     return out
 
 
+def reward_bench_row_weights(predictions: pd.DataFrame, weighting: str = "official") -> np.ndarray:
+    """Each row's weight in the RewardBench metrics: its ``weight`` times its subset's multiplier
+    (:func:`subset_weights`), so every category sums to 1. The metrics, the run's diagrams and the paper figures all
+    weight rows by this."""
+    weighting = _check_weighting(weighting)
+    if "subset" not in predictions.columns:
+        raise UserError("RewardBench scoring needs a 'subset' column in the predictions table")
+    _, _, w = pairs_from_table(predictions)  # validates the numeric columns once, with one-line errors
+    subsets = predictions["subset"].astype(str).to_numpy()
+    check_subsets(subsets)
+    names, codes = np.unique(subsets, return_inverse=True)
+    size = np.bincount(codes, weights=w, minlength=len(names))
+    multiplier = subset_weights(dict(zip(names, size)), weighting)
+    return w * np.array([multiplier[s] for s in names])[codes]
+
+
 def reward_bench_metrics(
     predictions: pd.DataFrame,
     *,
@@ -146,16 +162,11 @@ def reward_bench_metrics(
     """
     weighting = _check_weighting(weighting)
     alphas = check_alphas(alphas)
-    if "subset" not in predictions.columns:
-        raise UserError("RewardBench scoring needs a 'subset' column in the predictions table")
-    _, _, w = pairs_from_table(predictions)  # validates the numeric columns once, with one-line errors
+    row_w = reward_bench_row_weights(predictions, weighting)
+    _, _, w = pairs_from_table(predictions)
     subsets = predictions["subset"].astype(str).to_numpy()
-    check_subsets(subsets)
-
     names, codes = np.unique(subsets, return_inverse=True)
     size = np.bincount(codes, weights=w, minlength=len(names))
-    multiplier = subset_weights(dict(zip(names, size)), weighting)
-    row_w = w * np.array([multiplier[s] for s in names])[codes]
     category = np.array([CATEGORY_OF[s] for s in names])[codes]
     table = predictions.assign(weight=row_w)
 

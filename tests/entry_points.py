@@ -1,0 +1,125 @@
+"""Run ``train.py`` / ``evaluate.py`` as a user does, cheaply.
+
+A command is run through ``runpy`` inside the test process: the same ``__main__`` code of the script, with its own
+``sys.argv``, working directory, exit status, stdout and stderr. What a fresh interpreter would redo (importing torch,
+transformers, Hydra: 4-5 s of every command on a 2-core CPU) is done once per test process, which is most of the test
+suite's time otherwise.
+
+A fresh process is used where the test needs one: environment variables that differ from this process's and that
+libraries read once, at import (everything but ``READ_AT_RUN_TIME``), or ``fresh_process=True``.
+
+:func:`run_ranks` runs one command as the N processes of a torch.distributed run, as ``torchrun --nproc_per_node N``
+does (one process per rank, the ranks told by ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``), but
+forked from this process, so they do not import everything again.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import runpy
+import subprocess
+import sys
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+# Read when a command runs, not when a library is imported: set for the command's duration in this process.
+# REWARDUQ_DATASETS_DIR: the config's ${oc.env:...}; WANDB_*: wandb.init reads its settings from the environment.
+# PATH: looked up when a program (sbatch) is started.
+READ_AT_RUN_TIME = {"REWARDUQ_DATASETS_DIR", "WANDB_MODE", "WANDB_SILENT", "PATH"}
+
+
+def _needs_fresh_process(args, env: dict | None) -> bool:
+    changed = any(os.environ.get(k) != v for k, v in (env or {}).items() if k not in READ_AT_RUN_TIME)
+    return changed
+
+
+def run_entry_point(script: Path, args: list, cwd: Path, env: dict | None = None, timeout: int = 600,
+                    fresh_process: bool = False) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(script), *map(str, args)]
+    if fresh_process or _needs_fresh_process(args, env):
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+    return _run_in_process(cmd, cwd, env or {})
+
+
+def run_ranks(script: Path, args: list, cwd: Path, nprocs: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node <nprocs> <script> <args>`` with forked ranks: their stdout and stderr
+    concatenated in rank order and the first non-zero exit status."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, str(script), *map(str, args)]
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(cmd, cwd, r, nprocs, port, results)) for r in range(nprocs)]
+    for proc in procs:
+        proc.start()
+    try:
+        done = dict(results.get(timeout=timeout) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    ranks = [done[r] for r in range(nprocs)]
+    code = next((p.returncode for p in ranks if p.returncode), 0)
+    return subprocess.CompletedProcess(cmd, code, "".join(p.stdout for p in ranks), "".join(p.stderr for p in ranks))
+
+
+def _rank_main(cmd, cwd, rank: int, world: int, port: int, results) -> None:
+    # this process's accelerate state (a singleton a test may have set up for one process) would answer for the rank
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    try:
+        proc = _run_in_process(cmd, cwd, {k: str(v) for k, v in env.items()})
+    except BaseException as error:  # the parent waits for one result per rank
+        proc = subprocess.CompletedProcess(cmd, 1, "", repr(error))
+    results.put((rank, proc))
+
+
+def _run_in_process(cmd: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    from hydra.core.global_hydra import GlobalHydra
+
+    from rewarduq_exp import sweep_outcome
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv, saved_cwd, saved_env, saved_path = sys.argv, os.getcwd(), dict(os.environ), list(sys.path)
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    code = 0
+    try:
+        os.chdir(cwd)
+        os.environ.update(env)
+        sys.argv = cmd[1:]
+        sys.path.insert(0, str(Path(cmd[1]).resolve().parent))  # as python does for a script
+        sweep_outcome.clear()
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                runpy.run_path(cmd[1], run_name="__main__")
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            except BaseException:  # an uncaught exception ends an interpreter with status 1 and a traceback
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        GlobalHydra.instance().clear()
+        for handler in root.handlers[:]:  # Hydra configured logging for the command's streams and train.log
+            if handler not in saved_handlers:
+                root.removeHandler(handler)
+                handler.close()
+        root.setLevel(saved_level)
+    return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())
