@@ -1,5 +1,7 @@
-"""The paper's grid as a real multirun: submitit local launcher, relaunch without resubmitting, failed runs recorded,
-and the Slurm sbatch script that submitit itself generates from conf/hydra/launcher/slurm.yaml."""
+"""The paper's grid as a real multirun: every point a run, failed runs recorded, relaunch without re-running what
+completed; the same grid through submitit's local launcher (slow; the default run launches a two-task submitit job in
+tests/test_sweep_multitask.py), and the Slurm sbatch script that submitit itself generates from
+conf/hydra/launcher/slurm.yaml."""
 
 import json
 import os
@@ -15,33 +17,37 @@ from test_cli import run
 REDUCED_GRID = ["method.learning_rate=1e-3", "method.reg_lambda=0.0,0.1,-1.0", "method.center_gamma=0.0"]
 
 
+def grid_args(cwd) -> list[str]:
+    hub = write_ultrafeedback(cwd / "hub").parents[1]
+    return ["sweep=ens_mlp", f"paths.datasets_dir={hub}", "progress=false", "method.num_heads=4",
+            "metric.diagrams=false", *REDUCED_GRID]
+
+
+def sweep_status(folder) -> dict:
+    return {p.parent: json.loads(p.read_text()) for p in folder.glob("*/status.json")}
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, shared_cache):
+    """The grid on the default launcher for local multiruns (in this process, as `python train.py -m` runs it), then
+    launched again."""
     cwd = tmp_path_factory.mktemp("sweep")
-    hub = write_ultrafeedback(cwd / "hub").parents[1]
-    args = ["sweep=ens_mlp", "hydra/launcher=local", f"paths.datasets_dir={hub}", "progress=false",
-            "method.num_heads=4", "metric.diagrams=false", *REDUCED_GRID]
+    args = grid_args(cwd)
     first = run("train.py", args, cwd, shared_cache, flags=["-m"], check=False)
     folder = cwd / "outputs" / "multirun" / "ens_mlp"
-    status = {p.parent: json.loads(p.read_text()) for p in folder.glob("*/status.json")}
     stamps = {p: p.stat().st_mtime_ns for p in folder.glob("*/status.json")}
-    # Relaunched without the invalid point: nothing to submit. (A relaunch re-runs failed runs: the same SkipCompleted
-    # code, tested with the in-process launcher in test_cli.test_failed_run_in_sweep_is_recorded_and_others_complete.)
-    completed_only = [a.replace(",-1.0", "") for a in args]
-    second = run("train.py", completed_only, cwd, shared_cache, flags=["-m"], check=False)
-    return {"cwd": cwd, "folder": folder, "status": status, "stamps": stamps, "first": first, "second": second}
+    second = run("train.py", args, cwd, shared_cache, flags=["-m"], check=False)
+    return {"cwd": cwd, "folder": folder, "status": sweep_status(folder), "stamps": stamps, "first": first,
+            "second": second}
 
 
-def test_grid_runs_as_separate_submitit_jobs(sweep):
-    status = sweep["status"]
+def assert_grid_outcome(status: dict, proc) -> None:
     assert len(status) == 3
     states = sorted(s["state"] for s in status.values())
     assert states == ["completed"] * 2 + ["failed"]
-    assert any(sweep["folder"].glob(".submitit/*/*_log.out"))  # really launched through submitit
-    # the sweep went on past the failures, then says so and fails the command
-    assert sweep["first"].returncode == 1
-    assert "sweep: 3 jobs: 2 completed, 0 skipped (already completed with the same config), 1 failed" in \
-        sweep["first"].stdout
+    # the sweep went on past the failure, then says so and fails the command
+    assert proc.returncode == 1
+    assert "sweep: 3 jobs: 2 completed, 0 skipped (already completed with the same config), 1 failed" in proc.stdout
     for path, st in status.items():
         if st["state"] == "completed":
             metrics = json.loads((path / "metrics.json").read_text())
@@ -51,15 +57,30 @@ def test_grid_runs_as_separate_submitit_jobs(sweep):
             assert not (path / "metrics.json").exists()
 
 
-def test_relaunch_skips_completed_runs_before_submitting(sweep):
+def test_grid_runs_every_point_and_records_the_failed_one(sweep):
+    assert_grid_outcome(sweep["status"], sweep["first"])
+
+
+def test_relaunch_reruns_only_what_did_not_complete(sweep):
     log = sweep["second"].stdout + sweep["second"].stderr
     assert log.count("completed, same config") == 2
     completed = [p for p, st in sweep["status"].items() if st["state"] == "completed"]
     for path in completed:  # not re-run, not rewritten
         assert (path / "status.json").stat().st_mtime_ns == sweep["stamps"][path / "status.json"]
-    assert "sweep: 2 jobs: 0 completed, 2 skipped (already completed with the same config), 0 failed" in log
-    assert len(list(sweep["folder"].glob(".submitit/*/*_submitted.pkl"))) == 3  # the first launch's jobs only
-    assert sweep["second"].returncode == 0
+    assert "sweep: 3 jobs: 0 completed, 2 skipped (already completed with the same config), 1 failed" in log
+    assert sweep["second"].returncode == 1
+
+
+@pytest.mark.slow
+def test_grid_as_separate_submitit_jobs(tmp_path, shared_cache):
+    """The same grid through submitit's local launcher: one fresh process per point (5-7 s each of imports on 2
+    cores), hence slow. The default run covers the parts: the launcher's skip-and-summarise code with the in-process
+    launcher (above), and a submitit job for real in tests/test_sweep_multitask.py."""
+    proc = run("train.py", [*grid_args(tmp_path), "hydra/launcher=local"], tmp_path, shared_cache, flags=["-m"],
+               check=False)
+    folder = tmp_path / "outputs" / "multirun" / "ens_mlp"
+    assert len(list(folder.glob(".submitit/*/*_log.out"))) == 3  # really launched through submitit, one job each
+    assert_grid_outcome(sweep_status(folder), proc)
 
 
 def test_sweep_turns_tuned_values_off_and_uses_the_grid(sweep):

@@ -45,6 +45,12 @@ def test_two_task_local_job_is_one_distributed_run(tmp_path, shared_cache):
         assert "trained BayLin" in out  # every process trains
     assert sum(out.count("run folder:") for out in outs) == 1 and "run folder:" in outs[0]
 
+    # Launched again: skipped before anything is submitted.
+    again = run("train.py", [*TINY, "hydra/launcher=local", "hydra.launcher.tasks_per_node=2",
+                             f"hydra.sweep.dir={sweep_dir}"], tmp_path, shared_cache, flags=["-m"])
+    assert "sweep: 1 jobs: 0 completed, 1 skipped" in again.stdout
+    assert sorted(sweep_dir.glob(".submitit/*/*_log.out")) == task_logs
+
 
 def _export(monkeypatch, ntasks: int, rank: int):
     from hydra_plugins.rewarduq_launchers.skip_completed import _export_torch_distributed_env
