@@ -8,11 +8,15 @@ PY := $(VENV)/bin/python
 .PHONY: setup demo test test-all bench clean
 
 # torch==2.13.0 first: a bare "torch" requirement would pull several GB of CUDA wheels on a CPU machine.
+# Byte-compiled once, on all cores, instead of file by file inside pip (100 s -> 80 s on 2 cores); the .pyc files
+# matter where PYTHONDONTWRITEBYTECODE is set, as every process would compile torch again. compileall's status is
+# ignored as pip ignores it: a few files in the packages are not Python 3.11 (e.g. torch's py312_intrinsics.py).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,wandb,slurm]'
+	$(PY) -m pip install --quiet --no-compile torch==2.13.0
+	$(PY) -m pip install --quiet --no-compile -e '.[dev,wandb,slurm]'
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
 	touch $@
 
 setup: $(VENV)/.installed

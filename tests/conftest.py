@@ -33,16 +33,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # collection order. The files that run end-to-end commands go first, longest first (seconds on 2 cores, measured with
 # --durations), so that the short files fill in at the end and the two workers finish together; in alphabetical order
 # one worker idled for the last ~35 s of the run.
-LONGEST_FIRST = ["test_cli.py",              # ~50
-                 "test_sweep.py",            # ~40
-                 "test_mcd_dpo.py",          # ~22
-                 "test_distributed.py",      # ~20
-                 "test_sweep_multitask.py",  # ~19
-                 "test_cli_datasets.py",     # ~18
-                 "test_acceptance.py",       # ~17
-                 "test_ens_lora.py",         # ~15
-                 "test_cli_finetune.py",     # ~15
-                 "test_config_composition.py"]  # ~14
+LONGEST_FIRST = ["test_cli.py",              # ~40
+                 "test_cli_datasets.py",     # ~23
+                 "test_sweep_multitask.py",  # ~20
+                 "test_sweep.py",            # ~18
+                 "test_mcd_dpo.py",          # ~18
+                 "test_distributed.py",      # ~15
+                 "test_acceptance.py",       # ~15
+                 "test_cli_finetune.py",     # ~13
+                 "test_ens_lora.py",         # ~12
+                 "test_config_composition.py"]  # ~12  # ~14
 
 
 def pytest_collection_modifyitems(session, config, items):
