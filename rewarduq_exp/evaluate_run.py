@@ -17,16 +17,15 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from rewarduq_exp.backbone import Backbone
 from rewarduq_exp.cli import report_user_error
-from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets, with_options
+from rewarduq_exp.data.registry import build_loader, resolve_eval_sets, with_options
 from rewarduq_exp.data.token_counter import TokenCounter
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.evaluation import diagrams, evaluate_method, score_predictions
-from rewarduq_exp.features import FeatureEncoder
-from rewarduq_exp.run_folder import RunFolder, write_json
+from rewarduq_exp.run_folder import write_json
 from rewarduq_exp.summary import summary_table
 from rewarduq_exp.train_run import check_eval_kind, load_split, quiet_datasets_unless, validate_metric_config
+from rewarduq_exp.trained_run import load_trained_method, read_run_config
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -64,14 +63,7 @@ def rescore_predictions(cfg) -> dict:
 
 
 def evaluate_run_folder(cfg) -> dict:
-    folder = RunFolder(cfg.run)
-    config_path = folder.root / ".hydra" / "config.yaml"
-    if not config_path.exists():
-        raise UserError(f"run={folder.root} is not a run folder (no .hydra/config.yaml)")
-    if folder.status().get("state") != "completed":
-        raise UserError(f"run={folder.root} did not complete (status: {folder.status().get('state', 'missing')}); "
-                        "train it first")
-    run_cfg = OmegaConf.load(config_path)
+    _, run_cfg = read_run_config(cfg.run)  # checked before any data or model is touched
     quiet_datasets_unless(bool(cfg.progress))
     if cfg.paths.get("datasets_dir"):  # this machine's local copies win over the ones the run was trained with
         run_cfg.paths.datasets_dir = cfg.paths.datasets_dir
@@ -86,14 +78,10 @@ def evaluate_run_folder(cfg) -> dict:
     eval_loaders = {es.name: build_loader(es.config) for es in eval_sets}
     for name, loader in eval_loaders.items():
         check_eval_kind(name, loader)
-    run_cfg.method.device = cfg.device
-    run_cfg.method.show_progress = bool(cfg.progress)
-    method = build(run_cfg.method, "method", encoder=None)
     max_length = int(cfg.max_length or run_cfg.max_length)
-    backbone = Backbone(run_cfg.model, cache_dir=cfg.paths.cache_dir, device=cfg.device)
-    method.encoder = FeatureEncoder(backbone, run_cfg.probe, Path(cfg.paths.cache_dir) / "features", max_length,
-                                    show_progress=bool(cfg.progress))
-    method.load(folder.model_dir)
+    run = load_trained_method(cfg.run, device=cfg.device, cache_dir=cfg.paths.cache_dir, progress=bool(cfg.progress),
+                              max_length=max_length)
+    folder, method, backbone = run.folder, run.method, run.backbone
     count = TokenCounter(backbone.tokenizer, backbone.identity(), Path(cfg.paths.cache_dir) / "token_lengths")
     blocks = {}
     for es in eval_sets:

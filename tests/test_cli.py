@@ -114,6 +114,18 @@ def test_evaluate_rescores_predictions_with_other_metric_config(trained, tmp_pat
     assert (tmp_path / "ev" / "figures" / "synthetic_eval" / "calibration_pred.png").exists()
 
 
+@pytest.mark.parametrize("method", ["ens_mlp", "bay_lin"])
+def test_python_api_scores_as_evaluate_does(trained, method, tmp_path, shared_cache):
+    from test_api import assert_api_scores_as_evaluate
+
+    from rewarduq_exp.data.synthetic import SyntheticWorld
+
+    folder, _ = trained[method]
+    run("evaluate.py", [f"run={folder}", "dataset=synthetic_eval", "progress=false", *NO_FIGURES], tmp_path,
+        shared_cache)
+    assert_api_scores_as_evaluate(folder, "synthetic_eval", SyntheticWorld(n_train=600, n_eval=200).load("eval"))
+
+
 def test_multirun_and_relaunch_skips_completed(tmp_path, shared_cache):
     args = ["method=ens_mlp,bay_lin", "method.beta=1.0,2.0", *SMALL, *NO_FIGURES]
     run("train.py", args, tmp_path, shared_cache, flags=["-m"])

@@ -4,7 +4,10 @@ complete run folders, and evaluate.py reproduces the training metrics from what 
 import json
 
 import pytest
+from test_api import assert_api_scores_as_evaluate
 from test_cli import run
+
+from rewarduq_exp.data.synthetic import SyntheticWorld
 
 SMALL = ["progress=false", "dataset.n_train=160", "dataset.n_eval=60", "dataset.n_ood=60"]
 FAST = {"ens_lora": ["method.num_members=3", "method.lora_rank=4"], "mcd_dpo": ["method.num_samples=5"]}
@@ -28,3 +31,5 @@ def test_fine_tuning_method_end_to_end(tmp_path, shared_cache, method):
                                 f"hydra.run.dir={tmp_path / 'ev'}"], tmp_path, shared_cache)
     after = json.loads((folder / "metrics.json").read_text())
     assert after["synthetic_eval"] == pytest.approx(metrics["synthetic_eval"], abs=1e-6), again.stdout
+    # the Python API rebuilds the same model: the scores evaluate.py just wrote, from plain strings
+    assert_api_scores_as_evaluate(folder, "synthetic_eval", SyntheticWorld(n_train=160, n_eval=60).load("eval"))
