@@ -4,6 +4,8 @@ End to end for every method: ENS-MLP and BAY-LIN on the command-line runs of tes
 on those of tests/test_cli_finetune.py (``assert_api_scores_as_evaluate``). Here: the pieces, on one small run.
 """
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -29,14 +31,39 @@ def assert_api_scores_as_evaluate(folder, name: str, frame: pd.DataFrame) -> Non
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, shared_cache):
+def run_cwd(tmp_path_factory, shared_cache):
+    """A folder with one small BAY-LIN run in outputs/runs/, as after `python train.py` there."""
     from test_cli import NO_FIGURES, run
 
     cwd = tmp_path_factory.mktemp("api")
-    folder = cwd / "run"
     run("train.py", ["method=bay_lin", "progress=false", "dataset.n_train=200", "dataset.n_eval=40",
-                     "dataset.n_ood=8", *NO_FIGURES, f"hydra.run.dir={folder}"], cwd, shared_cache)
-    return r.load_run(folder, progress=False)
+                     "dataset.n_ood=8", *NO_FIGURES, f"hydra.run.dir={cwd / 'outputs' / 'runs' / 'bay_lin'}"], cwd,
+        shared_cache)
+    return cwd
+
+
+@pytest.fixture(scope="module")
+def model(run_cwd):
+    return r.load_run(run_cwd / "outputs" / "runs" / "bay_lin", progress=False)
+
+
+def readme_section_code(heading: str) -> list[str]:
+    from conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+def test_readme_python_api_runs_as_written(run_cwd, monkeypatch, capsys):
+    (code,) = readme_section_code("Python API")
+    monkeypatch.chdir(run_cwd)
+    exec(compile(code, "README.md (Python API)", "exec"), {})
+    out = capsys.readouterr().out
+    assert "uncertainty" in out and "p_chosen" in out
+    assert any(line.split(" ")[0] in ("Blue.", "Seven.", "Red.") for line in out.splitlines())  # best_of_n's pick
+    rewards = out.strip().splitlines()[-1]  # the TRL reward function's list of floats
+    assert rewards.startswith("[") and len(rewards.split(",")) == 2
 
 
 @pytest.fixture(scope="module")
