@@ -9,7 +9,7 @@ import pandas as pd
 
 from rewarduq_exp import distributed
 from rewarduq_exp.data.contract import data_kind
-from rewarduq_exp.methods.base import FeatureHeadMethod, Scores
+from rewarduq_exp.methods.base import Scores
 from rewarduq_exp.metrics.scoring import diagram_table, score_predictions  # noqa: F401 (score_predictions: API)
 from rewarduq_exp.run_folder import RunFolder
 
@@ -73,7 +73,7 @@ def score_method(method, data: pd.DataFrame) -> pd.DataFrame:
     every row on every process: their backbone work is already split inside the feature cache, and the heads take
     milliseconds.
     """
-    if distributed.world_size() > 1 and not isinstance(method, FeatureHeadMethod):
+    if distributed.world_size() > 1 and not method.uses_feature_cache:
         rows = distributed.shard_rows(len(data))
         block = _score_rows(method, data.iloc[rows]) if len(rows) else None  # fewer rows than processes
         return pd.concat([b for b in distributed.gather_to_all(block) if b is not None], ignore_index=True)
@@ -86,8 +86,7 @@ def _score_rows(method, data: pd.DataFrame) -> pd.DataFrame:
         prompts = np.repeat(data["prompt"].to_numpy(), k)  # all K completions of all prompts in one scoring call
         completions = [c for cs in data["completions"] for c in cs]
         return kwise_predictions_frame(data, method.score(list(prompts), completions))
-    chosen, rejected = method.score_pairs(data) if hasattr(method, "score_pairs") else (
-        method.score(data["prompt"], data["chosen"]), method.score(data["prompt"], data["rejected"]))
+    chosen, rejected = method.score_pairs(data)
     return predictions_frame(data, chosen, rejected)
 
 

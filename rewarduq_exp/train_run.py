@@ -27,7 +27,6 @@ from rewarduq_exp.errors import UserError
 from rewarduq_exp.evaluation import evaluate_method
 from rewarduq_exp.features import FeatureEncoder
 from rewarduq_exp.loggers import NullLogger, make_logger
-from rewarduq_exp.methods.base import FeatureHeadMethod
 from rewarduq_exp.metrics import check_alphas, check_n_bins
 from rewarduq_exp.metrics.kwise import check_tie_rule
 from rewarduq_exp.metrics.reward_bench import check_scoring
@@ -211,7 +210,7 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_se
         blocks[name] = metrics
         logger.log_metrics(name, metrics, figures)
     folder.write_metrics(blocks)
-    uses_features = isinstance(method, FeatureHeadMethod)  # fine-tuning methods run the backbone themselves
+    uses_features = method.uses_feature_cache  # the others run the backbone themselves
     info = {"fit": fit_summary, "token_count_cache": count.stats, "seconds_total": round(time.perf_counter() - t0, 2)}
     if distributed.world_size() > 1:
         info["world_size"] = distributed.world_size()

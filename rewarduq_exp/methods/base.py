@@ -132,11 +132,40 @@ def read_method_info(directory: Path, name: str) -> dict:
     return info
 
 
-class FeatureHeadMethod(ABC):
+class RewardMethod(ABC):
+    """What every uncertainty-aware reward model offers the runner, ``evaluate.py`` and the Python API (DESIGN
+    section 2): ``fit(train, eval=None) -> summary``, ``score(prompts, completions) -> Scores`` (bounds
+    reward +- beta * u, eq. 9), ``score_pairs(frame) -> (chosen, rejected)``, ``save(dir)`` / ``load(dir)``.
+
+    Where methods differ, they say so with flags instead of the callers testing their type."""
+
+    name = "method"
+    beta: float = 1.0               # bound width in units of u (eq. 9); set by each method
+    uses_feature_cache = False      # reads frozen-backbone features through the shared cache (ENS-MLP, BAY-LIN);
+    #                                 otherwise it runs the backbone itself, per row (ENS-LoRA, MCD-DPO)
+    fine_tunes_backbone = False     # trains (adapters of) the backbone, not only a head on its features
+
+    @abstractmethod
+    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict: ...  # noqa: A002 (contract name)
+
+    @abstractmethod
+    def score(self, prompts, completions) -> Scores: ...
+
+    @abstractmethod
+    def score_pairs(self, frame: pd.DataFrame) -> tuple[Scores, Scores]: ...
+
+    @abstractmethod
+    def save(self, directory: str | os.PathLike) -> None: ...
+
+    @abstractmethod
+    def load(self, directory: str | os.PathLike) -> RewardMethod: ...
+
+
+class FeatureHeadMethod(RewardMethod):
     """A head trained on frozen backbone features read through the shared :class:`FeatureEncoder`."""
 
     name = "feature_head"
-    beta: float = 1.0  # bound width in units of u (eq. 9); set by each method
+    uses_feature_cache = True
 
     def __init__(self, encoder=None, seed: int = 0, device: str = "auto", score_batch_size: int = 4096,
                  show_progress: bool = True, log_every: int = 10):

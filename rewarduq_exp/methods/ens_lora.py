@@ -57,6 +57,7 @@ from rewarduq_exp.backbone import resolve_device
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.base import (
+    RewardMethod,
     Scores,
     TrainingSchedule,
     bradley_terry_nll,
@@ -93,8 +94,9 @@ def member_seed(seed: int, k: int) -> int:
     return (int(seed) * 1_000_003 + 7919 * (k + 1)) % (2**31 - 1)
 
 
-class EnsLoRA:
+class EnsLoRA(RewardMethod):
     name = "ens_lora"
+    fine_tunes_backbone = True  # LoRA adapters on the frozen base model, one per member
 
     def __init__(self, encoder=None, num_members: int = 8, lora_rank: int = 16, lora_alpha: float = 32,
                  lora_dropout: float = 0.0, target_modules="all-linear", learning_rate: float = 1e-4,

@@ -47,6 +47,7 @@ from rewarduq_exp.backbone import resolve_device
 from rewarduq_exp.distributed import rank, world_size
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.base import (
+    RewardMethod,
     Scores,
     TrainingSchedule,
     check_max_grad_norm,
@@ -294,10 +295,11 @@ def _make_trainer_class():
 
 
 # ---------------------------------------------------------------------------------------------------- method
-class McdDpo:
+class McdDpo(RewardMethod):
     """MCD-DPO: DPO full fine-tune + MC dropout on the final hidden states (RewardUQ eq. 13)."""
 
     name = "mcd_dpo"
+    fine_tunes_backbone = True  # the whole causal LM, with DPO
 
     def __init__(self, encoder=None, learning_rate: float = 1e-6, dpo_beta: float = 0.1, dropout: float = 0.1,
                  num_samples: int = 20, beta: float = 2.0, batch_size: int = 64, micro_batch_size: int = 8,
