@@ -55,7 +55,7 @@ class RewardModel:
 
     @property
     def name(self) -> str:
-        return str(self.config.method._target_).rsplit(".", 1)[-1]
+        return type(self.method).__name__
 
     @property
     def beta(self) -> float:

@@ -74,6 +74,12 @@ class Backbone:
             ident["build"] = json.loads(spec.read_text())
         return ident
 
+    def from_pretrained(self, auto_class, what: str = "weights", **kwargs):
+        """``auto_class.from_pretrained`` on this backbone's source (revision, remote-code policy), with a one-line
+        error that says what to do when the files cannot be had. Methods that load their own variant of the model
+        (a causal LM for MCD-DPO, a sequence classifier for ENS-LoRA) go through here."""
+        return self._load(what, lambda: auto_class.from_pretrained(self.source, **self._pretrained_kwargs(), **kwargs))
+
     def _pretrained_kwargs(self) -> dict:
         kw = {"trust_remote_code": bool(self.cfg.get("trust_remote_code", False))}
         if self.cfg.get("revision") and not Path(self.source).exists():
@@ -98,7 +104,7 @@ class Backbone:
     def tokenizer(self):
         from transformers import AutoTokenizer
 
-        tok = self._load("tokenizer", lambda: AutoTokenizer.from_pretrained(self.source, **self._pretrained_kwargs()))
+        tok = self.from_pretrained(AutoTokenizer, "tokenizer")
         if tok.chat_template is None:
             raise UserError(f"the tokenizer of model '{self.name}' has no chat template; choose a chat model")
         if tok.pad_token is None:
@@ -112,10 +118,7 @@ class Backbone:
         """The headless transformer (e.g. ``Qwen3Model``), frozen, in eval mode, on the device."""
         from transformers import AutoModel
 
-        model = self._load(
-            "weights",
-            lambda: AutoModel.from_pretrained(self.source, dtype=self.dtype, **self._pretrained_kwargs()),
-        )
+        model = self.from_pretrained(AutoModel, dtype=self.dtype)
         hidden = int(model.config.hidden_size)
         if self.cfg.get("hidden_size") and int(self.cfg.hidden_size) != hidden:
             raise UserError(f"model.hidden_size={self.cfg.hidden_size} but the checkpoint has hidden size {hidden}")

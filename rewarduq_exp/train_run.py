@@ -145,8 +145,9 @@ def _train(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
     distributed.setup(resolve_device(cfg.device).type)
     if not distributed.is_main():
         os.environ["TQDM_DISABLE"] = "1"  # one set of progress bars (rank 0's): methods, encoder and TRL read it
-    # Build the method first: its hyperparameters are validated before any data or model is touched.
-    method = build(cfg.method, "method", encoder=None)
+    # Validate the method's settings before any data or model is touched (a dry construction, no backbone yet);
+    # the method itself is constructed with the backbone once that exists.
+    build(cfg.method, "method", encoder=None)
     loader = build_loader(cfg.dataset)
     eval_sets = resolve_eval_sets(cfg.eval_datasets, cfg.dataset, int(cfg.seed), cfg.paths,
                                   cfg.get("also_evaluate") or ())
@@ -157,7 +158,7 @@ def _train(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
     logger = make_logger(cfg, out, out.name) if folder.writer else NullLogger()
     failed = True
     try:
-        blocks = _fit_and_evaluate(cfg, out, folder, method, loader, eval_sets, eval_loaders, logger, t0)
+        blocks = _fit_and_evaluate(cfg, out, folder, loader, eval_sets, eval_loaders, logger, t0)
         failed = False
         return blocks
     finally:
@@ -172,7 +173,7 @@ def quiet_datasets_unless(progress: bool) -> None:
         datasets.disable_progress_bars()
 
 
-def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_sets, eval_loaders, logger,
+def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, loader, eval_sets, eval_loaders, logger,
                       t0: float) -> dict:
     quiet_datasets_unless(bool(cfg.progress))
     backbone = Backbone(cfg.model, cache_dir=cfg.paths.cache_dir, device=cfg.device)
@@ -191,7 +192,7 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, method, loader, eval_se
 
     encoder = FeatureEncoder(backbone, cfg.probe, Path(cfg.paths.cache_dir) / "features", max_length,
                              show_progress=bool(cfg.progress))
-    method.encoder = encoder
+    method = build(cfg.method, "method", encoder=encoder)
     if not eval_frames:
         log.info("no eval datasets: training only (pass eval_datasets=[...] or use evaluate.py later)")
     first_eval = next((f for f in eval_frames.values() if data_kind(f) == "pairs"), None)

@@ -12,9 +12,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rewarduq_exp.backbone import Backbone
-from rewarduq_exp.data.registry import build
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.features import FeatureEncoder
+from rewarduq_exp.methods.base import load_method
 from rewarduq_exp.run_folder import RunFolder
 
 
@@ -52,18 +52,15 @@ def run_cache_dir(run_dir: Path, configured: str) -> Path:
 
 def load_trained_method(run_dir, *, device: str, cache_dir=None, progress: bool, max_length: int | None = None,
                         ) -> TrainedRun:
-    """Rebuild the run's method from its config (the class and hyperparameters it was trained with) and load what
-    ``save`` wrote to ``model/``. The backbone comes from the run's model config (hub id, local path or the tiny
+    """Rebuild the run's method from ``model/method.json`` (the class and hyperparameters it was trained with) and
+    load what ``save`` wrote beside it. The backbone comes from the run's model config (hub id, local path or the tiny
     builder) through ``cache_dir`` (default: the run's own), where feature-head methods also cache the features of
     what they score."""
     folder, run_cfg = read_run_config(run_dir)
     if cache_dir is None:
         cache_dir = run_cache_dir(folder.root, str(run_cfg.paths.cache_dir))
-    run_cfg.method.device = device
-    run_cfg.method.show_progress = bool(progress)
-    method = build(run_cfg.method, "method", encoder=None)
     backbone = Backbone(run_cfg.model, cache_dir=cache_dir, device=device)
-    method.encoder = FeatureEncoder(backbone, run_cfg.probe, Path(cache_dir) / "features",
-                                    int(max_length or run_cfg.max_length), show_progress=bool(progress))
-    method.load(folder.model_dir)
+    encoder = FeatureEncoder(backbone, run_cfg.probe, Path(cache_dir) / "features",
+                             int(max_length or run_cfg.max_length), show_progress=bool(progress))
+    method = load_method(folder.model_dir, encoder=encoder, device=device, show_progress=bool(progress))
     return TrainedRun(folder, run_cfg, method, backbone)

@@ -57,13 +57,12 @@ def main() -> None:
                                       "num_heads": args.heads, "num_kv_heads": args.heads}})
     backbone = Backbone(cfg, cache_dir=cache, device=args.device)
 
-    class _Encoder:
-        pass
+    class _Encoder:  # ENS-LoRA reads only the backbone of its encoder
+        def __init__(self, backbone):
+            self.backbone = backbone
 
-    method = EnsLoRA(num_members=args.members, lora_rank=args.rank, lora_alpha=2 * args.rank,
-                     score_batch_size=args.batch, device=args.device, show_progress=False)
-    method.encoder = _Encoder()
-    method.encoder.backbone = backbone
+    method = EnsLoRA(encoder=_Encoder(backbone), num_members=args.members, lora_rank=args.rank,
+                     lora_alpha=2 * args.rank, score_batch_size=args.batch, device=args.device, show_progress=False)
     method._build()
     world = SyntheticWorld(seed=0, n_train=args.texts, n_eval=1, n_ood=1)
     frame = world.load("train")
@@ -100,10 +99,9 @@ def main() -> None:
         train_times = {"mixed": [], "sequential": []}
         for _ in range(max(1, args.repeats // 2)):
             for name, mixed in (("mixed", True), ("sequential", False)):
-                m = EnsLoRA(num_members=args.members, lora_rank=args.rank, lora_alpha=2 * args.rank,
-                            batch_size=args.batch, mixed_adapter_training=mixed, device=args.device,
-                            show_progress=False)
-                m.encoder = method.encoder
+                m = EnsLoRA(encoder=method.encoder, num_members=args.members, lora_rank=args.rank,
+                            lora_alpha=2 * args.rank, batch_size=args.batch, mixed_adapter_training=mixed,
+                            device=args.device, show_progress=False)
                 train_times[name].append(m.fit(pairs)["seconds_training"])
         tmed = {k: statistics.median(v) for k, v in train_times.items()}
         steps = -(-args.train_pairs // args.batch)

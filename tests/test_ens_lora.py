@@ -20,9 +20,7 @@ class _Encoder:
 def make_method(backbone, **kw):
     defaults = {"num_members": 3, "lora_rank": 4, "lora_alpha": 8, "learning_rate": 3e-3, "batch_size": 16, "seed": 0,
                     "device": "cpu", "show_progress": False, "log_every": 1}
-    m = EnsLoRA(**{**defaults, **kw})
-    m.encoder = _Encoder(backbone)
-    return m
+    return EnsLoRA(encoder=_Encoder(backbone), **{**defaults, **kw})
 
 
 @pytest.fixture(scope="module")

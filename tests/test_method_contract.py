@@ -2,6 +2,7 @@
 and the code that drives methods asks their capability flags, never their type."""
 
 import inspect
+import json
 import re
 
 import pytest
@@ -9,7 +10,7 @@ from conftest import ROOT
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from rewarduq_exp.methods.base import RewardMethod
+from rewarduq_exp.methods.base import RUNTIME_SETTINGS, RewardMethod, constructor_settings, load_method
 
 METHODS = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
 
@@ -28,3 +29,37 @@ def test_method_drivers_ask_flags_not_types(module):
     source = (ROOT / "rewarduq_exp" / f"{module}.py").read_text()
     assert not re.search(r"isinstance\([^)]*(Method|EnsMLP|BayLin|EnsLoRA|McdDpo)\b", source)
     assert "hasattr(method" not in source
+    assert ".encoder = " not in source  # the backbone comes in at construction (encoder=...), not assigned later
+
+
+@pytest.mark.parametrize("option", METHODS)
+def test_saved_hyperparameters_rebuild_every_trained_setting(option):
+    """load_method rebuilds a method from method.json's hyperparameters; every constructor setting that is not
+    saved there must be a runtime setting (device, progress, batch sizes for scoring), never one that changes what
+    the method learned or how it scores."""
+    cls = get_class(OmegaConf.load(ROOT / "conf" / "method" / f"{option}.yaml")._target_)
+    saved = set(cls().hyperparameters())
+    assert constructor_settings(cls) - saved <= RUNTIME_SETTINGS
+
+
+def test_load_follows_the_class_in_method_json(tmp_path):
+    import torch
+
+    from rewarduq_exp.errors import UserError
+    from rewarduq_exp.methods.bay_lin import BayLin
+    from rewarduq_exp.methods.ens_mlp import EnsMLP
+
+    trained = EnsMLP(num_heads=3, hidden_dim=8, beta=1.5, seed=4, device="cpu", show_progress=False)
+    trained._build(5)
+    trained.save(tmp_path)
+    loaded = load_method(tmp_path, encoder=None, device="cpu", show_progress=False)
+    assert type(loaded) is EnsMLP and (loaded.num_heads, loaded.hidden_dim, loaded.beta) == (3, 8, 1.5)
+    z = torch.randn(7, 5)
+    assert torch.equal(loaded.heads(z), trained.heads(z))
+    # A run folder whose config says bay_lin but whose model/ holds ENS-MLP weights loads what was saved.
+    assert not isinstance(loaded, BayLin)
+
+    info = json.loads((tmp_path / "method.json").read_text())
+    (tmp_path / "method.json").write_text(json.dumps({**info, "class": "rewarduq_exp.methods.gone.Gone"}))
+    with pytest.raises(UserError, match="cannot import"):
+        load_method(tmp_path, encoder=None)

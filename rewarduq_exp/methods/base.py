@@ -7,6 +7,7 @@ the configuration needed to rebuild it (never the frozen backbone). Bounds are `
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -121,20 +122,62 @@ def write_method_info(directory: Path, method, **extra) -> None:
     write_atomic(Path(directory) / "method.json", json.dumps(info, indent=1, default=str))
 
 
-def read_method_info(directory: Path, name: str) -> dict:
-    """The ``method.json`` of a saved ``name`` method, with one-line errors for a wrong or missing folder."""
+def read_method_info(directory: Path, name: str | None = None) -> dict:
+    """The ``method.json`` of a saved method (of method ``name`` when given), with one-line errors for a wrong or
+    missing folder."""
     info_path = Path(directory) / "method.json"
     if not info_path.exists():
         raise UserError(f"no saved method in {directory} (method.json missing); is this a completed run folder?")
     info = json.loads(info_path.read_text())
-    if info["method"] != name:
+    if name is not None and info["method"] != name:
         raise UserError(f"{directory} holds a '{info['method']}' model, not '{name}'")
     return info
 
 
+# Constructor settings that change how a method runs, not what it learned or the numbers it gives (within float
+# tolerance); they are not saved in method.json and come from the caller when a saved method is rebuilt.
+RUNTIME_SETTINGS = frozenset({"encoder", "device", "show_progress", "log_every", "score_batch_size",
+                              "gradient_checkpointing", "mixed_adapter_training", "mixed_adapter_scoring",
+                              "logprob_chunk"})
+
+
+def constructor_settings(cls) -> set[str]:
+    """The keyword arguments ``cls(...)`` accepts, following ``**kwargs`` up to the base classes."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
+def load_method(directory: str | os.PathLike, *, encoder, **runtime) -> RewardMethod:
+    """Rebuild a saved method from its ``method.json``: the class recorded there, with the hyperparameters it was
+    trained with and the ``runtime`` settings of the caller (device, show_progress, ...), then ``load`` its trained
+    parameters. The backbone comes in through ``encoder`` (built from the run's model config)."""
+    from hydra.utils import get_class
+
+    info = read_method_info(directory)
+    try:
+        cls = get_class(info["class"])
+    except Exception as err:  # noqa: BLE001 (any import failure means the same thing to the user)
+        raise UserError(f"{directory}/method.json names class {info['class']!r}, which this version of rewarduq_exp "
+                        f"cannot import ({type(err).__name__}); was it saved by another version?") from None
+    accepted = constructor_settings(cls)
+    settings = {k: v for k, v in info["hyperparameters"].items() if k in accepted}
+    settings.update({k: v for k, v in runtime.items() if k in accepted})
+    method = cls(encoder=encoder, **settings)
+    return method.load(directory)
+
+
 class RewardMethod(ABC):
     """What every uncertainty-aware reward model offers the runner, ``evaluate.py`` and the Python API (DESIGN
-    section 2): ``fit(train, eval=None) -> summary``, ``score(prompts, completions) -> Scores`` (bounds
+    section 3). It is constructed with its hyperparameters and ``encoder=`` (a :class:`FeatureEncoder`: the backbone
+    with its feature cache; ``None`` only to validate settings before the backbone exists), then offers
+    ``fit(train, eval=None) -> summary``, ``score(prompts, completions) -> Scores`` (bounds
     reward +- beta * u, eq. 9), ``score_pairs(frame) -> (chosen, rejected)``, ``save(dir)`` / ``load(dir)``.
 
     Where methods differ, they say so with flags instead of the callers testing their type."""
@@ -285,30 +328,53 @@ class FeatureHeadMethod(RewardMethod):
         Trainer the authors used does: for ENS-MLP that is the norm over the K heads together, which the authors
         trained as one model); ``grad_norm`` (before clipping) is logged like the Trainer logs it.
         """
-        params = list(params)
 
-        steps_per_epoch = math.ceil(n / schedule.batch_size)
-        total = max(1, math.ceil(steps_per_epoch * schedule.num_epochs))
-        optimizer = torch.optim.AdamW(params, lr=schedule.learning_rate, betas=tuple(schedule.adam_betas),
-                                      eps=schedule.adam_eps, weight_decay=schedule.weight_decay)
-        scheduler = cosine_schedule_with_warmup(optimizer, int(round(schedule.warmup_ratio * total)), total)
-        generator = torch.Generator().manual_seed(self.seed)
-        order = torch.empty(0, dtype=torch.long)
-        bar = tqdm(range(total), desc=desc, unit="step", disable=not self.show_progress, leave=False)
-        for step in bar:
-            start = (step % steps_per_epoch) * schedule.batch_size
-            if start == 0:
-                order = torch.randperm(n, generator=generator)
-            index = order[start:start + schedule.batch_size].to(self.device)
-            loss, parts = loss_fn(index)
-            optimizer.zero_grad(set_to_none=True)
+        def step(index: torch.Tensor) -> dict:
+            loss, parts = loss_fn(index.to(self.device))
             loss.backward()
-            max_norm = schedule.max_grad_norm if schedule.max_grad_norm is not None else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            optimizer.step()
-            scheduler.step()
-            if step % self.log_every == 0 or step == total - 1:
-                record = {"step": step + 1, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
-                          "grad_norm": float(grad_norm), **{k: float(v) for k, v in parts.items()}}
-                self.history.append(record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}")
+            return {"loss": loss.detach(), **parts}
+
+        run_training(params, n, schedule, step, seed=self.seed, desc=desc, history=self.history,
+                     show_progress=self.show_progress, log_every=self.log_every)
+
+
+def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int, desc: str, history: list,
+                 show_progress: bool, log_every: int, clip=None) -> int:
+    """The one training loop of every method we train ourselves (MCD-DPO trains through TRL's DPOTrainer): AdamW
+    with cosine warm-up over ``ceil(n / batch_size * num_epochs)`` steps, one seeded permutation of the ``n`` rows
+    per epoch (same seed, same order on every process), and a log record every ``log_every`` steps.
+
+    ``step(index)`` runs the forward and backward pass of one batch (CPU row indices) and returns the values to log
+    (``loss`` first). ``clip()`` replaces the default clipping of the total gradient norm over ``params`` at
+    ``schedule.max_grad_norm`` (ENS-LoRA clips each member on its own); the default also logs ``grad_norm``.
+    Returns the number of steps taken.
+    """
+    params = list(params)
+    steps_per_epoch = math.ceil(n / schedule.batch_size)
+    total = max(1, math.ceil(steps_per_epoch * schedule.num_epochs))
+    optimizer = torch.optim.AdamW(params, lr=schedule.learning_rate, betas=tuple(schedule.adam_betas),
+                                  eps=schedule.adam_eps, weight_decay=schedule.weight_decay)
+    scheduler = cosine_schedule_with_warmup(optimizer, int(round(schedule.warmup_ratio * total)), total)
+    max_norm = schedule.max_grad_norm if schedule.max_grad_norm is not None else float("inf")
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.empty(0, dtype=torch.long)
+    bar = tqdm(range(total), desc=desc, unit="step", leave=False,
+               disable=not (show_progress and distributed.is_main()))
+    for i in bar:
+        start = (i % steps_per_epoch) * schedule.batch_size
+        if start == 0:
+            order = torch.randperm(n, generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        values = step(order[start:start + schedule.batch_size])
+        if clip is None:
+            values["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            clip()
+        optimizer.step()
+        scheduler.step()
+        if i % log_every == 0 or i == total - 1:
+            record = {"step": i + 1, "loss": float(values.pop("loss")), "lr": scheduler.get_last_lr()[0],
+                      **{k: float(v) for k, v in values.items()}}
+            history.append(record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}")
+    return total

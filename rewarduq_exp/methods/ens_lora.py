@@ -62,8 +62,8 @@ from rewarduq_exp.methods.base import (
     TrainingSchedule,
     bradley_terry_nll,
     check_positive,
-    cosine_schedule_with_warmup,
     read_method_info,
+    run_training,
     write_method_info,
 )
 
@@ -176,10 +176,8 @@ class EnsLoRA(RewardMethod):
         from transformers import AutoModel, AutoModelForSequenceClassification
 
         bb = self._backbone()
-        kw = bb._pretrained_kwargs()
         if with_score_head:
-            seq = bb._load("weights", lambda: AutoModelForSequenceClassification.from_pretrained(
-                bb.source, dtype=bb.dtype, **kw))
+            seq = bb.from_pretrained(AutoModelForSequenceClassification, dtype=bb.dtype)
             score = getattr(seq, "score", None)
             if score is None or score.weight.shape[0] != 1:
                 raise UserError(f"method.head_init=pretrained needs a single-output sequence classifier, but model "
@@ -187,7 +185,7 @@ class EnsLoRA(RewardMethod):
             weight = score.weight.detach().float().clone()
             base = getattr(seq, seq.base_model_prefix)
         else:
-            base, weight = bb._load("weights", lambda: AutoModel.from_pretrained(bb.source, dtype=bb.dtype, **kw)), None
+            base, weight = bb.from_pretrained(AutoModel, dtype=bb.dtype), None
         base.requires_grad_(False)
         return base.to(self.device), weight
 
@@ -401,44 +399,27 @@ class EnsLoRA(RewardMethod):
         if self.gradient_checkpointing:
             self.model.base_model.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
-        s = self.schedule
         params = [p for g in groups for p in g] + [self.head]
-        optimizer = torch.optim.AdamW(params, lr=s.learning_rate, betas=tuple(s.adam_betas), eps=s.adam_eps,
-                                      weight_decay=s.weight_decay)
-        steps_per_epoch = math.ceil(n / s.batch_size)
-        total = max(1, math.ceil(steps_per_epoch * s.num_epochs))
-        scheduler = cosine_schedule_with_warmup(optimizer, round(s.warmup_ratio * total), total)
         # Every process draws the same order (same seed) and takes every world-th pair of each global batch, so
         # method.batch_size stays the total batch whatever the number of processes.
-        generator = torch.Generator().manual_seed(self.seed)
         world, me = distributed.world_size(), distributed.rank()
-        order = torch.empty(0, dtype=torch.long)
-        self._train_mode(mixed)
-        t1 = time.perf_counter()
-        bar = tqdm(range(total), desc=f"{self.name} training", unit="step",
-                   disable=not (self.show_progress and distributed.is_main()), leave=False)
-        for step in bar:
-            start = (step % steps_per_epoch) * s.batch_size
-            if start == 0:
-                order = torch.randperm(n, generator=generator)
-            index = order[start:start + s.batch_size]
+
+        def step(index: torch.Tensor) -> dict:
             local = index[me::world].tolist()
             weight = (weight_all[local] / weight_all[index].sum()).to(self.device)
-            optimizer.zero_grad(set_to_none=True)
             parts = self._backward_step(local, chosen, rejected, weight, groups, initial, mixed, world)
             if world > 1:
                 parts = self._sum_over_processes(params, parts)
-            self._clip_per_member(groups)
-            optimizer.step()
-            scheduler.step()
-            if step % self.log_every == 0 or step == total - 1:
-                bt, anchor, center = parts
-                losses = bt + self.reg_lambda * anchor + self.center_gamma * center
-                record = {"step": step + 1, "loss": float(losses.mean()), "lr": scheduler.get_last_lr()[0],
-                          "loss_bt": float(bt.mean()), "loss_anchor": float(anchor.mean()),
-                          "loss_center": float(center.mean())}
-                self.history.append(record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}")
+            bt, anchor, center = parts
+            losses = bt + self.reg_lambda * anchor + self.center_gamma * center
+            return {"loss": losses.mean(), "loss_bt": bt.mean(), "loss_anchor": anchor.mean(),
+                    "loss_center": center.mean()}
+
+        self._train_mode(mixed)
+        t1 = time.perf_counter()
+        total = run_training(params, n, self.schedule, step, seed=self.seed, desc=f"{self.name} training",
+                             history=self.history, show_progress=self.show_progress, log_every=self.log_every,
+                             clip=lambda: self._clip_per_member(groups))
         if self.gradient_checkpointing:
             self.model.base_model.model.gradient_checkpointing_disable()
         self.model.eval()

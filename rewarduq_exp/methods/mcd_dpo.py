@@ -175,16 +175,15 @@ def load_causal_lm(backbone, dtype=None):
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = backbone._pretrained_kwargs()
-    config = backbone._load("config", lambda: AutoConfig.from_pretrained(backbone.source, **kw))
+    config = backbone.from_pretrained(AutoConfig, "config")
     classifier = any("ForSequenceClassification" in a for a in (getattr(config, "architectures", None) or []))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if classifier and not tied:
         raise UserError(f"model '{backbone.name}' is a sequence-classifier checkpoint without tied word embeddings: "
                         "it has no LM head and cannot be used with method=mcd_dpo (use a causal LM or a checkpoint "
                         "with tie_word_embeddings=true)")
-    model, info = backbone._load("weights", lambda: AutoModelForCausalLM.from_pretrained(
-        backbone.source, dtype=dtype or backbone.dtype, output_loading_info=True, **kw))
+    model, info = backbone.from_pretrained(AutoModelForCausalLM, dtype=dtype or backbone.dtype,
+                                           output_loading_info=True)
     missing = set(info.get("missing_keys", ()))
     head_is_embedding = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     if classifier and not head_is_embedding:
