@@ -4,14 +4,14 @@ import sys
 
 import hydra
 
-from rewarduq_exp.cli import check_group_choices, register_resolvers
+from rewarduq_exp.runner.cli import check_group_choices, register_resolvers
 
 register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg):
-    from rewarduq_exp.evaluate_run import evaluate
+    from rewarduq_exp.runner.evaluate_run import evaluate
 
     evaluate(cfg)
 

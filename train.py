@@ -6,16 +6,16 @@ from pathlib import Path
 
 import hydra
 
-from rewarduq_exp import sweep_outcome
-from rewarduq_exp.cli import check_group_choices, check_setting_keys, fail, register_resolvers
 from rewarduq_exp.distributed import launcher_overrides
+from rewarduq_exp.runner.cli import check_group_choices, check_setting_keys, fail, register_resolvers
+from rewarduq_exp.runs import sweep_outcome
 
 register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg):
-    from rewarduq_exp.train_run import train  # heavy imports after Hydra has parsed the command line
+    from rewarduq_exp.runner.train_run import train  # heavy imports after Hydra has parsed the command line
 
     train(cfg)
 

@@ -22,7 +22,7 @@ import pandas as pd
 from rewarduq_exp.data.contract import as_messages
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.base import Scores
-from rewarduq_exp.trained_run import load_trained_method
+from rewarduq_exp.runner.trained_run import load_trained_method
 
 REWARD_KINDS = ("conservative", "optimistic", "mean")
 

@@ -50,10 +50,10 @@ def main() -> None:
     import datasets
     from omegaconf import OmegaConf
 
-    from rewarduq_exp.backbone import Backbone
+    from rewarduq_exp.models.backbone import Backbone
     from rewarduq_exp.data.contract import filter_by_length
     from rewarduq_exp.data.registry import CONF_DIR, build_loader, load_dataset_config
-    from rewarduq_exp.data.token_counter import TokenCounter
+    from rewarduq_exp.models.token_counter import TokenCounter
 
     datasets.disable_progress_bars()
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,8 +4,9 @@
     python scripts/bench_lora.py --hidden 512 --layers 4 --members 8 --texts 128 --device cuda
 
 Both ways score the same rendered texts with the same length-sorted batches, in the same process, after a warm-up;
-each is repeated and the median is reported, with the ratio sequential / mixed. The model is a random Qwen3 built from
-a config (``rewarduq_exp.tiny_qwen3``), so nothing is downloaded. On a GPU it also prints scored tokens per second.
+each is repeated and the median is reported, with the ratio sequential / mixed. The model is a random Qwen3 built
+from a config (``rewarduq_exp.models.tiny_qwen3``), so nothing is downloaded. On a GPU it also prints scored tokens
+per second.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main() -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from rewarduq_exp.backbone import Backbone
+    from rewarduq_exp.models.backbone import Backbone
     from rewarduq_exp.data.contract import render_all
     from rewarduq_exp.data.synthetic import SyntheticWorld
     from rewarduq_exp.methods.ens_lora import EnsLoRA

@@ -84,9 +84,9 @@ def main():
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from rewarduq_exp.backbone import resolve_device
+    from rewarduq_exp.models.backbone import resolve_device
     from rewarduq_exp.data.registry import CONF_DIR
-    from rewarduq_exp.tiny_qwen3 import ensure_tiny_qwen3
+    from rewarduq_exp.models.tiny_qwen3 import ensure_tiny_qwen3
 
     device = resolve_device(args.device)
     torch.manual_seed(0)

@@ -20,9 +20,9 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display needed; the figures are files
 
-from rewarduq_exp.cli import fail
+from rewarduq_exp.runner.cli import fail
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.paper_figures import (
+from rewarduq_exp.analysis.paper_figures import (
     check_dataset,
     check_models,
     default_dataset,
@@ -32,8 +32,8 @@ from rewarduq_exp.paper_figures import (
     figure5,
     shown_configurations,
 )
-from rewarduq_exp.run_records import find_runs
-from rewarduq_exp.selection import add_selection_arguments, criteria_from_args, select
+from rewarduq_exp.runs.run_records import find_runs
+from rewarduq_exp.analysis.selection import add_selection_arguments, criteria_from_args, select
 
 
 def main(argv=None) -> None:

@@ -15,11 +15,11 @@ import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the
 import argparse
 from pathlib import Path
 
-from rewarduq_exp.cli import fail
+from rewarduq_exp.runner.cli import fail
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.run_records import find_runs
-from rewarduq_exp.selection import add_selection_arguments, criteria_from_args, select
-from rewarduq_exp.selection_report import stdout_summary, write_selection
+from rewarduq_exp.runs.run_records import find_runs
+from rewarduq_exp.analysis.selection import add_selection_arguments, criteria_from_args, select
+from rewarduq_exp.analysis.selection_report import stdout_summary, write_selection
 
 
 def main(argv=None) -> None:

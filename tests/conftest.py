@@ -62,7 +62,7 @@ def tiny_model_cfg():
 
 @pytest.fixture(scope="session")
 def tiny_backbone(cache_dir, tiny_model_cfg):
-    from rewarduq_exp.backbone import Backbone
+    from rewarduq_exp.models.backbone import Backbone
 
     return Backbone(tiny_model_cfg, cache_dir=cache_dir, device="cpu")
 

@@ -89,7 +89,7 @@ def _rank_main(cmd, cwd, rank: int, world: int, port: int, results) -> None:
 def _run_in_process(cmd: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
     from hydra.core.global_hydra import GlobalHydra
 
-    from rewarduq_exp import sweep_outcome
+    from rewarduq_exp.runs import sweep_outcome
 
     out, err = io.StringIO(), io.StringIO()
     saved_argv, saved_cwd, saved_env, saved_path = sys.argv, os.getcwd(), dict(os.environ), list(sys.path)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from rewarduq_exp.cli import register_resolvers, unknown_setting
+from rewarduq_exp.runner.cli import register_resolvers, unknown_setting
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -143,7 +143,7 @@ def tiny_classifier_backbone(tiny_backbone, tmp_path_factory):
     from omegaconf import OmegaConf
     from transformers import AutoModel, AutoTokenizer, Qwen3ForSequenceClassification
 
-    from rewarduq_exp.backbone import Backbone
+    from rewarduq_exp.models.backbone import Backbone
 
     folder = tmp_path_factory.mktemp("skywork-tiny")
     body = AutoModel.from_pretrained(tiny_backbone.source)
@@ -190,7 +190,7 @@ def test_configs_compose_with_tuned_values(model, reg_lambda):
 
     from hydra import compose, initialize_config_dir
 
-    from rewarduq_exp.cli import register_resolvers
+    from rewarduq_exp.runner.cli import register_resolvers
 
     register_resolvers()
     conf = str(Path(__file__).resolve().parents[1] / "conf")
@@ -215,7 +215,7 @@ def test_bf16_training_and_scoring_on_cpu(tiny_model_cfg, tiny_backbone, cache_d
     (Half the data of the other tests: CPU bf16 matmuls are emulated and slow.)"""
     from omegaconf import OmegaConf
 
-    from rewarduq_exp.backbone import Backbone
+    from rewarduq_exp.models.backbone import Backbone
 
     train, ev = data
     train, ev = train.iloc[:32], ev.iloc[:12]

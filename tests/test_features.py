@@ -6,11 +6,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rewarduq_exp.backbone import Backbone
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.data.synthetic import SyntheticWorld
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.features import FeatureEncoder, pool
+from rewarduq_exp.models.backbone import Backbone
+from rewarduq_exp.models.features import FeatureEncoder, pool
 
 
 def probe(layer=-1, pooling="last", batch_size=8):

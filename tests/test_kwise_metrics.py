@@ -11,9 +11,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.evaluation import diagrams, score_predictions
 from rewarduq_exp.metrics import compute_metrics
 from rewarduq_exp.metrics.kwise import check_tie_rule, is_kwise, kwise_metrics, kwise_to_pairs
+from rewarduq_exp.runner.evaluation import diagrams, score_predictions
 
 METRIC_CFG = Path(__file__).resolve().parents[1] / "conf" / "metric" / "rewarduq.yaml"
 
@@ -166,8 +166,8 @@ def test_reward_bench2_fixture_through_the_real_loader(tmp_path, monkeypatch):
     from hub_fixtures import write_reward_bench2
 
     from rewarduq_exp.data.registry import build_loader, load_dataset_config
-    from rewarduq_exp.evaluation import kwise_predictions_frame
     from rewarduq_exp.methods.base import Scores
+    from rewarduq_exp.runner.evaluation import kwise_predictions_frame
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     write_reward_bench2(tmp_path / "hub")
@@ -255,7 +255,7 @@ def test_score_predictions_dispatches_kwise(tmp_path):
     assert score_predictions(table, OmegaConf.merge(cfg, {"kwise_tie_rule": "strict"}))["best_of_k_accuracy"] == 0.8
     with pytest.raises(UserError, match="metric.kwise_tie_rule='lenient' is invalid: allowed values are official"):
         check_tie_rule("lenient")
-    from rewarduq_exp.train_run import validate_metric_config  # the run checks it before any heavy work
+    from rewarduq_exp.runner.train_run import validate_metric_config  # the run checks it before any heavy work
 
     with pytest.raises(UserError, match="^metric.kwise_tie_rule='lenient' is invalid: allowed values are "
                                         "official, strict$"):

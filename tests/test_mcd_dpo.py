@@ -147,8 +147,8 @@ def test_save_load_identical_scores(trained, data, tiny_backbone, tmp_path):
 def classifier_backbones(tiny_backbone, tmp_path_factory, tiny_model_cfg):
     from omegaconf import OmegaConf
 
-    from rewarduq_exp.backbone import Backbone
-    from rewarduq_exp.tiny_classifier import build_tiny_sequence_classifier
+    from rewarduq_exp.models.backbone import Backbone
+    from rewarduq_exp.models.tiny_classifier import build_tiny_sequence_classifier
 
     root = tmp_path_factory.mktemp("skywork")
     out = {}
@@ -185,7 +185,7 @@ def bf16_backbone(tiny_model_cfg, cache_dir):
     """The tiny model kept in bfloat16 on CPU (model.keep_dtype_on_cpu=true): the GPU's bf16 path, runnable here."""
     from omegaconf import OmegaConf
 
-    from rewarduq_exp.backbone import Backbone
+    from rewarduq_exp.models.backbone import Backbone
 
     cfg = OmegaConf.merge(tiny_model_cfg, {"dtype": "bfloat16", "keep_dtype_on_cpu": True})
     return Backbone(cfg, cache_dir=cache_dir, device="cpu")
@@ -311,7 +311,7 @@ def _compose_method(*overrides):
 
     from hydra import compose, initialize_config_dir
 
-    from rewarduq_exp.cli import register_resolvers
+    from rewarduq_exp.runner.cli import register_resolvers
 
     register_resolvers()
     conf = Path(__file__).resolve().parents[1] / "conf"

@@ -24,7 +24,8 @@ def test_every_method_implements_the_contract(option):
     assert cls.uses_feature_cache != cls.fine_tunes_backbone
 
 
-@pytest.mark.parametrize("module", ["train_run", "evaluation", "evaluate_run", "trained_run", "api"])
+@pytest.mark.parametrize("module", ["runner/train_run", "runner/evaluation", "runner/evaluate_run",
+                                    "runner/trained_run", "api"])
 def test_method_drivers_ask_flags_not_types(module):
     source = (ROOT / "rewarduq_exp" / f"{module}.py").read_text()
     assert not re.search(r"isinstance\([^)]*(Method|EnsMLP|BayLin|EnsLoRA|McdDpo)\b", source)

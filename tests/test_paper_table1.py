@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from rewarduq_exp.cli import register_resolvers
+from rewarduq_exp.runner.cli import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT.parent / "shared" / "papers" / "rewarduq.txt"

@@ -10,10 +10,10 @@ from entry_points import run_entry_point
 from fake_runs import block, make_run
 from omegaconf import OmegaConf
 
-from rewarduq_exp.paper_figures import figure3, shown_configurations
-from rewarduq_exp.run_records import find_runs
-from rewarduq_exp.selection import select
-from rewarduq_exp.table1 import model_order, table1_frame, table1_latex, table1_markdown
+from rewarduq_exp.analysis.paper_figures import figure3, shown_configurations
+from rewarduq_exp.analysis.selection import select
+from rewarduq_exp.analysis.table1 import model_order, table1_frame, table1_latex, table1_markdown
+from rewarduq_exp.runs.run_records import find_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -131,10 +131,10 @@ def test_figure3_uses_the_reward_bench_weighting_of_the_metrics(tmp_path, weight
     """Figure 3 prints the ECE/EBCE of metrics.json and draws curves with the same RewardBench row weights."""
     import yaml
 
+    from rewarduq_exp.analysis.paper_figures import figure3_panel
     from rewarduq_exp.metrics.calibration import calibration_curves
     from rewarduq_exp.metrics.reward_bench import reward_bench_metrics
-    from rewarduq_exp.paper_figures import figure3_panel
-    from rewarduq_exp.run_records import read_run
+    from rewarduq_exp.runs.run_records import read_run
 
     table = rewardbench_predictions()
     metrics = reward_bench_metrics(table, weighting=weighting)
@@ -160,8 +160,8 @@ def test_ranking_score_weights_and_figure4(tmp_path):
     """Eq. 20: RS_alpha = f_alpha(w) CT/w - f_alpha(1-w) CF/(1-w), and the caption's numbers of Figure 4."""
     import numpy as np
 
+    from rewarduq_exp.analysis.paper_figures import figure4
     from rewarduq_exp.metrics.preference import ranking_score, ranking_score_weight
-    from rewarduq_exp.paper_figures import figure4
 
     f = ranking_score_weight
     # Caption: alpha 0.2, win rate 0.6 -> 0.8: true-confidence weight 0.88 -> 0.95 (x1.08), false 0.77 -> 0.56 (x0.73;
@@ -188,8 +188,8 @@ def test_run_diagrams_use_the_reward_bench_row_weights(tmp_path, monkeypatch, we
     from fake_runs import predictions
 
     import rewarduq_exp.metrics.diagrams as diagrams_module
-    from rewarduq_exp.evaluation import diagrams, score_predictions
     from rewarduq_exp.metrics.reward_bench import CATEGORY_OF, reward_bench_row_weights
+    from rewarduq_exp.runner.evaluation import diagrams, score_predictions
 
     calls = []
     monkeypatch.setattr(diagrams_module, "plot_calibration_diagrams",
@@ -213,9 +213,9 @@ def test_figure3_panel_follows_the_runs_bins(tmp_path):
     """A run scored with metric.n_bins=10: Figure 3 bins its curves and recomputes missing numbers with 10 bins."""
     import yaml
 
+    from rewarduq_exp.analysis.paper_figures import figure3_panel
     from rewarduq_exp.metrics.reward_bench import reward_bench_metrics
-    from rewarduq_exp.paper_figures import figure3_panel
-    from rewarduq_exp.run_records import read_run
+    from rewarduq_exp.runs.run_records import read_run
 
     table = rewardbench_predictions(seed=1)
     folder = make_run(tmp_path, "rb10", metrics={"reward_bench_filtered": {}})

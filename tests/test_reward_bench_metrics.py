@@ -11,7 +11,6 @@ import pytest
 from omegaconf import OmegaConf
 
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.evaluation import score_predictions
 from rewarduq_exp.metrics import compute_metrics
 from rewarduq_exp.metrics.preference import ranking_score
 from rewarduq_exp.metrics.reward_bench import (
@@ -24,6 +23,7 @@ from rewarduq_exp.metrics.reward_bench import (
     reward_bench_metrics,
     subset_weights,
 )
+from rewarduq_exp.runner.evaluation import score_predictions
 
 METRIC_CFG = Path(__file__).resolve().parents[1] / "conf" / "metric" / "rewarduq.yaml"
 HEP = ("hep-cpp", "hep-go", "hep-java", "hep-js", "hep-python", "hep-rust")

@@ -8,10 +8,10 @@ import pytest
 from fake_runs import block, make_run
 from omegaconf import OmegaConf
 
+from rewarduq_exp.analysis.selection import Criteria, select
+from rewarduq_exp.analysis.selection_report import write_selection
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.run_records import find_runs
-from rewarduq_exp.selection import Criteria, select
-from rewarduq_exp.selection_report import write_selection
+from rewarduq_exp.runs.run_records import find_runs
 
 
 def uf(rs=0.3, ece=0.02, ebce=0.005, **more) -> dict:

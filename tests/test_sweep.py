@@ -155,8 +155,8 @@ def test_selection_on_the_real_sweep_lists_failures_and_its_tuned_file_is_picked
 def test_run_folder_name_hashes_the_resolved_config():
     from omegaconf import OmegaConf
 
-    from rewarduq_exp.cli import run_name
-    from rewarduq_exp.run_folder import config_hash
+    from rewarduq_exp.runner.cli import run_name
+    from rewarduq_exp.runs.run_folder import config_hash
 
     def root(**changes):
         base = {"hydra": {"job": {"num": 3}}, "seed": 0, "method": {"learning_rate": 1e-3}, "force": False,

@@ -3,7 +3,7 @@
 import numpy as np
 
 from rewarduq_exp.data.contract import filter_by_length, make_preference_frame, token_lengths
-from rewarduq_exp.data.token_counter import TokenCounter
+from rewarduq_exp.models.token_counter import TokenCounter
 
 
 def test_cached_counts_equal_direct_counts_and_are_reused(tokenizer, tmp_path):

@@ -5,7 +5,7 @@ that it has nothing to do. These launchers resolve each job's config first, comp
 ``config_hash`` a run writes into ``status.json``) and submit only the jobs whose folder does not say
 ``completed`` with that hash: failed, missing and changed runs, and the new points of an extended grid. The skipped
 jobs are reported to Hydra as completed. Every job's outcome (completed, skipped, failed) is recorded in
-``rewarduq_exp.sweep_outcome``; ``train.py`` prints the summary at the end and exits non-zero when a job failed.
+``rewarduq_exp.runs.sweep_outcome``; ``train.py`` prints the summary at the end and exits non-zero when a job failed.
 ``rewarduq_basic`` (the default of ``conf/train.yaml``) is Hydra's in-process BasicLauncher with the same skipping and
 summary.
 
@@ -34,7 +34,7 @@ from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQu
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 from omegaconf import open_dict
 
-from rewarduq_exp.cli import register_resolvers
+from rewarduq_exp.runner.cli import register_resolvers
 
 # conf/train.yaml's resolvers must exist wherever a job's config is composed: this module is imported by every sweep
 # job process (the launcher is unpickled there), before the job's config is loaded.
@@ -77,7 +77,7 @@ class SkipCompleted:
                        job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
 
     def launch(self, job_overrides, initial_job_idx: int):
-        from rewarduq_exp.run_identity import config_hash, is_completed
+        from rewarduq_exp.runs.run_identity import config_hash, is_completed
 
         results: dict[int, JobReturn] = {}
         todo: list[int] = []
@@ -110,7 +110,7 @@ class SkipCompleted:
                 launched = [JobReturn(overrides=list(job_overrides[i]), status=JobStatus.FAILED,
                                       _return_value=err) for i in stretch]
             results.update(zip(stretch, launched))
-        from rewarduq_exp import sweep_outcome
+        from rewarduq_exp.runs import sweep_outcome
 
         for i, folder in folders.items():
             sweep_outcome.record(folder, skipped=i not in todo)

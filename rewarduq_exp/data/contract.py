@@ -169,7 +169,7 @@ def filter_by_length(frame: pd.DataFrame, tokenizer, max_length: int, dataset: s
 
     A pair is dropped if prompt+chosen or prompt+rejected is too long; a K-wise row if any of its completions is.
     ``count(texts) -> lengths`` counts tokens (default: the tokenizer directly; runs pass a cached
-    :class:`~rewarduq_exp.data.token_counter.TokenCounter`).
+    :class:`~rewarduq_exp.models.token_counter.TokenCounter`).
     """
     count = count or (lambda texts: token_lengths(tokenizer, texts))
     longest, every = _row_lengths(frame, tokenizer, count)

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from rewarduq_exp import distributed
-from rewarduq_exp.atomic_write import atomic_path, write_atomic
-from rewarduq_exp.backbone import resolve_device
 from rewarduq_exp.errors import UserError
+from rewarduq_exp.models.backbone import resolve_device
+from rewarduq_exp.runs.atomic_write import atomic_path, write_atomic
 
 
 @dataclass

@@ -52,8 +52,6 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from rewarduq_exp import distributed
-from rewarduq_exp.atomic_write import atomic_dir, atomic_path
-from rewarduq_exp.backbone import resolve_device
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.base import (
@@ -66,6 +64,8 @@ from rewarduq_exp.methods.base import (
     run_training,
     write_method_info,
 )
+from rewarduq_exp.models.backbone import resolve_device
+from rewarduq_exp.runs.atomic_write import atomic_dir, atomic_path
 
 HEAD_INITS = ("auto", "pretrained", "fresh")
 ANCHORS = ("l2", "mean_squared")

@@ -42,8 +42,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from rewarduq_exp.atomic_write import atomic_path
-from rewarduq_exp.backbone import resolve_device
 from rewarduq_exp.distributed import rank, world_size
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.base import (
@@ -55,6 +53,8 @@ from rewarduq_exp.methods.base import (
     read_method_info,
     write_method_info,
 )
+from rewarduq_exp.models.backbone import resolve_device
+from rewarduq_exp.runs.atomic_write import atomic_path
 
 WEIGHTS_FILE = "policy.safetensors"
 

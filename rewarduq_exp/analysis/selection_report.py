@@ -13,10 +13,10 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from rewarduq_exp.atomic_write import write_atomic
-from rewarduq_exp.run_records import RunRecord
-from rewarduq_exp.selection import Configuration, Criteria, Selection
-from rewarduq_exp.text_tables import fmt_mean_std, fmt_number, fmt_setting, markdown_table, text_table
+from rewarduq_exp.analysis.selection import Configuration, Criteria, Selection
+from rewarduq_exp.analysis.text_tables import fmt_mean_std, fmt_number, fmt_setting, markdown_table, text_table
+from rewarduq_exp.runs.atomic_write import write_atomic
+from rewarduq_exp.runs.run_records import RunRecord
 
 STDOUT_ROWS = 10  # the terminal shows the top of each ranking; selection.md has all of it
 

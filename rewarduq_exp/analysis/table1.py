@@ -2,7 +2,7 @@
 
 Rows are backbones; each method gets a column group with its searched hyperparameters (eta, lambda, gamma, ...)
 and the winner's rank metric, ECE and EBCE (means over seeds on the selection dataset). The selection is
-:mod:`rewarduq_exp.selection`, the same as ``scripts/select.py``; "—" marks a backbone where no configuration
+:mod:`rewarduq_exp.analysis.selection`, the same as ``scripts/select.py``; "—" marks a backbone where no configuration
 passes the thresholds (or that was not run with that method).
 """
 
@@ -12,8 +12,8 @@ import re
 
 import pandas as pd
 
-from rewarduq_exp.selection import Selection
-from rewarduq_exp.text_tables import DASH, fmt_number, fmt_setting, markdown_table
+from rewarduq_exp.analysis.selection import Selection
+from rewarduq_exp.analysis.text_tables import DASH, fmt_number, fmt_setting, markdown_table
 
 METHOD_NAMES = {"ens_mlp": "ENS-MLP", "ens_lora": "ENS-LoRA", "mcd_dpo": "MCD-DPO", "bay_lin": "BAY-LIN"}
 # (plain text, LaTeX) header of each hyperparameter: the paper's symbols.

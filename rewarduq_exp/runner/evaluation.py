@@ -11,7 +11,7 @@ from rewarduq_exp import distributed
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.methods.base import Scores
 from rewarduq_exp.metrics.scoring import diagram_table, score_predictions  # noqa: F401 (score_predictions: API)
-from rewarduq_exp.run_folder import RunFolder
+from rewarduq_exp.runs.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 

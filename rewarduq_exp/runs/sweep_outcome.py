@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rewarduq_exp.run_identity import is_completed, read_status
+from rewarduq_exp.runs.run_identity import is_completed, read_status
 
 SKIPPED = "skipped"
 COMPLETED = "completed"

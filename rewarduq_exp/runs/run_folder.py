@@ -18,9 +18,9 @@ from pathlib import Path
 import pandas as pd
 from filelock import FileLock
 
-from rewarduq_exp.atomic_write import atomic_path, write_atomic
 from rewarduq_exp.errors import one_line
-from rewarduq_exp.run_identity import VALIDATION, config_hash, is_completed  # noqa: F401 (config_hash: API)
+from rewarduq_exp.runs.atomic_write import atomic_path, write_atomic
+from rewarduq_exp.runs.run_identity import VALIDATION, config_hash, is_completed  # noqa: F401 (config_hash: API)
 
 
 def write_json(path: Path, obj) -> None:

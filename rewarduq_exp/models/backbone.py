@@ -14,7 +14,7 @@ import torch
 
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.hub_access import hub_reachable, offline_hint
-from rewarduq_exp.run_identity import stable_hash  # noqa: F401 (re-exported: the caches key on it)
+from rewarduq_exp.runs.run_identity import stable_hash  # noqa: F401 (re-exported: the caches key on it)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,7 +51,7 @@ class Backbone:
     def source(self) -> str:
         """A local folder or a hub id that ``from_pretrained`` understands."""
         if self.cfg.get("builder") == "tiny-qwen3":
-            from rewarduq_exp.tiny_qwen3 import ensure_tiny_qwen3
+            from rewarduq_exp.models.tiny_qwen3 import ensure_tiny_qwen3
 
             return str(ensure_tiny_qwen3(self.cache_dir, **dict(self.cfg.get("build", {}))))
         if self.cfg.get("path"):

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.run_identity import NOT_HYPERPARAMETERS
-from rewarduq_exp.run_records import RunRecord
+from rewarduq_exp.runs.run_identity import NOT_HYPERPARAMETERS
+from rewarduq_exp.runs.run_records import RunRecord
 
 DEFAULT_DATASET = "ultrafeedback_test"
 DEFAULT_ECE = 0.05

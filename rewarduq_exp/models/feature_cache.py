@@ -23,7 +23,7 @@ import torch
 from filelock import FileLock
 
 from rewarduq_exp import distributed
-from rewarduq_exp.atomic_write import atomic_path, write_atomic
+from rewarduq_exp.runs.atomic_write import atomic_path, write_atomic
 
 
 class FeatureCache:

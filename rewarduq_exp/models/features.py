@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rewarduq_exp.backbone import Backbone, stable_hash
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.feature_cache import FeatureCache
+from rewarduq_exp.models.backbone import Backbone, stable_hash
+from rewarduq_exp.models.feature_cache import FeatureCache
 
 POOLINGS = ("last", "mean")
 

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.run_identity import NOT_HYPERPARAMETERS, VALIDATION, is_completed
+from rewarduq_exp.runs.run_identity import NOT_HYPERPARAMETERS, VALIDATION, is_completed
 
 STATES = ("completed", "failed", "invalid", "running", "missing")
 

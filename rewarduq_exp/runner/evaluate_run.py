@@ -17,15 +17,15 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from rewarduq_exp.cli import report_user_error
 from rewarduq_exp.data.registry import build_loader, resolve_eval_sets, with_options
-from rewarduq_exp.data.token_counter import TokenCounter
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.evaluation import diagrams, evaluate_method, score_predictions
-from rewarduq_exp.run_folder import write_json
-from rewarduq_exp.summary import summary_table
-from rewarduq_exp.train_run import check_eval_kind, load_split, quiet_datasets_unless, validate_metric_config
-from rewarduq_exp.trained_run import load_trained_method, read_run_config
+from rewarduq_exp.models.token_counter import TokenCounter
+from rewarduq_exp.runner.cli import report_user_error
+from rewarduq_exp.runner.evaluation import diagrams, evaluate_method, score_predictions
+from rewarduq_exp.runner.summary import summary_table
+from rewarduq_exp.runner.train_run import check_eval_kind, load_split, quiet_datasets_unless, validate_metric_config
+from rewarduq_exp.runner.trained_run import load_trained_method, read_run_config
+from rewarduq_exp.runs.run_folder import write_json
 
 log = logging.getLogger("rewarduq_exp")
 

@@ -36,16 +36,16 @@ def run_name(override_dirname: str, *, _root_=None) -> str:
     readable = re.sub(r"[^A-Za-z0-9=.,_-]+", "_", override_dirname)[:80] or "defaults"
     if _root_ is None:
         return f"{readable}-{hashlib.sha1(override_dirname.encode()).hexdigest()[:8]}"
-    from rewarduq_exp.run_identity import config_hash
+    from rewarduq_exp.runs.run_identity import config_hash
 
     task = OmegaConf.masked_copy(_root_, [k for k in _root_ if k != "hydra"])
     return f"{readable}-{config_hash(task)[:10]}"
 
 
 def run_identity(name: str):
-    """``${run_identity:<name>}``: a value owned by :mod:`rewarduq_exp.run_identity` (e.g. the keys a multirun
+    """``${run_identity:<name>}``: a value owned by :mod:`rewarduq_exp.runs.run_identity` (e.g. the keys a multirun
     folder name leaves out), so the config does not repeat what the code defines."""
-    from rewarduq_exp import run_identity as ident
+    from rewarduq_exp.runs import run_identity as ident
 
     values = {"override_dirname_excluded": ident.override_dirname_excluded}
     if name not in values:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from rewarduq_exp.backbone import Backbone
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.features import FeatureEncoder
 from rewarduq_exp.methods.base import load_method
-from rewarduq_exp.run_folder import RunFolder
+from rewarduq_exp.models.backbone import Backbone
+from rewarduq_exp.models.features import FeatureEncoder
+from rewarduq_exp.runs.run_folder import RunFolder
 
 
 @dataclass

@@ -10,8 +10,8 @@
 * Figure 5: win rate, CT, CF, ECE and EBCE per method and backbone.
 
 Each (method, backbone, training dataset) is shown with one configuration: the winner of the selection rule
-(:mod:`rewarduq_exp.selection`, on the selection dataset), or, when no configuration passes, the one with the best
-rank metric; those bars are hatched and those panels say so. Values are means over the configuration's seeds on
+(:mod:`rewarduq_exp.analysis.selection`, on the selection dataset), or, when no configuration passes, the one with
+the best rank metric; those bars are hatched and those panels say so. Values are means over the configuration's seeds on
 the plotted dataset (error bars: std over seeds). Figures use the Agg canvas through ``matplotlib.figure.Figure``,
 as the run's own diagrams do.
 """
@@ -32,14 +32,14 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from omegaconf import OmegaConf
 
+from rewarduq_exp.analysis.selection import Configuration, Selection
+from rewarduq_exp.analysis.table1 import method_name, method_order, model_order
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.metrics.calibration import calibration_curves
 from rewarduq_exp.metrics.diagrams import draw_reliability, save_figure
 from rewarduq_exp.metrics.preference import ranking_score_weight
 from rewarduq_exp.metrics.scoring import diagram_table, score_predictions
-from rewarduq_exp.run_records import RunRecord
-from rewarduq_exp.selection import Configuration, Selection
-from rewarduq_exp.table1 import method_name, method_order, model_order
+from rewarduq_exp.runs.run_records import RunRecord
 
 FIGURE5_METRICS = (("win_rate", "win rate"), ("ct_rate", "CT rate"), ("cf_rate", "CF rate"), ("ece", "ECE"),
                    ("ebce", "EBCE"))

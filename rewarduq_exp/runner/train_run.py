@@ -18,20 +18,20 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from rewarduq_exp import distributed
-from rewarduq_exp.backbone import Backbone, resolve_device
-from rewarduq_exp.cli import in_multirun, report_user_error
 from rewarduq_exp.data.contract import data_kind, filter_by_length, validate_preferences
 from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
-from rewarduq_exp.data.token_counter import TokenCounter
 from rewarduq_exp.errors import UserError
-from rewarduq_exp.evaluation import evaluate_method
-from rewarduq_exp.features import FeatureEncoder
-from rewarduq_exp.loggers import NullLogger, make_logger
 from rewarduq_exp.metrics import check_alphas, check_n_bins
 from rewarduq_exp.metrics.kwise import check_tie_rule
 from rewarduq_exp.metrics.reward_bench import check_scoring
-from rewarduq_exp.run_folder import RunFolder, config_hash, write_json
-from rewarduq_exp.summary import summary_table
+from rewarduq_exp.models.backbone import Backbone, resolve_device
+from rewarduq_exp.models.features import FeatureEncoder
+from rewarduq_exp.models.token_counter import TokenCounter
+from rewarduq_exp.runner.cli import in_multirun, report_user_error
+from rewarduq_exp.runner.evaluation import evaluate_method
+from rewarduq_exp.runner.loggers import NullLogger, make_logger
+from rewarduq_exp.runner.summary import summary_table
+from rewarduq_exp.runs.run_folder import RunFolder, config_hash, write_json
 
 log = logging.getLogger("rewarduq_exp")
 
