@@ -22,6 +22,7 @@ def test_every_method_implements_the_contract(option):
     assert cls.name == option
     # today's four: frozen features through the cache (ENS-MLP, BAY-LIN) or a fine-tuned backbone (ENS-LoRA, MCD-DPO)
     assert cls.uses_feature_cache != cls.fine_tunes_backbone
+    assert isinstance(cls.uses_eval_set, bool)
 
 
 @pytest.mark.parametrize("module", ["runner/train_run", "runner/evaluation", "runner/evaluate_run",

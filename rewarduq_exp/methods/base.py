@@ -187,6 +187,7 @@ class RewardMethod(ABC):
     uses_feature_cache = False      # reads frozen-backbone features through the shared cache (ENS-MLP, BAY-LIN);
     #                                 otherwise it runs the backbone itself, per row (ENS-LoRA, MCD-DPO)
     fine_tunes_backbone = False     # trains (adapters of) the backbone, not only a head on its features
+    uses_eval_set = False           # fit(train, eval) reads eval (the runner passes the first pairwise eval set)
 
     @abstractmethod
     def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict: ...  # noqa: A002 (contract name)
@@ -209,6 +210,7 @@ class FeatureHeadMethod(RewardMethod):
 
     name = "feature_head"
     uses_feature_cache = True
+    uses_eval_set = True            # reports the eval set's Bradley-Terry loss and win rate in the fit summary
 
     def __init__(self, encoder=None, seed: int = 0, device: str = "auto", score_batch_size: int = 4096,
                  show_progress: bool = True, log_every: int = 10):

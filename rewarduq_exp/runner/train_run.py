@@ -195,7 +195,9 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, loader, eval_sets, eval
     method = build(cfg.method, "method", encoder=encoder)
     if not eval_frames:
         log.info("no eval datasets: training only (pass eval_datasets=[...] or use evaluate.py later)")
-    first_eval = next((f for f in eval_frames.values() if data_kind(f) == "pairs"), None)
+    first_eval = None
+    if method.uses_eval_set:
+        first_eval = next((f for f in eval_frames.values() if data_kind(f) == "pairs"), None)
     fit_summary = method.fit(train_frame, first_eval)
     log.info("trained %s: %s", cfg.method._target_.rsplit(".", 1)[-1], fit_summary)
     if folder.writer:
