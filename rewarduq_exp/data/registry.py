@@ -20,7 +20,9 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def available(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
-    return sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+    """The options of a config group, nested ones by their path (``label_ranking/iris``)."""
+    root = conf_dir / group
+    return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
 
 
 @dataclass

@@ -183,6 +183,7 @@ class RewardMethod(ABC):
     Where methods differ, they say so with flags instead of the callers testing their type."""
 
     name = "method"
+    task = "preferences"            # trains on preference pairs (label-ranking learners: "label_ranking")
     beta: float = 1.0               # bound width in units of u (eq. 9); set by each method
     uses_feature_cache = False      # reads frozen-backbone features through the shared cache (ENS-MLP, BAY-LIN);
     #                                 otherwise it runs the backbone itself, per row (ENS-LoRA, MCD-DPO)

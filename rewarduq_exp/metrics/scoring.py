@@ -7,11 +7,12 @@ subset weights, and drawn with the same row weights.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.metrics import compute_metrics
-from rewarduq_exp.metrics.kwise import is_kwise, kwise_metrics, kwise_to_pairs
+from rewarduq_exp.metrics.kwise import TIES_SUBSET, is_kwise, kwise_metrics, kwise_to_pairs
 from rewarduq_exp.metrics.reward_bench import (
     check_scoring,
     is_reward_bench,
@@ -41,11 +42,56 @@ def diagram_table(predictions: pd.DataFrame, scoring: str = "auto", weighting: s
     """
     kind = scoring_kind(predictions, scoring)
     if kind == "kwise":
-        return kwise_to_pairs(predictions), ""
+        return kwise_to_pairs(with_point_bounds(predictions)), ""
     if kind == "reward_bench":
         table = predictions.assign(weight=reward_bench_row_weights(predictions, weighting))
         return table, f"RewardBench weighting ({weighting})"
     return predictions, ""
+
+
+def with_point_bounds(predictions: pd.DataFrame) -> pd.DataFrame:
+    """A K-wise table of rewards only (e.g. scores of another reward model: ``id``, ``rewards``, ``best``) gets
+    zero-width bounds (lowers = uppers = rewards) and weight 1, so every metric applies; interval metrics then
+    describe point predictions."""
+    if "rewards" not in predictions.columns:
+        return predictions
+    fill = {c: predictions["rewards"] for c in ("lowers", "uppers") if c not in predictions.columns}
+    if "weight" not in predictions.columns:
+        fill["weight"] = 1.0
+    return predictions.assign(**fill) if fill else predictions
+
+
+def top1_rows(predictions: pd.DataFrame):
+    """The K-wise rows that fit the top-1 formulation of the calibrated-label-ranking paper (appendix D): exactly one
+    correct completion, outside the Ties subset (which the paper excludes); returns (rewards, best index)."""
+    keep = pd.Series(True, index=predictions.index)
+    if "num_correct" in predictions.columns:
+        keep &= predictions["num_correct"].astype(float) == 1
+    if "subset" in predictions.columns:
+        keep &= predictions["subset"].astype(str).str.lower() != TIES_SUBSET
+    rows = predictions[keep]
+    return list(rows["rewards"].map(lambda r: [float(v) for v in r])), rows["best"].to_numpy(dtype=np.int64)
+
+
+def kwise_ranking_metrics(predictions: pd.DataFrame, n_bins: int = 10) -> dict:
+    """Ranking calibration of K-wise reward-model scores (calibrated-label-ranking paper, appendix D): the
+    Plackett-Luce top-1 probabilities softmax(r) of every (context, position), pooled, in ``n_bins`` equal-width
+    bins (``rank/top_1/ece``); the PL pairwise probabilities sigmoid(r_i - r_j) of the (correct, other) pairs
+    (``rank/sub_2/ece``), the only sub-2 events observed when just the correct completion is known (top-k for
+    k >= 2 is never observed in such data); and the reference code's number 1 - mean p_correct
+    (``rank/top_1/chosen_only_ece``, for comparison with its figures only)."""
+    from rewarduq_exp.metrics.ranking import chosen_only_ece, pairwise_calibration, top1_calibration
+
+    rewards, best = top1_rows(predictions)
+    if not rewards:
+        return {}
+    top1 = top1_calibration(rewards, best, n_bins=n_bins)
+    return {"rank/top_1/ece": top1.ece, "rank/sub_2/ece": pairwise_calibration(rewards, best, n_bins=n_bins).ece,
+            "rank/top_1/chosen_only_ece": chosen_only_ece(rewards, best), "rank/top_1/n_contexts": top1.n_contexts}
+
+
+def ranking_bins(metric_cfg) -> int:
+    return int((metric_cfg.get("ranking") or {}).get("n_bins", 10))
 
 
 def score_predictions(predictions: pd.DataFrame, metric_cfg) -> dict:
@@ -56,6 +102,7 @@ def score_predictions(predictions: pd.DataFrame, metric_cfg) -> dict:
     otherwise (:func:`~rewarduq_exp.metrics.scoring.scoring_kind`).
     """
     check_scoring(metric_cfg)
+    predictions = with_point_bounds(predictions)
     scoring = metric_cfg.get("scoring", "auto")
     n_bins, alphas = int(metric_cfg.n_bins), tuple(metric_cfg.alphas)
     kind = scoring_kind(predictions, scoring)
@@ -63,8 +110,10 @@ def score_predictions(predictions: pd.DataFrame, metric_cfg) -> dict:
         if scoring == "reward_bench":
             raise UserError("metric.scoring=reward_bench needs a pairwise predictions table, got a K-wise one; "
                             "use metric.scoring=auto")
-        return kwise_metrics(predictions, n_bins=n_bins, alphas=alphas,
-                             tie_rule=metric_cfg.get("kwise_tie_rule", "official"))
+        out = kwise_metrics(predictions, n_bins=n_bins, alphas=alphas,
+                            tie_rule=metric_cfg.get("kwise_tie_rule", "official"))
+        out.update(kwise_ranking_metrics(predictions, ranking_bins(metric_cfg)))
+        return out
     if kind == "reward_bench":
         return reward_bench_metrics(predictions, n_bins=n_bins, alphas=alphas,
                                     weighting=metric_cfg.get("reward_bench_weighting", "official"))

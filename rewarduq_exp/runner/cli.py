@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rewarduq_exp.data.registry import CONF_DIR
+from rewarduq_exp.data.registry import CONF_DIR, available
 from rewarduq_exp.errors import UserError, one_line
 
 GROUPS = ("model", "method", "dataset", "probe", "metric", "logger", "sweep")
@@ -86,7 +86,7 @@ def check_group_choices(args: list[str], conf_dir: Path = CONF_DIR, groups=GROUP
         if parsed is None or parsed[0] not in groups:
             continue
         group, values = parsed
-        allowed = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+        allowed = available(group, conf_dir)
         for value in values:
             if value not in allowed:
                 fail(f"unknown {group} '{value}'; allowed: {', '.join(allowed)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -10,7 +11,13 @@ import pandas as pd
 from rewarduq_exp import distributed
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.methods.base import Scores
-from rewarduq_exp.metrics.scoring import diagram_table, score_predictions  # noqa: F401 (score_predictions: API)
+from rewarduq_exp.metrics.kwise import is_kwise
+from rewarduq_exp.metrics.scoring import (  # noqa: F401 (score_predictions: API)
+    diagram_table,
+    ranking_bins,
+    score_predictions,
+    top1_rows,
+)
 from rewarduq_exp.runs.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -43,8 +50,23 @@ def diagrams(predictions: pd.DataFrame, out_dir, metric_cfg, title: str, metrics
 
     table, note = diagram_table(predictions, metric_cfg.get("scoring", "auto"),
                                 metric_cfg.get("reward_bench_weighting", "official"))
-    return plot_calibration_diagrams(table, out_dir, n_bins=int(metric_cfg.n_bins),
-                                     title=f"{title}: {note}" if note else title, reported=metrics)
+    paths = plot_calibration_diagrams(table, out_dir, n_bins=int(metric_cfg.n_bins),
+                                      title=f"{title}: {note}" if note else title, reported=metrics)
+    if is_kwise(predictions):  # top-1 calibration of the K-wise scores (calibrated-label-ranking paper, appendix D)
+        from rewarduq_exp.metrics.ranking import plackett_luce_top1
+        from rewarduq_exp.metrics.ranking_diagrams import plot_top1_reliability
+
+        rewards, best = top1_rows(predictions)
+        if rewards:
+            probs = plackett_luce_top1(rewards)
+            labels = np.zeros_like(probs)
+            labels[np.arange(len(best)), best] = 1.0
+            valid = ~np.isnan(probs)
+            paths.append(plot_top1_reliability(
+                probs[valid], labels[valid], Path(out_dir) / "top1_reliability.png", n_bins=ranking_bins(metric_cfg),
+                title=f"{title}: Plackett-Luce top-1 of the K rewards",
+                ece=(metrics or {}).get("rank/top_1/ece")))
+    return paths
 
 
 def kwise_predictions_frame(data: pd.DataFrame, scores: Scores) -> pd.DataFrame:

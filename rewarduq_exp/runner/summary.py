@@ -17,6 +17,14 @@ COLUMNS = (
     ("brier", "brier"),
     ("bound_width", "mean_width"),
     ("truth/margin_coverage", "coverage"),
+    # ranking calibration (label ranking; top-1 calibration of K-wise reward-model scores)
+    ("n_folds", "folds"),
+    ("rank/kendall_tau", "tau"),
+    ("rank/top1_accuracy", "top1_acc"),
+    ("rank/sub_2/ece", "ECE_sub2"),
+    ("rank/top_1/ece", "ECE_top1"),
+    ("rank/full/sub_2/ece", "kernelECE_sub2"),
+    ("rank/full/top_1/ece", "kernelECE_top1"),
 )
 
 

@@ -137,9 +137,48 @@ def train(cfg: DictConfig) -> dict | None:
         raise
 
 
+def method_task(method_cfg) -> str:
+    """What a method config trains on: ``preferences`` (the reward models) or ``label_ranking`` (the learners)."""
+    from hydra.utils import get_class
+
+    try:
+        return get_class(str(method_cfg._target_)).task
+    except (ImportError, AttributeError, ValueError):
+        return "preferences"  # an unknown class gets its own one-line error when it is built
+
+
+def check_task(cfg: DictConfig) -> str:
+    """The run's task from the dataset, and a one-line error when the method trains on something else."""
+    task = "label_ranking" if cfg.dataset.get("kind") == "label_ranking" else "preferences"
+    have = method_task(cfg.method)
+    if have != task:
+        from rewarduq_exp.data.registry import available
+
+        methods = [m for m in available("method") if method_task(load_method_config(m)) == task]
+        what = "a label-ranking dataset" if task == "label_ranking" else "preference data"
+        raise UserError(f"method={_choice('method')} trains on {have.replace('_', '-')} data, but dataset="
+                        f"{_choice('dataset')} is {what}; allowed methods here: {', '.join(methods)}")
+    return task
+
+
+def _choice(group: str) -> str:
+    try:
+        return str(HydraConfig.get().runtime.choices.get(group))
+    except ValueError:  # not under Hydra (tests calling train() directly)
+        return "?"
+
+
+def load_method_config(name: str):
+    from rewarduq_exp.data.registry import CONF_DIR
+
+    return OmegaConf.load(CONF_DIR / "method" / f"{name}.yaml")
+
+
 def _train(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
     t0 = time.perf_counter()
     validate_run_config(cfg)
+    if check_task(cfg) == "label_ranking":
+        return _train_label_ranking(cfg, out, folder, t0)
     # torchrun / accelerate launch / a multi-task Slurm job: one process group before any model or tensor exists
     # (on GPUs this also binds each process to its own device).
     distributed.setup(resolve_device(cfg.device).type)
@@ -163,6 +202,31 @@ def _train(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
         return blocks
     finally:
         logger.finish(failed=failed)  # always finished, also on error
+
+
+def _train_label_ranking(cfg: DictConfig, out: Path, folder: RunFolder, t0: float) -> dict:
+    """The calibrated-label-ranking protocol (rewarduq_exp/runner/label_ranking_run.py): no backbone, no eval sets."""
+    from rewarduq_exp.runner.label_ranking_run import run_label_ranking, validate_ranking_options
+
+    validate_ranking_options(cfg.metric)
+    build(cfg.method, "method")  # settings checked before the data is read
+    build_loader(cfg.dataset)
+    folder.stage = "running"
+    seed_everything(int(cfg.seed))
+    logger = make_logger(cfg, out, out.name) if folder.writer else NullLogger()
+    failed = True
+    try:
+        blocks, info = run_label_ranking(cfg, out, folder, show_progress=bool(cfg.progress))
+        folder.write_metrics(blocks)
+        for name, metrics in blocks.items():
+            logger.log_metrics(name, metrics, [])
+        folder.finish(**info, seconds_total=round(time.perf_counter() - t0, 2))
+        if folder.writer:
+            print(f"run folder: {out}\n{summary_table(blocks)}", flush=True)
+        failed = False
+        return blocks
+    finally:
+        logger.finish(failed=failed)
 
 
 def quiet_datasets_unless(progress: bool) -> None:

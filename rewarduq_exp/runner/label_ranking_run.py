@@ -1,0 +1,127 @@
+"""A label-ranking run (``dataset=label_ranking/<name> method=<learner>``), the calibrated-label-ranking paper's
+protocol: k-fold cross-validation (``dataset.folds``, default 5, rows shuffled with the run's seed), one learner
+fitted per training fold (a fresh per-fold preprocessing fitted on that fold only), its predicted ranking
+distributions scored on the held-out fold with every ``rank/...`` metric, then the mean and standard deviation
+over folds.
+
+The run folder is the usual one: ``metrics.json`` holds ``{<dataset>: {metric: mean, "<metric>_std": std}}``,
+``metrics_per_fold.json`` the fold values, ``predictions/<dataset>.parquet`` one row per sample (fold, true and
+modal ranks, top-1 probabilities), ``figures/<dataset>/`` the ECE-by-k and top-1 reliability plots, ``model/`` the
+fitted learner of each fold.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import joblib
+import numpy as np
+import pandas as pd
+from sklearn.model_selection import KFold
+from tqdm.auto import tqdm
+
+from rewarduq_exp.data.registry import build
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.ranking.evaluate import ranking_evaluation
+from rewarduq_exp.runs.atomic_write import atomic_path
+from rewarduq_exp.runs.run_folder import RunFolder, write_json
+
+log = logging.getLogger("rewarduq_exp")
+
+# Keys of metric.ranking that are arguments of ranking_evaluation (the rest are for K-wise data).
+EVALUATION_KEYS = ("n_bins", "discrepancy", "aggregate", "max_k", "full_rank", "kernel_h", "kernel_p",
+                   "max_subsets", "events")
+
+
+def ranking_options(metric_cfg) -> dict:
+    ranking = metric_cfg.get("ranking") or {}
+    return {k: ranking[k] for k in EVALUATION_KEYS if k in ranking}
+
+
+def validate_ranking_options(metric_cfg) -> None:
+    """Checks that need no data: a tiny well-formed case through the same code, so a bad option fails at once."""
+    from rewarduq_exp.ranking.distribution import ExplicitDistribution
+    from rewarduq_exp.ranking.permutations import all_orderings, orderings_to_ranks
+
+    orderings = all_orderings(3)
+    dist = ExplicitDistribution(orderings, np.full((6, 6), 1 / 6))
+    try:
+        ranking_evaluation(dist, orderings_to_ranks(orderings), **ranking_options(metric_cfg))
+    except UserError as err:
+        raise UserError(f"metric.ranking: {err}") from None
+
+
+def mean_and_std(per_fold: list[dict]) -> dict:
+    """Mean over folds of every metric, and its standard deviation (ddof=1) as ``<metric>_std``."""
+    keys = list(dict.fromkeys(k for fold in per_fold for k in fold))
+    out: dict = {}
+    for key in keys:
+        values = np.array([fold.get(key, np.nan) for fold in per_fold], dtype=float)
+        out[key] = float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
+        if not key.endswith(("n_events", "n_subsets", "n_classes")):
+            out[f"{key}_std"] = float(np.nanstd(values, ddof=1)) if np.isfinite(values).sum() > 1 else float("nan")
+    out["n_folds"] = len(per_fold)
+    return out
+
+
+def run_label_ranking(cfg, out: Path, folder: RunFolder, show_progress: bool) -> tuple[dict, dict]:
+    """Cross-validate ``cfg.method`` on ``cfg.dataset``; returns ({dataset: metrics}, run info)."""
+    source = build(cfg.dataset, "dataset")
+    data = source.load()
+    name = str(cfg.dataset.name)
+    log.info("label ranking %s: %d rows, %d features, m=%d items, %d-fold cross-validation", name, data.n,
+             data.X.shape[1], data.m, source.folds)
+    options = ranking_options(cfg.metric)
+    seed = int(cfg.seed)
+    folds = KFold(n_splits=source.folds, shuffle=True, random_state=seed)
+    per_fold, frames, times = [], [], []
+    top1_pooled = []
+    for i, (train_idx, test_idx) in enumerate(tqdm(list(folds.split(data.X)), desc=f"{name} folds", unit="fold",
+                                                   disable=not show_progress, leave=False)):
+        t0 = time.perf_counter()
+        x_train, x_test = data.fold(train_idx, test_idx)
+        learner = build(cfg.method, "method")
+        learner.fit(x_train, data.ranks[train_idx], seed=seed)
+        t_fit = time.perf_counter() - t0
+        dist = learner.predict_distribution(x_test)
+        evaluation = ranking_evaluation(dist, data.ranks[test_idx], seed=seed, **options)
+        per_fold.append({**evaluation.metrics, "seconds_fit": t_fit})
+        times.append(time.perf_counter() - t0)
+        top1 = dist.top_k(np.arange(data.m)[:, None]) if dist.max_top_k >= 1 else None
+        frames.append(pd.DataFrame({
+            "fold": i, "row": test_idx,
+            "true_ranks": list(data.ranks[test_idx]),
+            "predicted_ranks": list(dist.mode_ranks()),
+            **({"top1_probabilities": list(top1)} if top1 is not None else {}),
+        }))
+        if top1 is not None:
+            top1_pooled.append((top1, data.ranks[test_idx] == 1))
+        if folder.writer:
+            fold_path = folder.model_dir / f"fold_{i}.joblib"
+            fold_path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(fold_path) as tmp:
+                joblib.dump(learner, tmp)
+        log.info("fold %d/%d: kendall tau %.4f, sub-2 ECE %.4f (%.1f s)", i + 1, source.folds,
+                 evaluation.metrics["rank/kendall_tau"], evaluation.metrics.get("rank/sub_2/ece", float("nan")),
+                 times[-1])
+    block = mean_and_std(per_fold)
+    block["n_samples"] = data.n
+    block["n_items"] = data.m
+    if folder.writer:
+        write_json(out / "metrics_per_fold.json", per_fold)
+        folder.write_predictions(name, pd.concat(frames, ignore_index=True))
+        if cfg.metric.get("diagrams", True):
+            from rewarduq_exp.metrics.ranking_diagrams import plot_ece_by_k, plot_top1_reliability
+
+            figures = folder.figures_dir(name)
+            plot_ece_by_k(per_fold, figures / "ece_by_k.png", title=f"{name}: {cfg.method._target_.rsplit('.', 1)[-1]}")
+            if top1_pooled:
+                probs = np.concatenate([p for p, _ in top1_pooled]).ravel()
+                labels = np.concatenate([y for _, y in top1_pooled]).ravel()
+                plot_top1_reliability(probs, labels, figures / "top1_reliability.png",
+                                      n_bins=int(options.get("n_bins", 10)), title=f"{name}: top-1 events")
+    info = {"folds": source.folds, "seconds_per_fold": [round(t, 3) for t in times],
+            "learner": cfg.method._target_.rsplit(".", 1)[-1]}
+    return {name: block}, info
