@@ -87,8 +87,8 @@ def run_label_ranking(cfg, out: Path, folder: RunFolder, show_progress: bool) ->
         t_fit = time.perf_counter() - t0
         dist = learner.predict_distribution(x_test)
         evaluation = ranking_evaluation(dist, data.ranks[test_idx], seed=seed, **options)
-        per_fold.append({**evaluation.metrics, "seconds_fit": t_fit})
-        times.append(time.perf_counter() - t0)
+        per_fold.append(evaluation.metrics)
+        times.append((round(t_fit, 3), round(time.perf_counter() - t0, 3)))
         top1 = dist.top_k(np.arange(data.m)[:, None]) if dist.max_top_k >= 1 else None
         frames.append(pd.DataFrame({
             "fold": i, "row": test_idx,
@@ -105,7 +105,7 @@ def run_label_ranking(cfg, out: Path, folder: RunFolder, show_progress: bool) ->
                 joblib.dump(learner, tmp)
         log.info("fold %d/%d: kendall tau %.4f, sub-2 ECE %.4f (%.1f s)", i + 1, source.folds,
                  evaluation.metrics["rank/kendall_tau"], evaluation.metrics.get("rank/sub_2/ece", float("nan")),
-                 times[-1])
+                 times[-1][1])
     block = mean_and_std(per_fold)
     block["n_samples"] = data.n
     block["n_items"] = data.m
@@ -122,6 +122,7 @@ def run_label_ranking(cfg, out: Path, folder: RunFolder, show_progress: bool) ->
                 labels = np.concatenate([y for _, y in top1_pooled]).ravel()
                 plot_top1_reliability(probs, labels, figures / "top1_reliability.png",
                                       n_bins=int(options.get("n_bins", 10)), title=f"{name}: top-1 events")
-    info = {"folds": source.folds, "seconds_per_fold": [round(t, 3) for t in times],
+    info = {"folds": source.folds, "seconds_fit_per_fold": [t[0] for t in times],
+            "seconds_per_fold": [t[1] for t in times],
             "learner": cfg.method._target_.rsplit(".", 1)[-1]}
     return {name: block}, info
