@@ -11,7 +11,8 @@ PACKAGE = ROOT / "rewarduq_exp"
 LAYERS = [
     {"errors", "distributed", "hub_access"},   # foundation
     {"runs"},                                    # run folders, identity, atomic writes
-    {"data", "ranking"},                         # datasets; ranking distributions over permutations
+    {"ranking"},                                 # rankings as arrays, distributions over permutations, learners
+    {"data"},                                    # datasets (label-ranking CSVs are checked as permutations)
     {"metrics"},                                 # computed from predictions, never from models
     {"models"},                                  # backbones, features, feature cache
     {"methods"},                                 # reward models and learners

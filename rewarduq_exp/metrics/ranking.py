@@ -1,0 +1,898 @@
+"""Calibration and accuracy of probabilistic label ranking ("Calibrated Preference Learning: The Case of Label
+Ranking", section 4, appendices D and E), as numpy functions of marginals and true rankings.
+
+Conventions (as in :mod:`rewarduq_exp.ranking.permutations`): ``true_ranks`` is an int array (n, m) of ranks per
+item, 1 = best, 0-based item ids; an *event* is an ordered k-tuple of distinct items (E, k). Predicted probabilities
+enter through a *marginals* callable ``tuples (E, k) -> (n, E)`` (e.g. ``RankingDistribution.sub_k`` or ``.top_k``),
+so the metric functions never see a model; :func:`ranking_evaluation` / :func:`ranking_metrics` (at the end) wire a
+:class:`~rewarduq_exp.ranking.distribution.RankingDistribution` to them and return the flat ``rank/...`` dict.
+
+The metrics
+-----------
+* **Rank-wise sub-k / top-k ECE** (Definitions 6 and 7): one binary calibration problem per event, label 1 where the
+  true ranking contains the event (sub-k: a1 > ... > ak with the other items anywhere; top-k: positions 1..k are
+  a1..ak), probability = the predicted marginal of the event. Each problem's ECE is the binned estimator of
+  :func:`binary_ece`; the total is the plain mean over events (``aggregate="uniform"``, the paper's and the
+  reference's default) or a prevalence / predicted-mass weighted mean.
+* **Full-rank sub-k / top-k calibration** (Definitions 4 and 5): one multiclass problem per unordered k-subset
+  (classes = the k! orderings of the subset; mean over subsets) or a single problem over the top-k prefixes,
+  scored with the Dirichlet-kernel estimator of Popordanoska et al. (2022) that appendix E uses
+  (:func:`dirichlet_kernel_ece`).
+* **Accuracy of the modal ranking**: Kendall tau, Spearman footrule, top-1 accuracy.
+* **Reward models, K-wise** (appendix D): pooled (context, position) top-1 calibration of the Plackett-Luce
+  probabilities ``softmax(rewards)`` (:func:`top1_calibration`), its pairwise (sub-2) counterpart
+  (:func:`pairwise_calibration`) and, only to reproduce the reference code's figures, :func:`chosen_only_ece`.
+
+Which events are evaluated (appendix E)
+---------------------------------------
+``events="auto"`` (default) enumerates every event (all P(m,k) ordered k-tuples, all k! classes per subset, all
+P(m,k) prefixes) when m < 8, and otherwise restricts to the events *observed in the test labels* (the paper's
+restriction to observed rankings; P(8,k) already reaches 40320 at k = 7 and m! grows beyond reach). The rule is
+"m >= 8" for every dataset: the reference code restricts by a hard-coded dataset list whose entry "pendigit" never
+matches "pendigits", so there pendigits (m = 10) would enumerate 10! rankings; here pendigits (m = 10), yeast
+(10), vowel (11), movies and libras (15) and letter (26) are all restricted. ``events="all"`` / ``"observed"``
+force either behaviour.
+
+Two deliberate differences from the reference code (whose metric definitions are otherwise reproduced exactly):
+
+* marginals come from the distribution itself (closed forms or full enumeration), so they are properly normalised;
+  the reference sums the probabilities of a restricted candidate list of rankings, which loses the mass outside it;
+* in restricted full-rank problems the classes are the observed sub-orderings / prefixes **plus one "other" class**
+  holding the remaining predicted mass, so every predicted vector stays on the probability simplex (the reference
+  drops that mass).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.special import gammaln
+
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.metrics.calibration import CalibrationCurve
+from rewarduq_exp.ranking.distribution import RankingDistribution
+from rewarduq_exp.ranking.permutations import (
+    all_orderings,
+    check_rankings,
+    induced_orderings,
+    ordered_tuples,
+    ranks_to_orderings,
+)
+
+Marginals = Callable[[np.ndarray], np.ndarray]
+
+DISCREPANCIES = ("abs", "jeff", "kl")
+SPACINGS = ("linear", "log")
+AGGREGATES = ("uniform", "prevalence", "pred_mass")
+EVENT_MODES = ("auto", "all", "observed")
+# From this many items on, events="auto" restricts every metric to the events observed in the test labels.
+RESTRICT_FROM_M = 8
+# Clamps of the reference estimators: eps of the binary discrepancies (and the first log-spaced edge), the floor of
+# f in log f of the Dirichlet kernel, and the constant added to the kernel's denominator.
+DISCREPANCY_EPS = 1e-12
+KERNEL_LOG_FLOOR = 1e-8
+KERNEL_DENOM_EPS = 1e-8
+# Marginals up to 1 + this are accepted (sums of probabilities round); anything further outside [0, 1] is an error.
+_PROB_TOL = 1e-6
+# Work arrays are cut into pieces of about this many float64 elements (32 MiB).
+_CHUNK_ELEMENTS = 1 << 22
+# At most this many events per call of a marginals function (an explicit distribution builds an R x E x k mask).
+_MAX_EVENTS_PER_CALL = 256
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_choice(name: str, value, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise UserError(f"{name}={value!r} is invalid: allowed values are {', '.join(allowed)}")
+    return value
+
+
+def _check_n_bins(n_bins) -> int:
+    if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
+        raise UserError(f"n_bins must be an integer >= 1, got {n_bins!r}")
+    return int(n_bins)
+
+
+def check_true_ranks(true_ranks) -> np.ndarray:
+    """True ranks as int64 (n, m), n >= 1; a one-line UserError unless every row is a permutation of 1..m."""
+    r = check_rankings(true_ranks, what="true ranks")
+    if len(r) == 0:
+        raise UserError("true ranks: no samples")
+    return r
+
+
+def check_k(kind: str, k, m: int, limit: int | None = None) -> int:
+    """Validate k for sub-k (2..min(m, limit)) or top-k (1..min(m, limit)) events; one-line UserError otherwise.
+
+    ``limit`` is the distribution's ``max_sub_k`` / ``max_top_k`` (None: no limit beyond m).
+    """
+    low = 2 if kind == "sub" else 1
+    high = m if limit is None else min(m, int(limit))
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not low <= k <= high:
+        if high < low:
+            raise UserError(f"{kind}-k metrics are not available here (m={m} items, the distribution allows "
+                            f"{kind}-k up to {limit}), asked for k={k!r}")
+        raise UserError(f"{kind}-k needs k in {low}..{high} (m={m} items"
+                        + ("" if limit is None or limit >= m else f", the distribution's max_{kind}_k={limit}")
+                        + f"), got k={k!r}")
+    return int(k)
+
+
+def _restricted(m: int, events: str) -> bool:
+    check_choice("events", events, EVENT_MODES)
+    return events == "observed" or (events == "auto" and m >= RESTRICT_FROM_M)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Binary ECE, vectorised over events
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def bin_edges(n_bins: int = 10, spacing: str = "linear") -> np.ndarray:
+    """The n_bins + 1 bin edges on [0, 1].
+
+    ``linear``: equal width, edges b / n_bins (so a probability of exactly 0.7 is in [0.7, 0.8) with 10 bins).
+    ``log``: n_bins + 1 log-spaced points from 1e-12 to 1 with the first edge set to 0 (the reference's "log"
+    option; with 10 bins every probability above 10^-1.2 = 0.063 shares the last bin).
+    """
+    n_bins = _check_n_bins(n_bins)
+    check_choice("spacing", spacing, SPACINGS)
+    if spacing == "linear":
+        return np.arange(n_bins + 1) / n_bins  # each edge b / n_bins correctly rounded (linspace can be 1 ulp off)
+    edges = np.logspace(np.log10(DISCREPANCY_EPS), 0.0, n_bins + 1)
+    edges[0], edges[-1] = 0.0, 1.0
+    return edges
+
+
+def _bernoulli_kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    return p * np.log(p / q) + (1.0 - p) * np.log((1.0 - p) / (1.0 - q))
+
+
+@dataclass(frozen=True, eq=False)
+class BinaryECE:
+    """Per-event results of :func:`binary_ece`: ECE, prevalence (mean label) and predicted mass (mean probability)."""
+
+    ece: np.ndarray
+    prevalence: np.ndarray
+    pred_mass: np.ndarray
+
+
+def binary_ece(labels, probs, *, n_bins: int = 10, discrepancy: str = "abs", spacing: str = "linear") -> BinaryECE:
+    """Binned ECE of E binary problems at once: labels and probabilities (n, E) (or (n,) for one problem).
+
+    Bins: ``n_bins`` edges from :func:`bin_edges`, left-closed and right-open, probability 1.0 in the last bin (a
+    probability's bin is the number of edges <= it, minus one, clamped to the bins). Per non-empty bin b with n_b
+    samples, frequency p_b = mean label and confidence q_b = mean probability; empty bins are skipped and
+
+        ECE = sum_b (n_b / n) * d(p_b, q_b)
+
+    with the discrepancy d (eps = 1e-12):
+
+    * ``abs``: |p_b - q_b| (the usual ECE; the exact frequency, so a perfectly calibrated bin gives exactly 0 — the
+      reference's test-only ``calculate_binary_ece`` divides by n_b + 1e-6 instead);
+    * ``jeff`` (appendix E's Jeffreys divergence, in the reference's form): the Jeffreys-smoothed frequency
+      p~ = (sum of labels + 1/2) / (n_b + 1), q = q_b clamped to [eps, 1 - eps], J = KL(p~||q) + KL(q||p~) for
+      Bernoulli distributions, d = 1 - exp(-J) in [0, 1). The smoothing makes d > 0 even under perfect calibration;
+    * ``kl``: Bernoulli KL(p_b || q_b) with both clamped to [eps, 1 - eps] (unbounded when q_b is near 0 or 1).
+
+    Vectorised: one bincount over the flattened (event, bin) index, no loop over events.
+    """
+    n_bins = _check_n_bins(n_bins)
+    check_choice("discrepancy", discrepancy, DISCREPANCIES)
+    y = np.asarray(labels, dtype=np.float64)
+    q = np.asarray(probs, dtype=np.float64)
+    if y.ndim == 1:
+        y = y[:, None]
+    if q.ndim == 1:
+        q = q[:, None]
+    if y.shape != q.shape or y.ndim != 2 or y.shape[0] == 0:
+        raise UserError(f"labels and probabilities must have the same (n, E) shape with n >= 1, got "
+                        f"{np.shape(labels)} and {np.shape(probs)}")
+    if not np.isfinite(q).all() or q.min(initial=0.0) < -_PROB_TOL or q.max(initial=0.0) > 1.0 + _PROB_TOL:
+        raise UserError("predicted probabilities must be finite and in [0, 1]")
+    n, n_events = y.shape
+    edges = bin_edges(n_bins, spacing)
+    b = np.digitize(q, edges[1:-1])  # (n, E) in 0..n_bins-1: edges are left-closed, 1.0 lands in the last bin
+    flat = (b + n_bins * np.arange(n_events)[None, :]).ravel()
+    size = n_events * n_bins
+    count = np.bincount(flat, minlength=size).reshape(n_events, n_bins).astype(np.float64)
+    sum_y = np.bincount(flat, weights=y.ravel(), minlength=size).reshape(n_events, n_bins)
+    sum_q = np.bincount(flat, weights=q.ravel(), minlength=size).reshape(n_events, n_bins)
+    occ = count > 0
+    safe = np.where(occ, count, 1.0)
+    freq, conf = sum_y / safe, sum_q / safe
+    eps = DISCREPANCY_EPS
+    if discrepancy == "abs":
+        d = np.abs(freq - conf)
+    elif discrepancy == "kl":
+        d = _bernoulli_kl(np.clip(freq, eps, 1 - eps), np.clip(conf, eps, 1 - eps))
+    else:  # jeff
+        p_s = (sum_y + 0.5) / (count + 1.0)
+        c = np.clip(conf, eps, 1 - eps)
+        d = -np.expm1(-(_bernoulli_kl(p_s, c) + _bernoulli_kl(c, p_s)))
+    ece = np.where(occ, count / n * d, 0.0).sum(axis=1)
+    return BinaryECE(ece=ece, prevalence=y.mean(axis=0), pred_mass=q.mean(axis=0))
+
+
+def aggregate_ece(ece, prevalence=None, pred_mass=None, aggregate: str = "uniform") -> float:
+    """Combine per-event ECEs: ``uniform`` plain mean (default), ``prevalence`` sum(ECE * prev) / sum(prev),
+    ``pred_mass`` sum(ECE * mass) / sum(mass). NaN when there is no event or the weights sum to 0."""
+    check_choice("aggregate", aggregate, AGGREGATES)
+    ece = np.asarray(ece, dtype=np.float64)
+    if ece.size == 0:
+        return float("nan")
+    if aggregate == "uniform":
+        return float(ece.mean())
+    w = np.asarray(prevalence if aggregate == "prevalence" else pred_mass, dtype=np.float64)
+    total = w.sum()
+    return float(np.dot(ece, w) / total) if total > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Events
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _lexsorted(rows: np.ndarray) -> np.ndarray:
+    if len(rows) == 0:
+        return rows
+    return rows[np.lexsort(rows.T[::-1])]
+
+
+def sample_subsets(m: int, k: int, max_subsets: int | None, rng: np.random.Generator) -> np.ndarray:
+    """The unordered k-subsets to evaluate, sorted rows (S, k) in lexicographic order.
+
+    All C(m, k) of them when ``max_subsets`` is None or not smaller; otherwise ``max_subsets`` distinct subsets drawn
+    uniformly without replacement with ``rng`` (so the result depends on the seed).
+    """
+    total = math.comb(m, k)
+    if max_subsets is not None and (isinstance(max_subsets, bool) or not isinstance(max_subsets, (int, np.integer))
+                                    or max_subsets < 1):
+        raise UserError(f"max_subsets must be a positive integer or None, got {max_subsets!r}")
+    if max_subsets is None or total <= max_subsets:
+        return _all_subsets(m, k)
+    if total <= 1_000_000:
+        chosen = np.sort(rng.choice(total, size=int(max_subsets), replace=False))
+        return _all_subsets(m, k)[chosen]
+    found: set[tuple[int, ...]] = set()
+    while len(found) < max_subsets:  # rejection sampling: collisions are rare when C(m, k) is this large
+        found.add(tuple(sorted(rng.choice(m, size=k, replace=False).tolist())))
+    return _lexsorted(np.array(sorted(found), dtype=np.int64))
+
+
+def _all_subsets(m: int, k: int) -> np.ndarray:
+    from itertools import combinations
+
+    return np.array(list(combinations(range(m), k)), dtype=np.int64).reshape(-1, k)
+
+
+def _orderings_of_subsets(subsets: np.ndarray) -> np.ndarray:
+    """All k! orderings of each (sorted) subset, grouped by subset, itertools order within: (S * k!, k)."""
+    k = subsets.shape[1]
+    return subsets[:, all_orderings(k)].reshape(-1, k)
+
+
+def observed_sub_orderings(true_ranks, subsets) -> np.ndarray:
+    """The distinct orderings that the true rankings induce on the given subsets, lexicographically sorted (E, k)."""
+    r = check_true_ranks(true_ranks)
+    subsets = np.asarray(subsets, dtype=np.int64)
+    n, k = len(r), subsets.shape[1]
+    step = max(1, _CHUNK_ELEMENTS // max(1, n * k))
+    found = []
+    for lo in range(0, len(subsets), step):
+        s = subsets[lo: lo + step]  # (S, k)
+        pos = np.argsort(r[:, s], axis=2, kind="stable")  # (n, S, k)
+        rows = np.take_along_axis(np.broadcast_to(s, pos.shape), pos, axis=2).reshape(-1, k)
+        found.append(np.unique(rows, axis=0))
+    return np.unique(np.concatenate(found), axis=0) if found else np.zeros((0, k), dtype=np.int64)
+
+
+def observed_prefixes(true_ranks, k: int) -> np.ndarray:
+    """The distinct top-k prefixes (best first) of the true rankings, lexicographically sorted (E, k)."""
+    return np.unique(ranks_to_orderings(check_true_ranks(true_ranks))[:, :k], axis=0)
+
+
+def sub_k_events(true_ranks, k: int, *, events: str = "auto", subsets=None) -> np.ndarray:
+    """The sub-k events (ordered k-tuples) to evaluate, lexicographically sorted (E, k).
+
+    Unrestricted (m < 8 under ``events="auto"``, or ``"all"``): every ordering of every subset, i.e. all P(m, k)
+    ordered tuples when ``subsets`` is None. Restricted: the sub-orderings observed in ``true_ranks`` on those subsets
+    (all C(m, k) subsets when None), appendix E's restriction to observed rankings.
+    """
+    r = check_true_ranks(true_ranks)
+    m = r.shape[1]
+    k = check_k("sub", k, m)
+    if _restricted(m, events):
+        return observed_sub_orderings(r, _all_subsets(m, k) if subsets is None else subsets)
+    if subsets is None:
+        return ordered_tuples(m, k)
+    return _lexsorted(_orderings_of_subsets(np.sort(np.asarray(subsets, dtype=np.int64), axis=1)))
+
+
+def top_k_events(true_ranks, k: int, *, events: str = "auto") -> np.ndarray:
+    """The top-k events (prefixes): all P(m, k) when unrestricted, else the prefixes observed in ``true_ranks``."""
+    r = check_true_ranks(true_ranks)
+    m = r.shape[1]
+    k = check_k("top", k, m)
+    return observed_prefixes(r, k) if _restricted(m, events) else ordered_tuples(m, k)
+
+
+def event_labels(kind: str, true_ranks, tuples) -> np.ndarray:
+    """Binary labels (n, E): the true ranking contains the sub-k event (``kind="sub"``) or has it as top-k prefix."""
+    check_choice("kind", kind, ("sub", "top"))
+    r = np.asarray(true_ranks)[:, np.asarray(tuples, dtype=np.int64)]  # (n, E, k) ranks of the tuple items
+    if kind == "sub":
+        return (np.diff(r, axis=-1) > 0).all(axis=-1)
+    return (r == np.arange(1, r.shape[-1] + 1)).all(axis=-1)
+
+
+def _marginals(marginals: Marginals, tuples: np.ndarray, n: int) -> np.ndarray:
+    p = np.asarray(marginals(tuples), dtype=np.float64)
+    if p.shape != (n, len(tuples)):
+        raise ValueError(f"marginals returned shape {p.shape} for {len(tuples)} events and n={n} samples")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rank-wise sub-k and top-k ECE (Definitions 6 and 7)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class RankwiseECE:
+    """A rank-wise sub-k / top-k result: the aggregated ECE and the per-event details (for figures)."""
+
+    ece: float
+    events: np.ndarray  # (E, k) ordered tuples, 0-based items
+    event_ece: np.ndarray  # (E,)
+    prevalence: np.ndarray  # (E,) mean label
+    pred_mass: np.ndarray  # (E,) mean predicted probability
+
+
+def rankwise_ece(kind: str, true_ranks, marginals: Marginals, tuples, *, n_bins: int = 10,
+                 discrepancy: str = "abs", spacing: str = "linear", aggregate: str = "uniform") -> RankwiseECE:
+    """Rank-wise ECE over the given events (``kind`` "sub" or "top"): one :func:`binary_ece` per event, combined
+    by :func:`aggregate_ece`. Events are processed in chunks so that n x chunk arrays stay small."""
+    r = check_true_ranks(true_ranks)
+    tuples = np.asarray(tuples, dtype=np.int64)
+    n = len(r)
+    check_choice("aggregate", aggregate, AGGREGATES)
+    step = max(1, min(_MAX_EVENTS_PER_CALL, _CHUNK_ELEMENTS // n))
+    parts = []
+    for lo in range(0, len(tuples), step):
+        t = tuples[lo: lo + step]
+        parts.append(binary_ece(event_labels(kind, r, t), _marginals(marginals, t, n), n_bins=n_bins,
+                                discrepancy=discrepancy, spacing=spacing))
+    if parts:
+        ece = np.concatenate([p.ece for p in parts])
+        prev = np.concatenate([p.prevalence for p in parts])
+        mass = np.concatenate([p.pred_mass for p in parts])
+    else:
+        ece = prev = mass = np.zeros(0)
+    return RankwiseECE(ece=aggregate_ece(ece, prev, mass, aggregate), events=tuples, event_ece=ece,
+                       prevalence=prev, pred_mass=mass)
+
+
+def rankwise_sub_k_ece(true_ranks, marginals: Marginals, k: int, *, events: str = "auto", subsets=None,
+                       n_bins: int = 10, discrepancy: str = "abs", spacing: str = "linear",
+                       aggregate: str = "uniform") -> RankwiseECE:
+    """Rank-wise sub-k ECE (Definition 6): events from :func:`sub_k_events`, marginals = P(a1 > ... > ak | x).
+
+    With all P(m, k) events both (i, j) and (j, i) count for k = 2 (their ECEs are equal under ``abs``), and the
+    uniform mean is dominated by rare events for large k, as in the paper's figures.
+    """
+    tuples = sub_k_events(true_ranks, k, events=events, subsets=subsets)
+    return rankwise_ece("sub", true_ranks, marginals, tuples, n_bins=n_bins, discrepancy=discrepancy,
+                        spacing=spacing, aggregate=aggregate)
+
+
+def rankwise_top_k_ece(true_ranks, marginals: Marginals, k: int, *, events: str = "auto", n_bins: int = 10,
+                       discrepancy: str = "abs", spacing: str = "linear", aggregate: str = "uniform") -> RankwiseECE:
+    """Rank-wise top-k ECE (Definition 7): events from :func:`top_k_events`, marginals = P(first k = a1..ak | x).
+
+    Top-(m-1) is the same event as the full ranking, so top-(m-1) = top-m = sub-m.
+    """
+    tuples = top_k_events(true_ranks, k, events=events)
+    return rankwise_ece("top", true_ranks, marginals, tuples, n_bins=n_bins, discrepancy=discrepancy,
+                        spacing=spacing, aggregate=aggregate)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Full-rank calibration: Dirichlet kernel estimator (Definitions 4 and 5, appendix E)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_kernel_args(h, p) -> tuple[float, float]:
+    if isinstance(h, bool) or not isinstance(h, (int, float, np.integer, np.floating)) or not h > 0:
+        raise UserError(f"kernel bandwidth h must be a number > 0, got {h!r}")
+    if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)) or not p >= 1:
+        raise UserError(f"kernel norm p must be a number >= 1 (or inf), got {p!r}")
+    return float(h), float(p)
+
+
+def dirichlet_kernel_errors(probs, labels, *, h: float = 1.0, p: float = 1, chunk_size: int | None = None
+                            ) -> np.ndarray:
+    """Per-sample errors ||yhat_j - f_j||_p of the Dirichlet-kernel estimator (see :func:`dirichlet_kernel_ece`)."""
+    h, p = check_kernel_args(h, p)
+    f = np.asarray(probs, dtype=np.float64)
+    y = np.asarray(labels).astype(np.int64).reshape(-1)
+    if f.ndim != 2 or len(f) != len(y):
+        raise UserError(f"kernel ECE needs probabilities (n, C) and labels (n,), got {np.shape(probs)} and "
+                        f"{np.shape(labels)}")
+    n, n_classes = f.shape
+    if n < 2:
+        raise UserError(f"the leave-one-out kernel estimator needs at least 2 samples, got {n}")
+    if y.min() < 0 or y.max() >= n_classes:
+        raise UserError(f"kernel ECE: labels must be class indices in 0..{n_classes - 1}")
+    alpha = f / h + 1.0  # Dirichlet parameters of each sample i
+    log_norm = gammaln(alpha.sum(axis=1)) - gammaln(alpha).sum(axis=1)  # (n,) log normaliser of Dir(alpha_i)
+    a1t = (alpha - 1.0).T  # (C, n)
+    log_f = np.log(np.maximum(f, KERNEL_LOG_FLOOR))  # (n, C)
+    # Sum kernel weights per label class: sort the columns i by label and reduce over runs of equal labels.
+    order = np.argsort(y, kind="stable")
+    present, starts = np.unique(y[order], return_index=True)
+    if chunk_size is None:
+        chunk_size = max(1, _CHUNK_ELEMENTS // max(n, n_classes))
+    errors = np.empty(n)
+    for lo in range(0, n, int(chunk_size)):
+        hi = min(n, lo + int(chunk_size))
+        logk = log_norm[None, :] + log_f[lo:hi] @ a1t  # (c, n): log Dir(f_j; alpha_i), rows j, columns i
+        logk[np.arange(hi - lo), np.arange(lo, hi)] = -np.inf  # leave one out
+        w = np.exp(logk - logk.max(axis=1, keepdims=True))
+        num = np.zeros((hi - lo, n_classes))
+        num[:, present] = np.add.reduceat(w[:, order], starts, axis=1)
+        yhat = num / (w.sum(axis=1, keepdims=True) + KERNEL_DENOM_EPS)
+        diff = np.abs(yhat - f[lo:hi])
+        if np.isinf(p):
+            errors[lo:hi] = diff.max(axis=1)
+        elif p == 1:
+            errors[lo:hi] = diff.sum(axis=1)
+        else:
+            errors[lo:hi] = (diff**p).sum(axis=1) ** (1.0 / p)
+    return errors
+
+
+def dirichlet_kernel_ece(probs, labels, *, h: float = 1.0, p: float = 1, chunk_size: int | None = None) -> float:
+    """Canonical (full-distribution) calibration error with the Dirichlet kernel (Popordanoska et al. 2022).
+
+    For predicted vectors f_j (n, C) and class labels y_j, with alpha_i = f_i / h + 1:
+
+        log k(f_j; f_i) = ln Gamma(sum_c alpha_ic) - sum_c ln Gamma(alpha_ic) + sum_c (alpha_ic - 1) ln f_jc
+
+    the Dirichlet(alpha_i) log-density at f_j, f clamped at 1e-8 inside the log; leave-one-out (k(f_j; f_j) = 0);
+    each row j shifted by its maximum before exponentiating (w_ji); yhat_j = sum_i w_ji e_{y_i} /
+    (sum_i w_ji + 1e-8); and ECE = (1/n) sum_j ||yhat_j - f_j||_p.
+
+    Reading chosen where the paper's appendix E formula is garbled: the **p-norm itself** (no p-th power, no outer
+    root), with the defaults h = 1 and p = 1 of the reference experiments (the paper prints a squared 2-norm; the
+    reference's docstring says L_p^p; its code and its published numbers use the plain norm). Caveats: with
+    constant predictions it is the distance to the leave-one-out label frequency, so a perfectly calibrated
+    constant predictor scores > 0 at finite n (0.2 for 6 samples of a fair binary outcome); with h = 1 (alpha in
+    [1, 2]) the kernel is nearly flat, so the score mostly measures the distance of each f_j from the pooled label
+    distribution: on synthetic Plackett-Luce data (m = 4, n = 2000, full-rank sub-2) the true model scores 0.31
+    and a temperature-flattened one (log-weights x 0.3) 0.15, while h = 0.02 orders them correctly (0.04 vs
+    0.16). Work is chunked over rows j: memory O(chunk * n + n * C), the (n, n, C) tensor of the reference is never
+    formed (the sum over classes is one matrix product); time O(n^2 C).
+    """
+    return float(dirichlet_kernel_errors(probs, labels, h=h, p=p, chunk_size=chunk_size).mean())
+
+
+@dataclass(frozen=True, eq=False)
+class FullRankProblem:
+    """One multiclass problem: predicted vectors (n, C), labels (n,) and the classes (C_listed, k).
+
+    When ``has_other`` the last column of ``probs`` is the "other" class (the predicted mass not on a listed class)
+    and ``classes`` lists only the C - 1 named ones.
+    """
+
+    probs: np.ndarray
+    labels: np.ndarray
+    classes: np.ndarray
+    has_other: bool
+
+
+def _class_index(classes: np.ndarray, rows: np.ndarray, other: int) -> np.ndarray:
+    """Index of each row among the class rows, ``other`` where it is none of them."""
+    both = np.concatenate([classes, rows])
+    _, inv = np.unique(both, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    class_of = np.full(len(both), other, dtype=np.int64)
+    class_of[inv[: len(classes)]] = np.arange(len(classes))
+    return class_of[inv[len(classes):]]
+
+
+def _problem(classes: np.ndarray, probs: np.ndarray, true_rows: np.ndarray, restricted: bool,
+             n_possible: int) -> FullRankProblem:
+    has_other = restricted and len(classes) < n_possible
+    if has_other:
+        rest = np.clip(1.0 - probs.sum(axis=1, keepdims=True), 0.0, None)
+        probs = np.concatenate([probs, rest], axis=1)
+    labels = _class_index(classes, true_rows, other=len(classes))
+    if not has_other and (labels == len(classes)).any():
+        raise ValueError("a true sub-ranking is not among the classes")  # unreachable: classes cover the labels
+    return FullRankProblem(probs=probs, labels=labels, classes=classes, has_other=has_other)
+
+
+def sub_k_full_rank_problems(true_ranks, marginals: Marginals, subsets, *, events: str = "auto"
+                             ) -> list[FullRankProblem]:
+    """The multiclass problem of each unordered subset (rows of ``subsets``, k items) for full-rank sub-k.
+
+    Classes: all k! orderings of the subset in itertools order of the sorted subset; restricted (m >= 8 under
+    ``events="auto"``): the orderings observed in the test labels (lexicographic) plus an "other" class with the
+    remaining mass when fewer than k! are observed. Label = the ordering the true ranking induces on the subset;
+    predicted vector = the sub-k marginals of the classes (``marginals``).
+    """
+    r = check_true_ranks(true_ranks)
+    n, m = r.shape
+    subsets = np.sort(np.asarray(subsets, dtype=np.int64), axis=1)
+    k = subsets.shape[1]
+    restricted = _restricted(m, events)
+    n_possible = math.factorial(k)
+    if restricted:
+        class_lists = [observed_sub_orderings(r, s[None, :]) for s in subsets]
+    else:
+        perms = all_orderings(k)
+        class_lists = [s[perms] for s in subsets]
+    all_classes = np.concatenate(class_lists)
+    step = max(1, min(_MAX_EVENTS_PER_CALL, _CHUNK_ELEMENTS // n))
+    probs = np.concatenate([_marginals(marginals, all_classes[lo: lo + step], n)
+                            for lo in range(0, len(all_classes), step)], axis=1)
+    problems, lo = [], 0
+    for s, classes in zip(subsets, class_lists):
+        hi = lo + len(classes)
+        problems.append(_problem(classes, probs[:, lo:hi], induced_orderings(r, s), restricted, n_possible))
+        lo = hi
+    return problems
+
+
+def top_k_full_rank_problem(true_ranks, marginals: Marginals, k: int, *, events: str = "auto") -> FullRankProblem:
+    """The multiclass problem of full-rank top-k: classes = all P(m, k) prefixes (lexicographic), or the observed
+    prefixes plus an "other" class when restricted; label = the true prefix; vector = top-k marginals."""
+    r = check_true_ranks(true_ranks)
+    n, m = r.shape
+    k = check_k("top", k, m)
+    restricted = _restricted(m, events)
+    classes = observed_prefixes(r, k) if restricted else ordered_tuples(m, k)
+    step = max(1, min(_MAX_EVENTS_PER_CALL, _CHUNK_ELEMENTS // n))
+    probs = np.concatenate([_marginals(marginals, classes[lo: lo + step], n)
+                            for lo in range(0, len(classes), step)], axis=1)
+    n_possible = math.perm(m, k)
+    return _problem(classes, probs, ranks_to_orderings(r)[:, :k], restricted, n_possible)
+
+
+@dataclass(frozen=True, eq=False)
+class FullRankECE:
+    """A full-rank result: the ECE (mean over problems) and each problem's ECE; ``subsets`` (S, k) for sub-k."""
+
+    ece: float
+    problem_ece: np.ndarray
+    n_classes: np.ndarray
+    subsets: np.ndarray | None = None
+
+
+def full_rank_sub_k_ece(true_ranks, marginals: Marginals, k: int, *, subsets=None, events: str = "auto",
+                        h: float = 1.0, p: float = 1, chunk_size: int | None = None) -> FullRankECE:
+    """Full-rank sub-k calibration error (Definition 4): the kernel ECE of each subset's multiclass problem
+    (:func:`sub_k_full_rank_problems`), averaged uniformly over the subsets (all C(m, k) unless ``subsets`` given,
+    e.g. from :func:`sample_subsets`). Cost O(S * n^2 * C)."""
+    r = check_true_ranks(true_ranks)
+    m = r.shape[1]
+    k = check_k("sub", k, m)
+    check_kernel_args(h, p)
+    subsets = _all_subsets(m, k) if subsets is None else np.sort(np.asarray(subsets, dtype=np.int64), axis=1)
+    if subsets.ndim != 2 or subsets.shape[1] != k:
+        raise UserError(f"subsets must be an (S, {k}) array of item ids, got shape {subsets.shape}")
+    problems = sub_k_full_rank_problems(r, marginals, subsets, events=events)
+    values = np.array([dirichlet_kernel_ece(q.probs, q.labels, h=h, p=p, chunk_size=chunk_size) for q in problems])
+    return FullRankECE(ece=float(values.mean()) if len(values) else float("nan"), problem_ece=values,
+                       n_classes=np.array([q.probs.shape[1] for q in problems]), subsets=subsets)
+
+
+def full_rank_top_k_ece(true_ranks, marginals: Marginals, k: int, *, events: str = "auto", h: float = 1.0,
+                        p: float = 1, chunk_size: int | None = None) -> FullRankECE:
+    """Full-rank top-k calibration error (Definition 5): the kernel ECE of the single problem over prefixes."""
+    check_kernel_args(h, p)
+    q = top_k_full_rank_problem(true_ranks, marginals, k, events=events)
+    value = dirichlet_kernel_ece(q.probs, q.labels, h=h, p=p, chunk_size=chunk_size)
+    return FullRankECE(ece=value, problem_ece=np.array([value]), n_classes=np.array([q.probs.shape[1]]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Accuracy of the modal ranking
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_pair(true_ranks, pred_ranks) -> tuple[np.ndarray, np.ndarray]:
+    t = check_true_ranks(true_ranks)
+    p = np.asarray(pred_ranks)
+    if p.shape != t.shape:
+        raise UserError(f"predicted ranks have shape {p.shape}, true ranks {t.shape}")
+    return t, p
+
+
+def kendall_tau_samples(true_ranks, pred_ranks) -> np.ndarray:
+    """Per-sample Kendall tau_a: (concordant - discordant) / (m (m - 1) / 2) over item pairs; a pair tied in either
+    ranking counts as discordant (sklr's ``tau_score``, used by the reference). 1 = identical, -1 = reversed."""
+    t, p = _check_pair(true_ranks, pred_ranks)
+    m = t.shape[1]
+    i, j = np.triu_indices(m, k=1)
+    step = max(1, _CHUNK_ELEMENTS // len(i))
+    out = np.empty(len(t))
+    for lo in range(0, len(t), step):
+        s = np.sign(t[lo: lo + step, i] - t[lo: lo + step, j]) * np.sign(p[lo: lo + step, i] - p[lo: lo + step, j])
+        out[lo: lo + step] = 2.0 * (s > 0).sum(axis=1) / len(i) - 1.0
+    return out
+
+
+def footrule_samples(true_ranks, pred_ranks) -> np.ndarray:
+    """Per-sample Spearman footrule sum_j |rank_true(j) - rank_pred(j)| (0 = identical)."""
+    t, p = _check_pair(true_ranks, pred_ranks)
+    return np.abs(t - p).sum(axis=1).astype(np.float64)
+
+
+def max_footrule(m: int) -> int:
+    """The largest footrule between two rankings of m items, floor(m^2 / 2) (attained by the reversal)."""
+    return (m * m) // 2
+
+
+def top1_correct(true_ranks, pred_ranks) -> np.ndarray:
+    """Per sample, 1.0 where the predicted best item (rank 1) is the true best item."""
+    t, p = _check_pair(true_ranks, pred_ranks)
+    return (np.argmin(t, axis=1) == np.argmin(p, axis=1)).astype(np.float64)
+
+
+def ranking_accuracy(true_ranks, pred_ranks) -> dict[str, float]:
+    """Means over samples: ``kendall_tau``, ``footrule``, ``footrule_norm`` (footrule / floor(m^2/2), in [0, 1])
+    and ``top1_accuracy``."""
+    t, p = _check_pair(true_ranks, pred_ranks)
+    foot = footrule_samples(t, p)
+    return {
+        "kendall_tau": float(kendall_tau_samples(t, p).mean()),
+        "footrule": float(foot.mean()),
+        "footrule_norm": float(foot.mean() / max_footrule(t.shape[1])),
+        "top1_accuracy": float(top1_correct(t, p).mean()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reward models, K-wise (appendix D)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def padded_rewards(rewards) -> np.ndarray:
+    """Rewards as a float (n, K_max) array, NaN after each row's own K responses.
+
+    Accepts a 2-D array (NaN padding allowed at the end of a row) or a sequence of 1-D arrays of varying length
+    (e.g. RewardBench 2's Ties prompts have more responses; the paper excludes Ties, which is left to the caller).
+    """
+    if isinstance(rewards, np.ndarray) and rewards.ndim == 2:
+        out = rewards.astype(np.float64)
+    else:
+        rows = [np.asarray(r, dtype=np.float64).reshape(-1) for r in rewards]
+        if not rows:
+            raise UserError("rewards: no contexts")
+        out = np.full((len(rows), max(len(r) for r in rows)), np.nan)
+        for s, row in enumerate(rows):
+            out[s, : len(row)] = row
+    if out.ndim != 2 or out.shape[0] == 0:
+        raise UserError(f"rewards must be (n, K) or a list of per-context arrays, got shape {out.shape}")
+    valid = ~np.isnan(out)
+    k = valid.sum(axis=1)
+    if (valid != (np.arange(out.shape[1]) < k[:, None])).any():
+        raise UserError("rewards: NaN padding must come after a row's responses (no NaN between rewards)")
+    if (k < 2).any():
+        raise UserError(f"rewards: every context needs at least 2 responses; row {int(np.argmax(k < 2))} has "
+                        f"{int(k[np.argmax(k < 2)])}")
+    if np.isinf(out).any():
+        raise UserError("rewards must be finite")
+    return out
+
+
+def _best(best_index, rewards: np.ndarray) -> np.ndarray:
+    b = np.asarray(best_index)
+    if b.shape != (len(rewards),) or not np.issubdtype(b.dtype, np.integer):
+        raise UserError(f"best_index must be {len(rewards)} integers (one per context), got shape {b.shape}")
+    k = (~np.isnan(rewards)).sum(axis=1)
+    if (b < 0).any() or (b >= k).any():
+        raise UserError("best_index: each index must point at one of its context's responses (0-based)")
+    return b.astype(np.int64)
+
+
+def plackett_luce_top1(rewards) -> np.ndarray:
+    """Top-1 probabilities of the Plackett-Luce model with utilities = rewards: a softmax per row (max subtracted),
+    NaN at padded positions."""
+    r = padded_rewards(rewards)
+    z = np.exp(r - np.nanmax(r, axis=1, keepdims=True))
+    return z / np.nansum(z, axis=1, keepdims=True)
+
+
+@dataclass(frozen=True, eq=False)
+class KwiseCalibration:
+    """Pooled calibration of reward-model probabilities: ``ece`` and the reliability ``curve`` (bin confidence,
+    accuracy and count in ``curve.weight``), ready for :func:`rewarduq_exp.metrics.diagrams.draw_reliability`."""
+
+    ece: float
+    curve: CalibrationCurve
+    n_contexts: int
+    n_predictions: int
+
+
+def _pooled(q: np.ndarray, y: np.ndarray, n_contexts: int, n_bins: int) -> KwiseCalibration:
+    """Equal-width binning of pooled predictions (the bins of :func:`binary_ece`) into a reliability curve."""
+    edges = bin_edges(n_bins)
+    b = np.digitize(q, edges[1:-1])
+    count = np.bincount(b, minlength=len(edges) - 1).astype(np.float64)
+    occ = count > 0
+    conf = np.full(len(count), np.nan)
+    acc = np.full(len(count), np.nan)
+    conf[occ] = np.bincount(b, weights=q, minlength=len(count))[occ] / count[occ]
+    acc[occ] = np.bincount(b, weights=y, minlength=len(count))[occ] / count[occ]
+    curve = CalibrationCurve(edges=edges, confidence=conf, accuracy=acc, weight=count)
+    return KwiseCalibration(ece=curve.ece(), curve=curve, n_contexts=n_contexts, n_predictions=len(q))
+
+
+def top1_calibration(rewards, best_index, n_bins: int = 10) -> KwiseCalibration:
+    """Appendix D's top-1 calibration of a reward model on K-wise data.
+
+    For each context the Plackett-Luce top-1 probability softmax(r)_t of every response position t, with label 1 at
+    the correct position (``best_index``) and 0 elsewhere; all (context, position) predictions pooled, binned into
+    ``n_bins`` equal-width bins (left-closed, 1.0 in the last) and ECE = sum_b (n_b / N) |accuracy_b - confidence_b|.
+    This is rank-wise top-1 calibration (Definition 7, k = 1) pooled over positions, the only top-k event that is
+    observed when just the correct response is known. Invariant to adding a constant to a context's rewards.
+    """
+    r = padded_rewards(rewards)
+    b = _best(best_index, r)
+    q = plackett_luce_top1(r)
+    y = np.zeros_like(q)
+    y[np.arange(len(r)), b] = 1.0
+    valid = ~np.isnan(q)
+    return _pooled(q[valid], y[valid], len(r), n_bins)
+
+
+def pairwise_calibration(rewards, best_index, n_bins: int = 10) -> KwiseCalibration:
+    """Sub-2 (pairwise) calibration of the Plackett-Luce model induced by the rewards, on the pairs that are
+    observed when only the correct response is known: for each other response j, the events (correct > j) with
+    P = sigmoid(r_correct - r_j) (the PL pairwise marginal, w_c / (w_c + w_j)) and label 1, and (j > correct) with
+    P = sigmoid(r_j - r_correct) and label 0; pooled and binned as in :func:`top1_calibration`. Pairs between two
+    incorrect responses are not observed and not used."""
+    r = padded_rewards(rewards)
+    b = _best(best_index, r)
+    diff = r[np.arange(len(r)), b][:, None] - r  # r_correct - r_j
+    other = ~np.isnan(r)
+    other[np.arange(len(r)), b] = False
+    d = diff[other]
+    q_win = 0.5 * (1.0 + np.tanh(0.5 * d))  # sigmoid without overflow
+    q = np.concatenate([q_win, 1.0 - q_win])
+    y = np.concatenate([np.ones_like(d), np.zeros_like(d)])
+    return _pooled(q, y, len(r), n_bins)
+
+
+def chosen_only_ece(rewards, best_index=None) -> float:
+    """The reference code's RewardBench 2 "ECE", for reproducing its figures only: 1 - mean over contexts of the
+    top-1 probability of the correct response (``best_index``; the reference's index 0 when None).
+
+    **Not the paper's definition** (appendix D pools all (context, position) predictions, :func:`top1_calibration`):
+    the reference bins only the correct response's probability with every label 1, so bins play no role and the
+    number is exactly 1 - mean p_chosen; rejected responses never enter as label-0 events.
+    """
+    r = padded_rewards(rewards)
+    b = np.zeros(len(r), dtype=np.int64) if best_index is None else _best(best_index, r)
+    return float(1.0 - plackett_luce_top1(r)[np.arange(len(r)), b].mean())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every metric of one predicted distribution: the flat ``rank/...`` dict
+# ---------------------------------------------------------------------------------------------------------------
+#
+# ranking_evaluation wires a RankingDistribution (its marginals and modal ranking) to the functions above. Names:
+#
+# * ``rank/kendall_tau``, ``rank/footrule``, ``rank/footrule_norm``, ``rank/top1_accuracy``: the modal ranking;
+# * ``rank/sub_<k>/ece`` (k >= 2) and ``rank/top_<k>/ece`` (k >= 1): rank-wise ECE (Definitions 6, 7), with
+#   ``.../n_events``;
+# * ``rank/full/sub_<k>/ece`` and ``rank/full/top_<k>/ece``: full-rank kernel calibration error (Definitions 4, 5),
+#   with ``rank/full/sub_<k>/n_subsets`` and ``rank/full/top_<k>/n_classes``.
+#
+# Which k: by default sub-k for k = 2..min(m, max_sub_k, max_k) and top-k for k = 1..min(m - 1, max_top_k, max_k)
+# (top-(m-1) already is the full ranking). A distribution without top-k marginals (RPC: pairs only, max_top_k = 0)
+# simply has no top-k keys, and RPC's sub-k stops at 2: absent keys, never -1 sentinels. ``max_k`` (default 5) keeps
+# large item sets feasible: the reference sweeps k up to m, which for letter (m = 26) means P(26, k) events and
+# C(26, k) subsets. Sub-k problems use at most ``max_subsets`` (default 200) unordered subsets per k, drawn without
+# replacement with ``numpy.random.default_rng((seed, k))`` when C(m, k) is larger (never for m <= 9 and k <= 5); the
+# rank-wise sub-k events are then the orderings of those same subsets (observed ones when m >= 8). Cost of the
+# kernel metrics: O(S n^2 C) per k; letter (n = 4000 per fold) takes about 0.4 s per sub-3 subset on 2 cores, so
+# lower max_subsets or set full_rank=False there.
+
+DEFAULT_MAX_K = 5
+DEFAULT_MAX_SUBSETS = 200
+
+
+@dataclass(frozen=True, eq=False)
+class RankingEvaluation:
+    """``metrics``: the flat dict; ``rankwise`` / ``full_rank``: per-event and per-subset details keyed like the
+    metric prefixes (``"sub_2"``, ``"top_1"``), for figures."""
+
+    metrics: dict[str, float]
+    rankwise: dict[str, RankwiseECE] = field(default_factory=dict)
+    full_rank: dict[str, FullRankECE] = field(default_factory=dict)
+
+
+def _ks(kind: str, ks, m: int, limit: int, max_k: int) -> list[int]:
+    if ks is None:
+        low, high = (2, m) if kind == "sub" else (1, m - 1)
+        return list(range(low, min(high, limit, max_k) + 1))
+    values = [ks] if isinstance(ks, (int, np.integer)) else list(ks)
+    return sorted({check_k(kind, k, m, limit) for k in values})
+
+
+def ranking_evaluation(dist: RankingDistribution, true_ranks: np.ndarray, *, ks_sub=None, ks_top=None,
+                       n_bins: int = 10, discrepancy: str = "abs", spacing: str = "linear",
+                       aggregate: str = "uniform", kernel_h: float = 1.0, kernel_p: float = 1,
+                       full_rank: bool = True, max_k: int = DEFAULT_MAX_K,
+                       max_subsets: int | None = DEFAULT_MAX_SUBSETS, events: str = "auto",
+                       seed: int = 0) -> RankingEvaluation:
+    """Every ranking metric of ``dist`` against ``true_ranks`` (n, m; 1 = best), with per-event details.
+
+    ``ks_sub`` / ``ks_top``: the k values (None: the default sweep above; an explicit k outside 2..min(m, max_sub_k)
+    or 1..min(m, max_top_k) is a one-line UserError). ``n_bins``, ``discrepancy``, ``spacing``, ``aggregate``: the
+    rank-wise ECE (:func:`rewarduq_exp.metrics.ranking.binary_ece`); ``kernel_h``, ``kernel_p``: the full-rank
+    kernel estimator (h = 1, p = 1 as in the reference experiments); ``full_rank=False`` skips the kernel metrics
+    (O(n^2) each); ``events``: "auto" (all events for m < 8, observed ones from m = 8), "all" or "observed". Names
+    and defaults: see the comment block above.
+    """
+    true_ranks = check_true_ranks(true_ranks)
+    n, m = true_ranks.shape
+    if (n, m) != (dist.n, dist.m):
+        raise UserError(f"true ranks have shape {(n, m)} but the distribution covers n={dist.n} samples of "
+                        f"m={dist.m} items")
+    if isinstance(max_k, bool) or not isinstance(max_k, (int, np.integer)) or max_k < 1:
+        raise UserError(f"max_k must be an integer >= 1, got {max_k!r}")
+    check_choice("events", events, EVENT_MODES)
+    check_kernel_args(kernel_h, kernel_p)
+    ks_sub = _ks("sub", ks_sub, m, dist.max_sub_k, max_k)
+    ks_top = _ks("top", ks_top, m, dist.max_top_k, max_k)
+
+    out: dict[str, float] = {f"rank/{key}": value
+                             for key, value in ranking_accuracy(true_ranks, dist.mode_ranks()).items()}
+    rankwise: dict[str, RankwiseECE] = {}
+    full: dict[str, FullRankECE] = {}
+    opts = dict(n_bins=n_bins, discrepancy=discrepancy, spacing=spacing, aggregate=aggregate)
+    for k in ks_sub:
+        subsets = sample_subsets(m, k, max_subsets, np.random.default_rng((seed, k)))
+        tuples = sub_k_events(true_ranks, k, events=events, subsets=subsets)
+        res = rankwise[f"sub_{k}"] = rankwise_ece("sub", true_ranks, dist.sub_k, tuples, **opts)
+        out[f"rank/sub_{k}/ece"] = res.ece
+        out[f"rank/sub_{k}/n_events"] = float(len(tuples))
+        if full_rank:
+            fr = full[f"sub_{k}"] = full_rank_sub_k_ece(true_ranks, dist.sub_k, k, subsets=subsets,
+                                                            events=events, h=kernel_h, p=kernel_p)
+            out[f"rank/full/sub_{k}/ece"] = fr.ece
+            out[f"rank/full/sub_{k}/n_subsets"] = float(len(subsets))
+    for k in ks_top:
+        res = rankwise[f"top_{k}"] = rankwise_top_k_ece(true_ranks, dist.top_k, k, events=events, **opts)
+        out[f"rank/top_{k}/ece"] = res.ece
+        out[f"rank/top_{k}/n_events"] = float(len(res.events))
+        if full_rank:
+            fr = full[f"top_{k}"] = full_rank_top_k_ece(true_ranks, dist.top_k, k, events=events, h=kernel_h,
+                                                           p=kernel_p)
+            out[f"rank/full/top_{k}/ece"] = fr.ece
+            out[f"rank/full/top_{k}/n_classes"] = float(fr.n_classes[0])
+    return RankingEvaluation(metrics=out, rankwise=rankwise, full_rank=full)
+
+
+def ranking_metrics(dist: RankingDistribution, true_ranks: np.ndarray, ks_sub=None, ks_top=None, n_bins: int = 10,
+                    discrepancy: str = "abs", kernel_h: float = 1.0, kernel_p: float = 1,
+                    max_subsets: int | None = DEFAULT_MAX_SUBSETS, seed: int = 0, *, spacing: str = "linear",
+                    aggregate: str = "uniform", full_rank: bool = True, max_k: int = DEFAULT_MAX_K,
+                    events: str = "auto") -> dict[str, float]:
+    """The flat ``rank/...`` metric dict of :func:`ranking_evaluation` (same arguments)."""
+    return ranking_evaluation(dist, true_ranks, ks_sub=ks_sub, ks_top=ks_top, n_bins=n_bins,
+                              discrepancy=discrepancy, spacing=spacing, aggregate=aggregate, kernel_h=kernel_h,
+                              kernel_p=kernel_p, full_rank=full_rank, max_k=max_k, max_subsets=max_subsets,
+                              events=events, seed=seed).metrics

@@ -1,0 +1,140 @@
+"""The label-ranking CSV loader: the KEBI schema, political's schema (string columns, caseid, missing-code 977, NaNs)
+with preprocessing fitted on the training fold only, one-line errors for bad files, and every shipped CSV."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rewarduq_exp.data.label_ranking import available_datasets, load_label_ranking
+from rewarduq_exp.errors import UserError
+
+DATA_DIR = Path("/work/shared/data/label_ranking")
+
+# notes section 1.2: rows, feature columns, items, distinct rankings
+EXPECTED = {
+    "authorship": (841, 70, 4, 17), "glass": (214, 9, 6, 30), "iris": (150, 4, 3, 5),
+    "letter": (20000, 16, 26, 17806), "libras": (360, 90, 15, 317), "movies": (260, 64, 15, 256),
+    "pendigits": (10992, 16, 10, 2081), "political": (170, 46, 6, 87), "segment": (2310, 18, 7, 135),
+    "vehicle": (846, 18, 4, 18), "vowel": (528, 10, 11, 294), "wine": (178, 13, 3, 5), "yeast": (1484, 8, 10, 471),
+}
+
+PARTIES = ["LINKE", "GRUENE", "SPD", "CDU/CSU", "FDP", "AFD"]
+
+
+def write_political(path: Path, n: int = 12) -> pd.DataFrame:
+    """A few rows in political.csv's exact schema: caseid first, numeric survey answers (with 977 and NaN), three
+    string columns in the middle, the six 'Pos. of <party> in Ranking' targets last."""
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame({
+        "caseid": np.arange(1000, 1000 + n),
+        "linksrechts_selbst": rng.integers(1, 11, n).astype(float),
+        "erststimme_BTW21": (["DER SPD", "DER CDU/CSU", " WEISS NICHT"] * n)[:n],
+        "zweitstimme_BTW21": (["SPD", "GRUENE"] * n)[:n],
+        "hinc": rng.integers(1, 6, n),
+        "WestOst": (["WEST", "OST", "WEST"] * n)[:n],
+        "age": rng.integers(20, 80, n),
+    })
+    df.loc[[1, 7], "hinc"] = 977  # the missing-code
+    df.loc[2, "linksrechts_selbst"] = np.nan
+    for j, party in enumerate(PARTIES):
+        df[f"Pos. of {party} in Ranking"] = 0
+    df[[f"Pos. of {p} in Ranking" for p in PARTIES]] = np.array([rng.permutation(6) + 1 for _ in range(n)])
+    df.to_csv(path, index=False)
+    return df
+
+
+def test_political_schema_string_columns_and_caseid(tmp_path):
+    raw = write_political(tmp_path / "political.csv")
+    data = load_label_ranking("political", tmp_path)
+    assert data.item_names == PARTIES
+    assert data.dropped_columns == ["caseid"] and "caseid" not in data.feature_names
+    assert data.categorical_features == ["erststimme_BTW21", "zweitstimme_BTW21", "WestOst"]
+    assert data.X.shape == (12, 6)
+    np.testing.assert_array_equal(data.ranks, raw[[f"Pos. of {p} in Ranking" for p in PARTIES]].to_numpy())
+    x_train, x_test = data.fold(np.arange(12), np.arange(3))
+    # 3 numeric (scaled) + one-hot 3 + 2 + 2 levels: the string columns survive (pandas 3 stores them as `str`)
+    assert x_train.shape == (12, 3 + 3 + 2 + 2) and x_train.dtype == np.float64
+    assert np.isfinite(x_train).all()
+    onehot = x_train[:, 3:]
+    assert set(np.unique(onehot)) == {0.0, 1.0} and (onehot.sum(axis=1) == 3).all()
+
+
+def test_political_preprocessing_is_fit_on_the_training_fold_only(tmp_path):
+    raw = write_political(tmp_path / "political.csv", n=12)
+    raw.loc[10, "WestOst"] = "NORD"  # a level that only the test fold has
+    raw.loc[11, "hinc"] = 977
+    raw.to_csv(tmp_path / "political.csv", index=False)
+    data = load_label_ranking(tmp_path / "political.csv")
+    train, test = np.arange(8), np.arange(8, 12)
+    x_train, x_test = data.fold(train, test)
+    names = data.feature_names
+    hinc = names.index("hinc") - sum(c in data.categorical_features for c in names[: names.index("hinc")])
+    # scaler statistics from the training rows: train columns have mean 0 and std 1, test columns do not in general
+    np.testing.assert_allclose(x_train[:, :3].mean(axis=0), 0.0, atol=1e-12)
+    np.testing.assert_allclose(x_train[:, :3].std(axis=0), 1.0, atol=1e-12)
+    # 977 -> the median of the training rows' other values (row 11 is a test row: its 977 gets the train median)
+    train_hinc = raw.loc[train, "hinc"].to_numpy(float)
+    median = np.median(train_hinc[train_hinc != 977])
+    filled = np.where(train_hinc == 977, median, train_hinc)
+    expected = (median - filled.mean()) / filled.std()
+    assert x_test[3, hinc] == pytest.approx(expected)
+    # the test-only level "NORD" is ignored (all zeros in WestOst's one-hot block); fitting on everything differs
+    assert x_train.shape[1] == x_test.shape[1] == 3 + 3 + 2 + 2
+    np.testing.assert_array_equal(x_test[2, -2:], 0.0)  # row 10: WestOst's block knows OST and WEST only
+    assert x_test[3, -2:].sum() == 1.0
+    x_all, _ = data.fold(np.arange(12), test)
+    assert x_all.shape[1] == x_train.shape[1] + 1
+
+
+def test_kebi_schema_and_identity_preprocessing(tmp_path):
+    pd.DataFrame({"A1": [0.1, 0.2, 0.3], "A2": [1.0, -1.0, 0.0], "L1": [1, 2, 3], "L2": [2, 3, 1],
+                  "L3": [3, 1, 2]}).to_csv(tmp_path / "toy.csv", index=False)
+    data = load_label_ranking(tmp_path / "toy.csv")
+    assert data.item_names == ["L1", "L2", "L3"] and data.feature_names == ["A1", "A2"]
+    np.testing.assert_array_equal(data.ranks, [[1, 2, 3], [2, 3, 1], [3, 1, 2]])
+    x_train, x_test = data.fold([0, 1], [2])
+    np.testing.assert_array_equal(x_test, [[0.3, 0.0]])
+    assert available_datasets(tmp_path) == ["toy"]
+
+
+@pytest.mark.parametrize("labels, problem", [
+    ({"L1": [1, 2, 2], "L2": [2, 1, 1], "L3": [3, 3, 2]},
+     "line 4 (data row 2): labels [2, 1, 2] are not a permutation"),
+    ({"L1": [1, 2, 3], "L2": [2, 1, None], "L3": [3, 3, 1]}, "line 4"),
+    ({"L1": [1, 2, 3], "L2": [2, 1, 1], "L3": ["3", "x", 2]}, "'x' is not a rank"),
+])
+def test_bad_labels_are_one_line_user_errors(tmp_path, labels, problem):
+    pd.DataFrame({"A1": [0.0, 1.0, 2.0], **labels}).to_csv(tmp_path / "bad.csv", index=False)
+    with pytest.raises(UserError) as err:
+        load_label_ranking(tmp_path / "bad.csv")
+    msg = str(err.value)
+    assert "bad.csv" in msg and problem in msg and "\n" not in msg
+
+
+def test_missing_files_and_names(tmp_path):
+    with pytest.raises(UserError, match="available: toy"):
+        (tmp_path / "toy.csv").write_text("A1,L1,L2\n0,1,2\n")
+        load_label_ranking("nosuch", tmp_path)
+    with pytest.raises(UserError, match="does not exist"):
+        load_label_ranking(tmp_path / "nosuch.csv")
+    (tmp_path / "nolabels.csv").write_text("A1,A2\n0,1\n")
+    with pytest.raises(UserError, match="label columns"):
+        load_label_ranking(tmp_path / "nolabels.csv")
+
+
+@pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"{DATA_DIR} is not available")
+def test_every_shipped_csv_loads():
+    assert set(available_datasets(DATA_DIR)) >= set(EXPECTED)
+    for name, (rows, feature_cols, m, distinct) in EXPECTED.items():
+        data = load_label_ranking(name, DATA_DIR)
+        assert data.ranks.shape == (rows, m), name
+        assert len(data.feature_names) + len(data.dropped_columns) == feature_cols, name
+        assert len(np.unique(data.ranks, axis=0)) == distinct, name
+        assert (np.sort(data.ranks, axis=1) == np.arange(1, m + 1)).all()
+    political = load_label_ranking("political", DATA_DIR)
+    x_train, x_test = political.fold(np.arange(170), np.arange(5))
+    assert x_train.shape == (170, 42 + 8 + 7 + 2)  # caseid dropped; the reference kept it: 60 under pandas 2
