@@ -569,3 +569,25 @@ def test_bad_options_and_shapes():
     _one_line_error(ranking_metrics, DIST_A, S6, kernel_h=0, match="bandwidth")
     _one_line_error(ranking_metrics, DIST_A, np.array([[1, 1, 3]] * 6), match="permutation")
     _one_line_error(rm.dirichlet_kernel_ece, np.array([[0.5, 0.5]]), np.array([0]), match="at least 2")
+
+
+def test_kernel_metrics_on_a_seeded_subset_of_rows(pl_world):
+    """kernel_max_samples bounds the O(n^2) kernel: all rows when n is below it; a seeded subset otherwise (same
+    seed, same value), while the rank-wise metrics keep every row."""
+    logw, true = pl_world
+    logw, true = logw[:600], true[:600]
+    dist = pl_explicit(logw)
+    opts = dict(max_k=2, kernel_h=0.05)
+    everything = ranking_metrics(dist, true, kernel_max_samples=None, **opts)
+    assert ranking_metrics(dist, true, kernel_max_samples=600, **opts) == everything
+    sub = ranking_metrics(dist, true, kernel_max_samples=300, **opts)
+    assert sub == ranking_metrics(dist, true, kernel_max_samples=300, **opts)
+    assert sub["rank/full/sub_2/ece"] != everything["rank/full/sub_2/ece"]
+    assert sub["rank/sub_2/ece"] == everything["rank/sub_2/ece"] and sub["rank/kendall_tau"] == everything[
+        "rank/kendall_tau"]
+    expected = rm.full_rank_sub_k_ece(true[np.sort(np.random.default_rng([0, 7]).choice(600, 300, replace=False))],
+                                      lambda t: dist.sub_k(t)[np.sort(np.random.default_rng([0, 7]).choice(
+                                          600, 300, replace=False))], 2, h=0.05).ece
+    assert sub["rank/full/sub_2/ece"] == pytest.approx(expected)
+    with pytest.raises(UserError, match="kernel_max_samples"):
+        ranking_metrics(dist, true, kernel_max_samples=1, **opts)

@@ -31,6 +31,7 @@ from sklearn.calibration import CalibratedClassifierCV
 from sklearn.tree import DecisionTreeClassifier
 from torch import nn
 
+from rewarduq_exp.errors import UserError
 from rewarduq_exp.ranking.categorical import RankCategorical
 from rewarduq_exp.ranking.distribution import RankingDistribution
 from rewarduq_exp.ranking.mallows import Mallows, expected_distance
@@ -47,6 +48,23 @@ def _check_xy(X, ranks) -> tuple[np.ndarray, np.ndarray]:
     if len(X) != len(ranks):
         raise ValueError(f"X has {len(X)} rows but ranks has {len(ranks)}")
     return X, ranks
+
+
+def _net_settings(hidden, lr, epochs, batch_size, weight_decay) -> tuple:
+    """The network settings as (hidden, lr, epochs, batch_size, weight_decay), or a one-line UserError naming the
+    ``method.<key>`` that is out of range."""
+    try:
+        hidden = tuple(int(h) for h in hidden)
+    except (TypeError, ValueError):
+        hidden = ()
+    if not hidden or min(hidden) < 1:
+        raise UserError(f"method.hidden={hidden!r} is invalid: a list of layer widths >= 1, e.g. [100, 100]")
+    for key, value, low in (("lr", lr, 0.0), ("epochs", epochs, 0), ("batch_size", batch_size, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > low:
+            raise UserError(f"method.{key}={value!r} is invalid: must be a number > {low:g}")
+    if not weight_decay >= 0:
+        raise UserError(f"method.weight_decay={weight_decay!r} is invalid: must be >= 0")
+    return hidden, float(lr), int(epochs), int(batch_size), float(weight_decay)
 
 
 class _Learner:
@@ -145,8 +163,8 @@ class PlackettLuceNet(_Learner):
 
     def __init__(self, hidden=(100, 100), lr: float = 1e-3, epochs: int = 50, batch_size: int = 64,
                  weight_decay: float = 0.0, num_threads: int | None = None):
-        self.hidden, self.lr, self.epochs = tuple(int(h) for h in hidden), float(lr), int(epochs)
-        self.batch_size, self.weight_decay = int(batch_size), float(weight_decay)
+        self.hidden, self.lr, self.epochs, self.batch_size, self.weight_decay = _net_settings(
+            hidden, lr, epochs, batch_size, weight_decay)
         self.num_threads = num_threads
         self.net: nn.Sequential | None = None
 
@@ -191,12 +209,14 @@ class RankClassifierNet(_Learner):
                  weight_decay: float = 0.0, calibrate: bool = True, calibration_fraction: float = 0.2,
                  unseen_mass="good_turing", num_threads: int | None = None):
         self.num_threads = num_threads
-        self.hidden, self.lr, self.epochs = tuple(int(h) for h in hidden), float(lr), int(epochs)
-        self.batch_size, self.weight_decay = int(batch_size), float(weight_decay)
+        self.hidden, self.lr, self.epochs, self.batch_size, self.weight_decay = _net_settings(
+            hidden, lr, epochs, batch_size, weight_decay)
         self.calibrate, self.calibration_fraction = bool(calibrate), float(calibration_fraction)
+        if not 0 < self.calibration_fraction < 1:
+            raise UserError(f"method.calibration_fraction={calibration_fraction!r} is invalid: must be in (0, 1)")
         if not (unseen_mass == "good_turing" or (isinstance(unseen_mass, (int, float))
                                                  and 0 <= float(unseen_mass) < 1)):
-            raise ValueError(f"unseen_mass must be 'good_turing' or a number in [0, 1), got {unseen_mass!r}")
+            raise UserError(f"method.unseen_mass={unseen_mass!r} is invalid: good_turing or a number in [0, 1)")
         self.unseen_mass = unseen_mass
         self.net: nn.Sequential | None = None
         self.temperature = 1.0

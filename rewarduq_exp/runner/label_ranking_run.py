@@ -32,7 +32,7 @@ log = logging.getLogger("rewarduq_exp")
 
 # Keys of metric.ranking that are arguments of ranking_evaluation (the rest are for K-wise data).
 EVALUATION_KEYS = ("n_bins", "discrepancy", "aggregate", "max_k", "full_rank", "kernel_h", "kernel_p",
-                   "max_subsets", "events")
+                   "max_subsets", "events", "kernel_max_samples")
 
 
 def ranking_options(metric_cfg) -> dict:
