@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from rewarduq_exp.data.registry import available
 from rewarduq_exp.runner.cli import register_resolvers, unknown_setting
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,12 +20,17 @@ DOCS = [ROOT / "README.md", ROOT / "slurm" / "README.md"]
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    return available(group, CONF)  # nested options by their path (dataset=label_ranking/iris)
 
 
 def _check(cfg, model, method, dataset):
-    assert cfg.model.name == model and cfg.dataset.name == dataset
-    assert cfg.method._target_.startswith(f"rewarduq_exp.methods.{method}.")
+    from hydra.utils import get_class
+
+    from rewarduq_exp.ranking.learners import LEARNERS
+
+    assert cfg.model.name == model and cfg.dataset.name == dataset.rsplit("/", 1)[-1]
+    cls = get_class(cfg.method._target_)
+    assert cls.name == method if cls.task == "preferences" else LEARNERS[method] is cls
     assert "keep_dtype_on_cpu" in cfg.model  # documented in README (the bf16 path on a CPU)
 
 

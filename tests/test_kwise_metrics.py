@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.metrics import compute_metrics
 from rewarduq_exp.metrics.kwise import check_tie_rule, is_kwise, kwise_metrics, kwise_to_pairs
+from rewarduq_exp.metrics.scoring import kwise_ranking_metrics
 from rewarduq_exp.runner.evaluation import diagrams, score_predictions
 
 METRIC_CFG = Path(__file__).resolve().parents[1] / "conf" / "metric" / "rewarduq.yaml"
@@ -250,7 +251,10 @@ def test_score_predictions_dispatches_kwise(tmp_path):
     assert is_kwise(table) and not is_kwise(expected_pairs())
     cfg = OmegaConf.load(METRIC_CFG)
     m = score_predictions(table, cfg)
+    ranking = {k: m.pop(k) for k in list(m) if k.startswith("rank/")}  # appendix D top-1 calibration, added
     assert m == pytest.approx(kwise_metrics(table))
+    assert ranking == pytest.approx(kwise_ranking_metrics(table, n_bins=cfg.ranking.n_bins))
+    assert set(ranking) == {"rank/top_1/ece", "rank/sub_2/ece", "rank/top_1/chosen_only_ece", "rank/top_1/n_contexts"}
     assert score_predictions(table, OmegaConf.merge(cfg, {"scoring": "pairs"}))["best_of_k_accuracy"] == 0.9
     assert score_predictions(table, OmegaConf.merge(cfg, {"kwise_tie_rule": "strict"}))["best_of_k_accuracy"] == 0.8
     with pytest.raises(UserError, match="metric.kwise_tie_rule='lenient' is invalid: allowed values are official"):
@@ -264,3 +268,4 @@ def test_score_predictions_dispatches_kwise(tmp_path):
         score_predictions(table, OmegaConf.merge(cfg, {"scoring": "reward_bench"}))
     figures = diagrams(table, tmp_path / "fig", cfg, title="kwise")
     assert figures and all(Path(f).is_file() for f in figures)
+    assert "top1_reliability.png" in {Path(f).name for f in figures}

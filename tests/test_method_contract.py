@@ -12,7 +12,11 @@ from omegaconf import OmegaConf
 
 from rewarduq_exp.methods.base import RUNTIME_SETTINGS, RewardMethod, constructor_settings, load_method
 
-METHODS = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
+ALL_METHODS = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
+# The reward models; the label-ranking learners (task "label_ranking") train on feature matrices, not text.
+METHODS = [m for m in ALL_METHODS
+           if get_class(OmegaConf.load(ROOT / "conf" / "method" / f"{m}.yaml")._target_).task == "preferences"]
+LEARNERS = sorted(set(ALL_METHODS) - set(METHODS))
 
 
 @pytest.mark.parametrize("option", METHODS)
@@ -65,3 +69,13 @@ def test_load_follows_the_class_in_method_json(tmp_path):
     (tmp_path / "method.json").write_text(json.dumps({**info, "class": "rewarduq_exp.methods.gone.Gone"}))
     with pytest.raises(UserError, match="cannot import"):
         load_method(tmp_path, encoder=None)
+
+
+def test_the_learners_are_the_label_ranking_methods():
+    from rewarduq_exp.ranking.learners import LEARNERS as REGISTRY
+
+    assert LEARNERS == sorted(REGISTRY) and METHODS == ["bay_lin", "ens_lora", "ens_mlp", "mcd_dpo"]
+    for name in LEARNERS:
+        cls = get_class(OmegaConf.load(ROOT / "conf" / "method" / f"{name}.yaml")._target_)
+        assert cls is REGISTRY[name] and cls.task == "label_ranking"
+        assert callable(cls.fit) and callable(cls.predict_distribution)

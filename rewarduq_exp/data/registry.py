@@ -71,6 +71,8 @@ def load_dataset_config(name: str, seed: int, paths=None, conf_dir: Path = CONF_
     # Dataset configs interpolate root keys such as ${seed} and ${paths.datasets_dir}; give them a root.
     paths = OmegaConf.to_container(paths, resolve=True) if isinstance(paths, DictConfig) else dict(paths or {})
     paths.setdefault("datasets_dir", None)
+    paths.setdefault("label_ranking_dir", None)
+    paths.setdefault("cache_dir", "outputs/cache")
     root = OmegaConf.create({"seed": seed, "paths": paths, "dataset": OmegaConf.load(path)})
     node = root.dataset
     OmegaConf.resolve(root)
