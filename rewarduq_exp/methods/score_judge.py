@@ -1,0 +1,85 @@
+"""The generative "Score-Only" judge baseline of BoRP (appendix B, figure 8; Tables 1, 2, 5), read from one forward.
+
+The judge prompt is appended to the conversation as a further user turn (the same suffix construction as the probe,
+:func:`~rewarduq_exp.models.prefix_cache.render_suffix`, with Qwen3's empty think block), and instead of decoding we
+read the next-token distribution restricted to the score tokens "1".."5":
+
+    p_k = softmax_k(logit(score_k)),  expected = sum_k p_k * k,  argmax = argmax_k p_k
+
+(the restricted softmax renormalises over the score tokens; ``mass`` is the probability the unrestricted softmax puts
+on them, a check that the model follows the "answer with one digit" instruction). ``argmax`` is what greedy decoding
+of a single score token gives; ``expected`` is the judgment-distribution mean (Zhu et al. 2025, cited by the paper).
+The conversation runs once and its KV cache is reused for the judge suffix (with one suffix this saves nothing
+within a call, but it is the same code path as the probe and the prefix batching applies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.models import prefix_cache
+
+SCORE_ONLY_INSTRUCTION = (
+    "Rate the assistant's replies in the conversation above on a scale from 1 (very poor) to 5 (excellent). "
+    "Answer with a single digit and nothing else.")
+
+
+@dataclass
+class JudgeResult:
+    expected: np.ndarray    # (n,) sum_k p_k * score_k
+    argmax: np.ndarray      # (n,) the most probable score
+    probs: np.ndarray       # (n, K) over the score tokens, rows sum to 1
+    mass: np.ndarray        # (n,) probability of the score tokens under the full next-token softmax
+
+
+class ScoreOnlyJudge:
+    """``lm`` is a causal LM (``backbone.from_pretrained(AutoModelForCausalLM)``); its decoder runs the prefix and
+    the suffix, its output embedding (LM head) maps the final hidden state to logits."""
+
+    def __init__(self, tokenizer, lm, instruction: str = SCORE_ONLY_INSTRUCTION, *, answer: str = "",
+                 scores: Sequence[str] = ("1", "2", "3", "4", "5"), think: str = "auto", batch_size: int = 32,
+                 reuse: bool = True):
+        self.tokenizer = tokenizer
+        self.lm = lm
+        self.suffix = prefix_cache.render_suffix(tokenizer, instruction, answer, think)
+        self.values = np.array([float(s) for s in scores])
+        self.score_ids = []
+        for s in scores:
+            ids = tokenizer(str(s), add_special_tokens=False)["input_ids"]
+            if len(ids) != 1:
+                raise UserError(f"judge score {s!r} is {len(ids)} tokens for this tokenizer; each score must be "
+                                f"one token (allowed: single digits such as 1..5)")
+            self.score_ids.append(int(ids[0]))
+        if len(set(self.score_ids)) != len(self.score_ids):
+            raise UserError(f"judge scores {list(scores)} must be distinct tokens")
+        self.batch_size = int(batch_size)
+        self.reuse = bool(reuse)
+
+    @classmethod
+    def from_backbone(cls, backbone, instruction: str = SCORE_ONLY_INSTRUCTION, **kwargs):
+        from transformers import AutoModelForCausalLM
+
+        lm = backbone.from_pretrained(AutoModelForCausalLM, "causal LM", dtype=backbone.dtype)
+        lm.requires_grad_(False)
+        return cls(backbone.tokenizer, lm.eval().to(backbone.device), instruction, **kwargs)
+
+    @torch.no_grad()
+    def judge(self, prompts, responses) -> JudgeResult:
+        prefixes = [prefix_cache.render_prefix(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
+        pre_ids = prefix_cache.tokenize_pieces(self.tokenizer, prefixes)
+        suf_ids = prefix_cache.tokenize_pieces(self.tokenizer, [self.suffix])
+        run = prefix_cache.suffix_states if self.reuse else prefix_cache.full_recompute
+        decoder = self.lm.get_decoder()
+        h = run(decoder, pre_ids, suf_ids, [-1], pad_id=self.tokenizer.pad_token_id, batch_size=self.batch_size)
+        head = self.lm.get_output_embeddings()
+        logits = head(h[:, 0, 0].to(head.weight.device, head.weight.dtype)).float().cpu()
+        full = torch.log_softmax(logits, -1)
+        picked = logits[:, self.score_ids]
+        probs = torch.softmax(picked, -1).numpy()
+        mass = full[:, self.score_ids].exp().sum(-1).numpy()
+        return JudgeResult(expected=probs @ self.values, argmax=self.values[probs.argmax(1)], probs=probs, mass=mass)

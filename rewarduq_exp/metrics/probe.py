@@ -1,0 +1,192 @@
+"""Metrics of pointwise score probes (BoRP, section 4 and 5.2), as numpy functions of human scores, predicted scores
+and uncertainties. Names are flat under ``probe/…`` (DESIGN section 3).
+
+* ``probe/alpha_interval``: Krippendorff's alpha between the human scores and the predictions treated as two raters,
+  interval level, on the raw (continuous) predictions. The paper's headline "K-alpha" (Tables 1, 2, 4, 5).
+* ``probe/alpha_ordinal``: ordinal level; the ordinal metric is defined over categories, so predictions (and the
+  human scores) are rounded to the integer grid of the score range (1..5) first, the way a deployed scorer reports
+  a grade. (On raw continuous values every distinct prediction would be a category of its own.)
+* ``probe/pearson``, ``probe/spearman`` (scipy), ``probe/rmse``, ``probe/mae``.
+* ``probe/u_abs_error_spearman``: Spearman correlation of the uncertainty ``u`` (eq. 3) with the absolute error: the
+  paper's claim that ``u`` is a proxy for the error (section 5.2), as one number.
+* RMSE by uncertainty bins (figure 3b): :func:`rmse_by_uncertainty` returns the per-bin table; the first and last
+  bins' RMSE are reported as ``probe/rmse_low_u`` and ``probe/rmse_high_u``.
+
+:func:`plot_probe_diagnostics` draws the predicted-vs-human panel and the RMSE-by-u panel into one PNG (matplotlib
+``Figure`` on the Agg canvas, written atomically through :func:`rewarduq_exp.metrics.diagrams.save_figure`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from scipy import stats
+
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.metrics.diagrams import save_figure
+
+ALPHA_LEVELS = ("interval", "ordinal")
+FIGURE_FILE = "probe_uncertainty.png"
+# The krippendorff package builds a (units x values x values) array: 60 GB for 2000 continuous predictions. Above
+# this many cells, the interval level uses the closed form for two complete raters below (exact, O(n)).
+_KRIPPENDORFF_MAX_CELLS = 4_000_000
+
+
+def _pair(y_true, y_pred) -> tuple[np.ndarray, np.ndarray]:
+    y = np.asarray(y_true, dtype=float).ravel()
+    p = np.asarray(y_pred, dtype=float).ravel()
+    if y.shape != p.shape:
+        raise UserError(f"probe metrics need as many predictions as scores (got {len(p)} and {len(y)})")
+    if len(y) == 0:
+        raise UserError("probe metrics need at least one scored sample")
+    if not (np.isfinite(y).all() and np.isfinite(p).all()):
+        raise UserError("probe metrics got NaN/inf scores or predictions; all values must be finite")
+    return y, p
+
+
+def interval_alpha_two_raters(a: np.ndarray, b: np.ndarray) -> float:
+    """Krippendorff's interval alpha for two raters who both rated every unit: ``1 - D_o / D_e`` with the observed
+    disagreement ``D_o = mean_u (a_u - b_u)^2`` and the expected one ``D_e = 2 * sum_v (v - mean)^2 / (N - 1)`` over
+    all ``N = 2n`` values (Krippendorff 2011 with ``m_u = 2`` pairable values per unit)."""
+    values = np.concatenate([a, b])
+    d_e = 2.0 * np.sum((values - values.mean()) ** 2) / (len(values) - 1)
+    if d_e == 0:
+        return float("nan")
+    return float(1.0 - np.mean((a - b) ** 2) / d_e)
+
+
+def krippendorff_alpha(y_true, y_pred, level: str = "interval", score_range: tuple[float, float] = (1, 5)) -> float:
+    """Krippendorff's alpha between human scores and predictions as two raters (module docstring); NaN where it is
+    undefined (a single value throughout)."""
+    import krippendorff
+
+    y, p = _pair(y_true, y_pred)
+    if level not in ALPHA_LEVELS:
+        raise UserError(f"Krippendorff level={level!r} is invalid; allowed: {', '.join(ALPHA_LEVELS)}")
+    if level == "ordinal":
+        lo, hi = int(np.ceil(score_range[0])), int(np.floor(score_range[1]))
+        domain = np.arange(lo, hi + 1, dtype=float)
+        data = np.clip(np.rint(np.vstack([y, p])), lo, hi)
+        if len(np.unique(data)) < 2:
+            return float("nan")
+        return float(krippendorff.alpha(reliability_data=data, value_domain=domain, level_of_measurement="ordinal"))
+    n_values = len(np.unique(np.concatenate([y, p])))
+    if n_values < 2:
+        return float("nan")
+    if len(y) * n_values**2 > _KRIPPENDORFF_MAX_CELLS:
+        return interval_alpha_two_raters(y, p)
+    return float(krippendorff.alpha(reliability_data=np.vstack([y, p]), level_of_measurement="interval"))
+
+
+def _corr(fn, a, b) -> float:
+    if np.ptp(a) == 0 or np.ptp(b) == 0:
+        return float("nan")  # a constant has no correlation (scipy would warn and return nan)
+    return float(fn(a, b)[0])
+
+
+def pearson(y_true, y_pred) -> float:
+    y, p = _pair(y_true, y_pred)
+    return _corr(stats.pearsonr, y, p) if len(y) > 1 else float("nan")
+
+
+def spearman(y_true, y_pred) -> float:
+    y, p = _pair(y_true, y_pred)
+    return _corr(stats.spearmanr, y, p) if len(y) > 1 else float("nan")
+
+
+def rmse(y_true, y_pred) -> float:
+    y, p = _pair(y_true, y_pred)
+    return float(np.sqrt(np.mean((y - p) ** 2)))
+
+
+def rmse_by_uncertainty(y_true, y_pred, u, n_bins: int = 5) -> pd.DataFrame:
+    """RMSE per quantile bin of the uncertainty ``u`` (the paper's figure 3b).
+
+    Bin edges are the ``0, 1/n_bins, ..., 1`` quantiles of ``u``; bin ``i`` holds ``edges[i] <= u < edges[i+1]`` (the
+    last bin includes its upper edge). Tied quantiles (many equal ``u``) merge bins, so fewer than ``n_bins`` rows can
+    come back. Columns: ``bin`` (0 = lowest u), ``u_low``, ``u_high`` (edges), ``u_mean``, ``count``, ``rmse``,
+    ``mae``.
+    """
+    y, p = _pair(y_true, y_pred)
+    u = np.asarray(u, dtype=float).ravel()
+    if u.shape != y.shape or not np.isfinite(u).all():
+        raise UserError(f"uncertainty u must hold one finite value per sample (got {u.shape[0]} for {len(y)})")
+    if int(n_bins) < 1:
+        raise UserError(f"n_bins={n_bins} is invalid: must be an integer >= 1")
+    edges = np.unique(np.quantile(u, np.linspace(0.0, 1.0, int(n_bins) + 1)))
+    if len(edges) == 1:
+        edges = np.array([edges[0], edges[0]])
+    which = np.clip(np.searchsorted(edges, u, side="right") - 1, 0, len(edges) - 2)
+    rows = []
+    for b in range(len(edges) - 1):
+        sel = which == b
+        if not sel.any():
+            continue
+        err = y[sel] - p[sel]
+        rows.append({"bin": len(rows), "u_low": float(edges[b]), "u_high": float(edges[b + 1]),
+                     "u_mean": float(u[sel].mean()), "count": int(sel.sum()),
+                     "rmse": float(np.sqrt(np.mean(err ** 2))), "mae": float(np.mean(np.abs(err)))})
+    return pd.DataFrame(rows, columns=["bin", "u_low", "u_high", "u_mean", "count", "rmse", "mae"])
+
+
+def probe_metrics(y_true, y_pred, u=None, *, score_range: tuple[float, float] = (1, 5), n_bins: int = 5) -> dict:
+    """All probe metrics as a flat ``probe/…`` dict (module docstring); the uncertainty ones only when ``u`` is
+    given."""
+    y, p = _pair(y_true, y_pred)
+    out = {
+        "probe/alpha_interval": krippendorff_alpha(y, p, "interval", score_range),
+        "probe/alpha_ordinal": krippendorff_alpha(y, p, "ordinal", score_range),
+        "probe/pearson": pearson(y, p),
+        "probe/spearman": spearman(y, p),
+        "probe/rmse": rmse(y, p),
+        "probe/mae": float(np.mean(np.abs(y - p))),
+        "probe/n": int(len(y)),
+    }
+    if u is not None:
+        u = np.asarray(u, dtype=float).ravel()
+        table = rmse_by_uncertainty(y, p, u, n_bins)
+        out["probe/u_mean"] = float(u.mean())
+        out["probe/u_abs_error_spearman"] = spearman(u, np.abs(y - p))
+        out["probe/rmse_low_u"] = float(table["rmse"].iloc[0])
+        out["probe/rmse_high_u"] = float(table["rmse"].iloc[-1])
+    return out
+
+
+def plot_probe_diagnostics(y_true, y_pred, u, path: str | Path, *, n_bins: int = 5, title: str = "",
+                           score_range: tuple[float, float] = (1, 5), seed: int = 0) -> Path:
+    """Write a PNG with (a) predicted vs human score (jittered points, per-score mean) and (b) RMSE per quantile bin
+    of ``u`` with the bin counts (figure 3b). Returns the path."""
+    y, p = _pair(y_true, y_pred)
+    table = rmse_by_uncertainty(y, p, u, n_bins)
+    path = Path(path)
+    fig = Figure(figsize=(10, 4.2))
+    ax_a, ax_b = fig.subplots(1, 2)
+    jitter = np.random.default_rng(seed).uniform(-0.15, 0.15, len(y))
+    ax_a.scatter(y + jitter, p, s=6, alpha=0.35, color="tab:blue", label="samples")
+    levels = np.unique(y)
+    ax_a.plot(levels, [p[y == v].mean() for v in levels], "o-", color="tab:red", label="mean prediction")
+    lo, hi = score_range
+    ax_a.plot([lo, hi], [lo, hi], "--", color="0.4", linewidth=1.0, label="perfect agreement")
+    ax_a.set_xlabel("human score")
+    ax_a.set_ylabel("predicted score")
+    ax_a.set_title(f"(a) Pearson {pearson(y, p):.3f}, K-alpha {krippendorff_alpha(y, p, 'interval', score_range):.3f}")
+    ax_a.legend(loc="upper left", fontsize=8)
+    ax_a.grid(alpha=0.3)
+    labels = [f"{r.u_low:.2g}-{r.u_high:.2g}" for r in table.itertuples()]
+    bars = ax_b.bar(np.arange(len(table)), table["rmse"], color="tab:orange", edgecolor="0.25")
+    for bar, count in zip(bars, table["count"]):
+        ax_b.annotate(f"n={count}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                      va="bottom", fontsize=7)
+    ax_b.set_xticks(np.arange(len(table)), labels, rotation=30, fontsize=7)
+    ax_b.set_xlabel("uncertainty u = |score(final) - score(intermediate)| (quantile bins)")
+    ax_b.set_ylabel("RMSE")
+    ax_b.set_title("(b) RMSE by uncertainty")
+    ax_b.grid(alpha=0.3, axis="y")
+    if title:
+        fig.suptitle(title)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.2, top=0.85 if title else 0.9, wspace=0.25)
+    save_figure(fig, path)
+    return path

@@ -1,0 +1,259 @@
+"""BoRP probe (papers/borp.txt): the regressor on contrastive difference vectors, its ablations, geometric resampling,
+the layer-gap uncertainty, the polarization index, persistence and bad input; the extraction and the baselines on
+the tiny model."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+from omegaconf import OmegaConf
+
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.methods.borp import (
+    BorpProbe,
+    ContrastiveExtractor,
+    MeanPoolRidge,
+    ProbeTemplate,
+    check_layers,
+    design_matrix,
+    geometric_features,
+    geometric_resample,
+    mean_pooled_features,
+    polarization_index,
+    polarized_samples,
+)
+from rewarduq_exp.methods.score_judge import ScoreOnlyJudge
+from rewarduq_exp.metrics.probe import krippendorff_alpha, pearson, spearman
+from rewarduq_exp.models.backbone import Backbone
+
+FINAL, INTER = 40, 15
+
+
+def synthetic(n: int = 600, d: int = 48, seed: int = 0):
+    """Difference vectors at two layers of a pointwise 1-5 score skewed to the median (as industrial data is).
+
+    Each layer's vector is ``(s - 3) w`` (the score direction) plus strong "topic" variation in 4 other directions
+    (which an unsupervised PCA with few components latches onto) plus noise; 30% of the samples are *hard*: both
+    layers see them with 10x more noise, independently, so the layers disagree more where the errors are larger.
+    """
+    rng = np.random.default_rng(seed)
+    score = rng.choice(np.arange(1, 6), size=n, p=[0.07, 0.18, 0.5, 0.18, 0.07]).astype(float)
+    hard = rng.random(n) < 0.3
+    w = rng.normal(size=d)
+    w /= np.linalg.norm(w)
+    topics = np.linalg.qr(rng.normal(size=(d, 4)))[0].T
+
+    def layer():
+        noise = np.where(hard, 0.8, 0.08)[:, None]
+        return (score - 3)[:, None] * w + rng.normal(size=(n, 4)) * 6.0 @ topics + rng.normal(size=(n, d)) * noise
+
+    return score, hard, {FINAL: layer(), INTER: layer()}
+
+
+@pytest.fixture(scope="module")
+def data():
+    y, hard, feats = synthetic()
+    train = {k: v[:400] for k, v in feats.items()}
+    test = {k: v[400:] for k, v in feats.items()}
+    return y[:400], y[400:], train, test, hard[400:]
+
+
+@pytest.fixture(scope="module")
+def fitted(data):
+    y_tr, _, train, _, _ = data
+    return BorpProbe(final_layer=FINAL, intermediate_layer=INTER).fit(train, y_tr)
+
+
+def test_probe_far_above_chance_and_a_weak_baseline(data, fitted):
+    y_tr, y_te, train, test, _ = data
+    pred = fitted.predict(test)
+    alpha, r = krippendorff_alpha(y_te, pred.score), pearson(y_te, pred.score)
+    assert alpha > 0.75 and r > 0.8, (alpha, r)
+    assert pred.score.min() >= 1 and pred.score.max() <= 5
+    # n_components was chosen by cross-validation, per head
+    assert set(fitted.cv_) == {FINAL, INTER}
+    assert fitted.heads_[FINAL].n_components in fitted.cv_[FINAL]["n_components"].values
+    # the weak baseline: unsupervised PCA with 2 components keeps the topic directions, not the score
+    weak = BorpProbe(final_layer=FINAL, regressor="pca", n_components=2).fit(train, y_tr).predict(test).score
+    assert krippendorff_alpha(y_te, weak) < 0.2 and pearson(y_te, weak) < 0.3
+    assert alpha > krippendorff_alpha(y_te, weak) + 0.5
+    # PLS with the same 2 components finds the score direction (supervised)
+    pls2 = BorpProbe(final_layer=FINAL, n_components=2).fit(train, y_tr).predict(test).score
+    assert pearson(y_te, pls2) > pearson(y_te, weak) + 0.3
+
+
+def test_uncertainty_tracks_the_error(data, fitted):
+    _, y_te, _, test, hard = data
+    pred = fitted.predict(test)
+    err = np.abs(pred.score - y_te)
+    assert spearman(pred.u, err) > 0.3
+    assert pred.u[hard].mean() > 2 * pred.u[~hard].mean()
+    np.testing.assert_allclose(pred.u, np.abs(pred.score_final - pred.score_intermediate))
+    low, high = pred.bounds(beta=0.5)
+    np.testing.assert_allclose(high - low, pred.u)
+
+
+def test_ablation_switches(data):
+    y_tr, _, train, test, _ = data
+    one = {FINAL: train[FINAL]}
+    full = BorpProbe(final_layer=FINAL, n_components=3).fit(one, y_tr)
+    plain = BorpProbe(final_layer=FINAL, n_components=3, extra_features=False).fit(one, y_tr)
+    assert full.heads_[FINAL].coef.shape == (48 + 2,) and plain.heads_[FINAL].coef.shape == (48,)
+    assert full.estimators_[FINAL].n_features_in_ == 50 and plain.estimators_[FINAL].n_features_in_ == 48
+    pca = BorpProbe(final_layer=FINAL, n_components=3, regressor="pca").fit(one, y_tr)
+    assert type(full.estimators_[FINAL]).__name__ == "PLSRegression" and full.estimators_[FINAL].scale
+    assert [name for name, _ in pca.estimators_[FINAL].steps] == ["standardscaler", "pca", "linearregression"]
+    flat = BorpProbe(final_layer=FINAL, n_components=3, resample=False).fit(one, y_tr)
+    assert np.array_equal(flat.train_rows_, np.arange(400))
+    assert not np.array_equal(np.sort(full.train_rows_), np.arange(400))
+    # the linear map a head keeps is the estimator's prediction
+    x = design_matrix(test[FINAL], full.heads_[FINAL].centroid)
+    np.testing.assert_allclose(full.heads_[FINAL].predict(test[FINAL]), full.estimators_[FINAL].predict(x).ravel(),
+                               atol=1e-8)
+    no_u = BorpProbe(final_layer=FINAL, n_components=3).fit(train, y_tr).predict(test)
+    assert no_u.u is None and no_u.score_intermediate is None
+
+
+def test_geometric_features_and_design_matrix():
+    d = np.array([[3.0, 4.0], [0.0, -1.0]])
+    norm, dist = geometric_features(d, centroid=np.array([1.0, 1.0]))
+    np.testing.assert_allclose(norm, [5.0, 1.0])
+    np.testing.assert_allclose(dist, [2 + 3, 1 + 2])
+    np.testing.assert_allclose(design_matrix(d, [1.0, 1.0]), [[3, 4, 5, 5], [0, -1, 1, 3]])
+
+
+def test_resampling_flattens_the_distance_histogram():
+    rng = np.random.default_rng(1)
+    dist = np.abs(rng.standard_t(3, size=2000))  # dense centre, long tail
+    rows = geometric_resample(dist, n_bins=10, power=0.5, max_upsample=5.0, seed=0)
+    assert rows.min() >= 0 and rows.max() < len(dist)
+    assert abs(len(rows) - len(dist)) < 0.2 * len(dist)
+    centre, tail = np.quantile(dist, 0.5), np.quantile(dist, 0.95)
+    assert np.mean(dist[rows] <= centre) < 0.5 - 0.1  # dense centre down-sampled
+    assert np.mean(dist[rows] >= tail) > 0.05 + 0.05  # tail up-sampled
+    counts = np.bincount(rows, minlength=len(dist))
+    assert counts.max() <= 5  # at most ceil(max_upsample) copies of a sample
+    np.testing.assert_array_equal(rows, geometric_resample(dist, power=0.5, seed=0))  # seeded
+    assert not np.array_equal(rows, geometric_resample(dist, power=0.5, seed=1))
+    np.testing.assert_array_equal(np.sort(geometric_resample(dist, power=0.0, seed=3)), np.arange(len(dist)))
+    flat = geometric_resample(dist, n_bins=10, power=1.0, max_upsample=1e9, seed=0)
+    per_bin = np.histogram(dist[flat], bins=np.linspace(dist.min(), dist.max(), 11))[0]
+    assert per_bin[per_bin > 0].std() <= 1.0  # power=1: every occupied bin gets the same count
+
+
+def test_polarization_index_pushes_extremes_to_both_tails():
+    rng = np.random.default_rng(2)
+    score = rng.choice(np.arange(1, 6), size=1000, p=[0.07, 0.18, 0.5, 0.18, 0.07])
+    w = rng.normal(size=32)
+    w /= np.linalg.norm(w)
+    # the norm rises with the score (fig. 2a), the distance to the centroid is U-shaped (fig. 2b)
+    diff = (2.0 + score)[:, None] * w + rng.normal(size=(1000, 32)) * 0.1
+    pi = polarization_index(diff)
+    top, bottom = polarized_samples(pi, 50)
+    assert (score[top] == 5).mean() > 0.9 and (score[bottom] == 1).mean() > 0.9
+    assert pi[top].min() > pi[bottom].max() and len(set(top) & set(bottom)) == 0
+    # the sum of z-scores puts the low extreme back in the middle: its bottom tail is not the 1s
+    _, bottom_mean = polarized_samples(polarization_index(diff, fusion="mean_z"), 50)
+    assert (score[bottom_mean] == 1).mean() < 0.5
+
+
+def test_save_load_round_trip(tmp_path, data, fitted):
+    _, _, _, test, _ = data
+    path = fitted.save(tmp_path / "model" / "borp.joblib")
+    assert [p.name for p in path.parent.iterdir()] == ["borp.joblib"]  # atomic: no temporary left behind
+    loaded = BorpProbe.load(path)
+    a, b = fitted.predict(test), loaded.predict(test)
+    np.testing.assert_allclose(a.score, b.score, atol=1e-12)
+    np.testing.assert_allclose(a.u, b.u, atol=1e-12)
+    assert loaded.config() == fitted.config()
+    np.testing.assert_allclose(fitted.polarization(test), loaded.polarization(test))
+    assert loaded.cv_[FINAL].equals(fitted.cv_[FINAL])
+    with pytest.raises(UserError, match="not fitted"):
+        BorpProbe().save(tmp_path / "x.joblib")
+    with pytest.raises(UserError, match="no saved BoRP probe"):
+        BorpProbe.load(tmp_path / "missing.joblib")
+
+
+def test_bad_input_one_line_errors(data):
+    y_tr, _, train, _, _ = data
+    cases = [
+        (lambda: check_layers([15, 41], 40),
+         r"probe layer=41 is out of range for a model with 40 layers; allowed 0..40"),
+        (lambda: ProbeTemplate(instruction=""), "instruction is empty"),
+        (lambda: ProbeTemplate(instruction="Rate it.", answer="It is good"), "neither instruction nor answer contains"),
+        (lambda: BorpProbe(regressor="svm"), r"regressor='svm' is invalid; allowed: pls, pca"),
+        (lambda: BorpProbe(final_layer=FINAL, n_components=5).fit({FINAL: train[FINAL][:4]}, y_tr[:4]),
+         r"too few training samples \(4\) for n_components=5"),
+        (lambda: BorpProbe(final_layer=FINAL).fit({FINAL: train[FINAL][:6]}, y_tr[:6]),
+         r"too few training samples \(6\) to choose n_components by 5-fold cross-validation"),
+        (lambda: BorpProbe(final_layer=FINAL, intermediate_layer=3).fit({FINAL: train[FINAL]}, y_tr),
+         r"features lack layer\(s\) \[3\]"),
+        (lambda: BorpProbe(final_layer=FINAL, intermediate_layer=FINAL), "needs two different layers"),
+        (lambda: polarization_index(train[FINAL], fusion="max"), "allowed: product, mean_z"),
+    ]
+    for call, message in cases:
+        with pytest.raises(UserError, match=message) as err:
+            call()
+        assert "\n" not in str(err.value)
+
+
+def test_ridge_baseline_on_mean_pooled_features():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(300, 20))
+    y = np.clip(np.rint(3 + x[:, 0] + 0.5 * x[:, 1]), 1, 5)
+    model = MeanPoolRidge().fit(x[:200], y[:200])
+    pred = model.predict(x[200:])
+    assert pearson(y[200:], pred) > 0.8 and pred.min() >= 1 and pred.max() <= 5
+    with pytest.raises(UserError, match="not fitted"):
+        MeanPoolRidge().predict(x)
+
+
+# ---------------------------------------------------------------------------------------------------- tiny model
+CONVS = [
+    ([{"role": "user", "content": "What is the capital of France?"}], [{"role": "assistant", "content": "Paris."}]),
+    ([{"role": "user", "content": "Write a short poem about the sea."}],
+     [{"role": "assistant", "content": "The quick brown fox jumps over the lazy dog. " * 4}]),
+    ([{"role": "user", "content": "topic reply"}],
+     [{"role": "assistant", "content": "Thank you, that is a good point."}]),
+]
+
+
+@pytest.fixture(scope="module")
+def deep_backbone(cache_dir):
+    cfg = OmegaConf.load(ROOT / "conf" / "model" / "tiny-qwen3.yaml")
+    cfg.build.num_layers = 3
+    return Backbone(cfg, cache_dir=cache_dir, device="cpu")
+
+
+def test_contrastive_extractor_on_the_tiny_model(deep_backbone):
+    prompts, responses = zip(*CONVS)
+    ex = ContrastiveExtractor.from_backbone(deep_backbone, ProbeTemplate(), layers=[1, -1], batch_size=4)
+    feats = ex.extract(prompts, responses)
+    assert sorted(feats) == [-1, 1] and feats[1].shape == (3, 256)
+    states = ex.states(prompts, responses)
+    np.testing.assert_allclose(feats[-1], states[:, 0, 1] - states[:, 1, 1])
+    assert np.abs(feats[-1]).max() > 1e-4
+    slow = ContrastiveExtractor(deep_backbone.tokenizer, ex.model, ProbeTemplate(), [1, -1], reuse=False)
+    np.testing.assert_allclose(slow.extract(prompts, responses)[1], feats[1], atol=1e-4)
+    with pytest.raises(UserError, match="out of range for a model with 3 layers"):
+        ContrastiveExtractor.from_backbone(deep_backbone, ProbeTemplate(), layers=[15, 40])
+    pooled = mean_pooled_features(deep_backbone.tokenizer, ex.model, prompts, responses, layer=2)
+    assert pooled.shape == (3, 256)
+
+
+def test_score_only_judge_on_the_tiny_model(deep_backbone):
+    prompts, responses = zip(*CONVS)
+    judge = ScoreOnlyJudge.from_backbone(deep_backbone, batch_size=2)
+    res = judge.judge(prompts, responses)
+    np.testing.assert_allclose(res.probs.sum(1), 1.0, atol=1e-6)
+    assert ((res.expected >= 1) & (res.expected <= 5)).all() and set(res.argmax) <= {1, 2, 3, 4, 5}
+    assert ((res.mass > 0) & (res.mass <= 1)).all()
+    # the reference: the causal LM on the concatenated ids, next-token logits at the end
+    tok = deep_backbone.tokenizer
+    ids = tok(judge.tokenizer.apply_chat_template(list(prompts[1]) + list(responses[1]), tokenize=False)
+              + judge.suffix, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = judge.lm(input_ids=torch.tensor([ids])).logits[0, -1, judge.score_ids]
+    np.testing.assert_allclose(res.probs[1], torch.softmax(logits, -1).numpy(), atol=1e-5)
+    with pytest.raises(UserError, match="must be one token"):
+        ScoreOnlyJudge(tok, judge.lm, scores=("1", "10"))
