@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # collection order. The files that run end-to-end commands go first, longest first (seconds on 2 cores, measured with
 # --durations), so that the short files fill in at the end and the two workers finish together; in alphabetical order
 # one worker idled for the last ~35 s of the run.
-LONGEST_FIRST = ["test_label_ranking_run.py",  # ~45
+LONGEST_FIRST = ["test_borp_run.py",         # ~60
+                 "test_label_ranking_run.py",  # ~45
                  "test_cli.py",              # ~40
                  "test_cli_datasets.py",     # ~23
                  "test_sweep_multitask.py",  # ~20

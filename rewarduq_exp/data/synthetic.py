@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 from scipy.special import expit  # overflow-free sigmoid
 
-from rewarduq_exp.data.contract import make_preference_frame
+from rewarduq_exp.data.contract import make_pointwise_frame, make_preference_frame
 from rewarduq_exp.data.vocabulary import TOPIC_WORDS, WORDS
 from rewarduq_exp.errors import UserError
 
@@ -164,3 +164,46 @@ class SyntheticWorld:
         rare_b = (np.isin(tok_b, self.rare_words) & (positions < len_b[:, None])).sum(1)
         frame["rare_share"] = (rare_a + rare_b) / (len_a + len_b)
         return frame
+
+
+class SyntheticRatings(SyntheticWorld):
+    """The synthetic world as pointwise data (BoRP's regression target): one completion per prompt, rated 1-5.
+
+    The rating is the completion's true reward plus Gaussian noise (``rating_noise`` times the reward's standard
+    deviation), cut into five equally likely classes by the quintiles of the noisy reward of a large seeded sample of
+    the training distribution, so a rating is an ordinal reading of the same hidden utilities the preference labels
+    come from. Columns: the pointwise contract (``prompt``, ``response``, ``score`` = ``rating``) plus
+    ``true_reward``.
+    """
+
+    kind = "pointwise"
+
+    def __init__(self, *args, rating_noise: float = 0.3, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not float(rating_noise) >= 0:
+            raise UserError(f"dataset.rating_noise={rating_noise} is invalid: must be a number >= 0")
+        self.rating_noise = float(rating_noise)
+        rng = np.random.default_rng([self.seed, 7777])
+        topic = rng.integers(0, self.num_topics, size=20000)
+        tokens, lengths = self._completions(rng, 20000, self.train_word_probs)
+        reward = self.true_reward(topic, tokens, lengths)
+        self.reward_std = float(reward.std())
+        noisy = reward + rng.normal(scale=self.rating_noise * self.reward_std, size=reward.shape)
+        self.cuts = np.quantile(noisy, [0.2, 0.4, 0.6, 0.8])
+
+    def load(self, split: str) -> pd.DataFrame:
+        if split not in SPLITS:
+            raise UserError(f"synthetic split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
+        n = self.sizes[split]
+        rng = np.random.default_rng([self.seed, _SPLIT_STREAM[split], 1])
+        probs = self.ood_word_probs if split == "ood" else self.train_word_probs
+        topic = rng.integers(0, self.num_topics, size=n)
+        tokens, lengths = self._completions(rng, n, probs)
+        reward = self.true_reward(topic, tokens, lengths)
+        noisy = reward + rng.normal(scale=self.rating_noise * self.reward_std, size=n)
+        rating = 1.0 + np.searchsorted(self.cuts, noisy)
+        prompts = [[{"role": "user", "content": f"Topic {self.topics[t]}: write a reply."}] for t in topic]
+        responses = [[{"role": "assistant", "content": self._text(tokens[i], lengths[i])}] for i in range(n)]
+        return make_pointwise_frame([f"synthetic-ratings-{self.seed}-{split}-{i}" for i in range(n)], prompts,
+                                    responses, {"rating": rating, "true_reward": reward}, target="rating",
+                                    subset=[split] * n)

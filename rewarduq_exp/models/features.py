@@ -51,6 +51,7 @@ class FeatureEncoder:
 
     def __init__(self, backbone: Backbone, probe, cache_dir, max_length: int, show_progress: bool = True):
         self.backbone = backbone
+        self.probe_cfg = probe  # methods that read the backbone their own way (BoRP's contrastive probe) read it
         self.layer = int(probe.layer)
         self.pooling = str(probe.pooling)
         self.batch_size = int(probe.batch_size)

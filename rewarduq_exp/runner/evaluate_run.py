@@ -17,13 +17,20 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.data.registry import build_loader, resolve_eval_sets, with_options
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.models.token_counter import TokenCounter
 from rewarduq_exp.runner.cli import report_user_error
-from rewarduq_exp.runner.evaluation import diagrams, evaluate_method, score_predictions
+from rewarduq_exp.runner.evaluation import diagrams, evaluate_method, evaluate_pointwise, score_predictions
 from rewarduq_exp.runner.summary import summary_table
-from rewarduq_exp.runner.train_run import check_eval_kind, load_split, quiet_datasets_unless, validate_metric_config
+from rewarduq_exp.runner.train_run import (
+    check_eval_kind,
+    load_split,
+    method_task,
+    quiet_datasets_unless,
+    validate_metric_config,
+)
 from rewarduq_exp.runner.trained_run import load_trained_method, read_run_config
 from rewarduq_exp.runs.run_folder import write_json
 
@@ -76,8 +83,9 @@ def evaluate_run_folder(cfg) -> dict:
         raise UserError(f"dataset options must be dataset.<key>=<value>, not dataset={options}")
     eval_sets = with_options(eval_sets, options)
     eval_loaders = {es.name: build_loader(es.config) for es in eval_sets}
+    task = method_task(run_cfg.method)
     for name, loader in eval_loaders.items():
-        check_eval_kind(name, loader)
+        check_eval_kind(name, loader, task)
     max_length = int(cfg.max_length or run_cfg.max_length)
     run = load_trained_method(cfg.run, device=cfg.device, cache_dir=cfg.paths.cache_dir, progress=bool(cfg.progress),
                               max_length=max_length)
@@ -86,7 +94,8 @@ def evaluate_run_folder(cfg) -> dict:
     blocks = {}
     for es in eval_sets:
         frame, _ = load_split(eval_loaders[es.name], es.split, es.name, backbone.tokenizer, max_length, count)
-        blocks[es.name], _ = evaluate_method(method, frame, es.name, folder, cfg.metric)
+        evaluate = evaluate_pointwise if data_kind(frame) == "pointwise" else evaluate_method
+        blocks[es.name], _ = evaluate(method, frame, es.name, folder, cfg.metric)
     folder.write_metrics(blocks, merge=True)
     print(f"evaluated {folder.root}\n{summary_table(blocks)}", flush=True)
     return blocks

@@ -121,3 +121,30 @@ def evaluate_method(method, data: pd.DataFrame, name: str, folder: RunFolder, me
     figures = (diagrams(predictions, folder.figures_dir(name), metric_cfg, title=name, metrics=metrics)
                if getattr(folder, "writer", True) else [])
     return metrics, figures
+
+
+def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg) -> tuple[dict, list]:
+    """A pointwise eval set (rated responses) for a pointwise method (BoRP): its scores against the ratings
+    (``probe/...``: Krippendorff's alpha, Pearson, Spearman, RMSE, RMSE by uncertainty bins), the baselines the
+    method offers on the same rows (``probe/baseline/<name>/...``), the predictions file (one row per response:
+    ``score``, ``prediction``, ``lower``, ``upper``, ``u`` and each baseline's prediction) and the diagnostic figure."""
+    from rewarduq_exp.metrics.probe import plot_probe_diagnostics, probe_metrics
+
+    y = data["score"].to_numpy(dtype=float)
+    scores = method.score(list(data["prompt"]), list(data["response"]))
+    u = (scores.upper - scores.reward) / method.beta
+    score_range = tuple(method.settings["score_range"])
+    metrics = probe_metrics(y, scores.reward, u, score_range=score_range)
+    predictions = pd.DataFrame({"id": data["id"].astype(str).to_numpy(), "subset": data["subset"].to_numpy(),
+                                "score": y, "prediction": scores.reward, "lower": scores.lower,
+                                "upper": scores.upper, "u": u})
+    for baseline, values in method.baselines(data).items():
+        predictions[f"prediction_{baseline}"] = values
+        metrics.update({f"probe/baseline/{baseline}/{k.removeprefix('probe/')}": v
+                        for k, v in probe_metrics(y, values, score_range=score_range).items()})
+    folder.write_predictions(name, predictions)
+    figures = []
+    if getattr(folder, "writer", True) and metric_cfg.get("diagrams", True):
+        figures.append(plot_probe_diagnostics(y, scores.reward, u, folder.figures_dir(name) / "probe.png",
+                                              title=name, score_range=score_range))
+    return metrics, figures

@@ -25,6 +25,13 @@ COLUMNS = (
     ("rank/top_1/ece", "ECE_top1"),
     ("rank/full/sub_2/ece", "kernelECE_sub2"),
     ("rank/full/top_1/ece", "kernelECE_top1"),
+    # probes on rated responses (BoRP) and their baselines in the same run
+    ("probe/alpha_interval", "alpha"),
+    ("probe/pearson", "pearson"),
+    ("probe/rmse", "rmse"),
+    ("probe/u_abs_error_spearman", "rho(u,|err|)"),
+    ("probe/baseline/score_judge/alpha_interval", "alpha_judge"),
+    ("probe/baseline/mean_pool_ridge/alpha_interval", "alpha_ridge"),
 )
 
 

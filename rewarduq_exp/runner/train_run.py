@@ -28,7 +28,7 @@ from rewarduq_exp.models.backbone import Backbone, resolve_device
 from rewarduq_exp.models.features import FeatureEncoder
 from rewarduq_exp.models.token_counter import TokenCounter
 from rewarduq_exp.runner.cli import in_multirun, report_user_error
-from rewarduq_exp.runner.evaluation import evaluate_method
+from rewarduq_exp.runner.evaluation import evaluate_method, evaluate_pointwise
 from rewarduq_exp.runner.loggers import NullLogger, make_logger
 from rewarduq_exp.runner.summary import summary_table
 from rewarduq_exp.runs.run_folder import RunFolder, config_hash, write_json
@@ -81,22 +81,23 @@ def load_split(loader, split: str, name: str, tokenizer, max_length: int, count=
     return frame, report
 
 
-def check_data_kinds(train_loader, eval_loaders: dict) -> None:
-    """Preference methods train on pairs and score pairs or K-wise sets; say so before any data is fetched."""
+def check_data_kinds(train_loader, eval_loaders: dict, task: str = "preferences") -> None:
+    """Preference methods train on pairs and score pairs or K-wise sets; pointwise methods (BoRP) train on rated
+    responses and also score pairs / K-wise sets; say so before any data is fetched."""
     name = train_loader.name
     if getattr(train_loader, "train_split", "train") is None:
         raise UserError(f"dataset '{name}' is an evaluation set without a train split; train on another dataset "
                         f"and pass eval_datasets=[{name}]")
     kind = getattr(train_loader, "kind", "pairs")
-    if kind != "pairs":
+    if task == "preferences" and kind != "pairs":
         raise UserError(f"dataset '{name}' is {kind} data; preference methods train on pairwise data "
                         "(e.g. dataset=ultrafeedback, skywork_pref, tulu3_pref, hh_rlhf, local)")
     for es_name, loader in eval_loaders.items():
-        check_eval_kind(es_name, loader)
+        check_eval_kind(es_name, loader, task)
 
 
-def check_eval_kind(name: str, loader) -> None:
-    if getattr(loader, "kind", "pairs") == "pointwise":
+def check_eval_kind(name: str, loader, task: str = "preferences") -> None:
+    if getattr(loader, "kind", "pairs") == "pointwise" and task != "pointwise":
         raise UserError(f"eval dataset '{name}' is pointwise (one rated response per row) and has no preference "
                         "to score; evaluate on pairwise or K-wise data")
 
@@ -138,7 +139,8 @@ def train(cfg: DictConfig) -> dict | None:
 
 
 def method_task(method_cfg) -> str:
-    """What a method config trains on: ``preferences`` (the reward models) or ``label_ranking`` (the learners)."""
+    """What a method config trains on: ``preferences`` (the reward models), ``pointwise`` (BoRP: rated responses) or
+    ``label_ranking`` (the learners)."""
     from hydra.utils import get_class
 
     try:
@@ -149,16 +151,30 @@ def method_task(method_cfg) -> str:
 
 def check_task(cfg: DictConfig) -> str:
     """The run's task from the dataset, and a one-line error when the method trains on something else."""
-    task = "label_ranking" if cfg.dataset.get("kind") == "label_ranking" else "preferences"
+    task = dataset_task(cfg.dataset)
     have = method_task(cfg.method)
     if have != task:
         from rewarduq_exp.data.registry import available
 
         methods = [m for m in available("method") if method_task(load_method_config(m)) == task]
-        what = "a label-ranking dataset" if task == "label_ranking" else "preference data"
+        what = {"label_ranking": "a label-ranking dataset", "pointwise": "pointwise data (rated responses)"}.get(
+            task, "preference data")
         raise UserError(f"method={_choice('method')} trains on {have.replace('_', '-')} data, but dataset="
                         f"{_choice('dataset')} is {what}; allowed methods here: {', '.join(methods)}")
     return task
+
+
+def dataset_task(dataset_cfg) -> str:
+    """What a dataset config trains: label_ranking, pointwise (rated responses) or preferences (pairs)."""
+    from hydra.utils import get_class
+
+    if dataset_cfg.get("kind") == "label_ranking":
+        return "label_ranking"
+    try:
+        kind = getattr(get_class(str(dataset_cfg._target_)), "kind", "pairs")
+    except (ImportError, AttributeError, ValueError):
+        kind = "pairs"
+    return "pointwise" if kind == "pointwise" else "preferences"
 
 
 def _choice(group: str) -> str:
@@ -191,7 +207,7 @@ def _train(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
     eval_sets = resolve_eval_sets(cfg.eval_datasets, cfg.dataset, int(cfg.seed), cfg.paths,
                                   cfg.get("also_evaluate") or ())
     eval_loaders = {es.name: loader if es.config is cfg.dataset else build_loader(es.config) for es in eval_sets}
-    check_data_kinds(loader, eval_loaders)
+    check_data_kinds(loader, eval_loaders, method_task(cfg.method))
     folder.stage = "running"  # the settings are valid; from here a failure is the run's, not the settings'
     seed_everything(int(cfg.seed))
     logger = make_logger(cfg, out, out.name) if folder.writer else NullLogger()
@@ -273,7 +289,8 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, loader, eval_sets, eval
     # Under torchrun / accelerate every process takes part in scoring (evaluation.score_method splits the rows);
     # only rank 0 writes predictions and diagrams.
     for name, frame in eval_frames.items():
-        metrics, figures = evaluate_method(method, frame, name, folder, cfg.metric)
+        evaluate = evaluate_pointwise if data_kind(frame) == "pointwise" else evaluate_method
+        metrics, figures = evaluate(method, frame, name, folder, cfg.metric)
         blocks[name] = metrics
         logger.log_metrics(name, metrics, figures)
     folder.write_metrics(blocks)
@@ -303,7 +320,7 @@ def _leave_log_file_to_rank0() -> None:
 
 def _print_summary(out: Path, blocks: dict, encoder) -> None:
     lines = [f"run folder: {out}", summary_table(blocks)]
-    widths = {name: m.get("bound_width") for name, m in blocks.items()}
+    widths = {name: m["bound_width"] for name, m in blocks.items() if m.get("bound_width") is not None}
     if len(widths) > 1:
         lines.append("mean uncertainty (reward-interval width): "
                      + ", ".join(f"{k} {v:.4f}" for k, v in widths.items()))

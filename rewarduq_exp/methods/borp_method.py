@@ -1,0 +1,185 @@
+"""``method=borp``: the BoRP probe (rewarduq_exp/methods/borp.py) behind the method contract, so the runner trains
+it on pointwise data (HelpSteer2, the synthetic world's 1-5 ratings) and scores any preference eval set with bounds
+``score +- beta * u`` (u = the layer gap of eq. 3), which RewardUQ's metrics, the selection and the tables read like
+any other method's predictions.
+
+The probe reads its suffix template, layers and batch size from ``probe=borp_contrastive`` (the run's probe config,
+given through the encoder); ``method.*`` holds the regressor. On pointwise eval sets the runner also asks
+:meth:`BorpMethod.baselines` for the two baselines of the same backbone (the generative score-only judge and a
+mean-pooled ridge), so the three are compared in one run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.methods.base import RewardMethod, Scores, read_method_info, write_method_info
+from rewarduq_exp.methods.borp import BorpPrediction, BorpProbe, ContrastiveExtractor, MeanPoolRidge, ProbeTemplate
+
+PROBE_KIND = "borp_contrastive"
+PROBE_FILE = "probe.joblib"
+
+
+def _messages(values) -> list:
+    return [list(v) for v in values]
+
+
+class BorpMethod(RewardMethod):
+    name = "borp"
+    task = "pointwise"               # trains on rated responses (prompt, response, score)
+
+    def __init__(self, encoder=None, regressor: str = "pls", n_components: int | None = None, cv_folds: int = 5,
+                 extra_features: bool = True, resample: bool = True, resample_power: float = 0.5,
+                 score_range=(1.0, 5.0), beta: float = 1.0, baselines: bool = True, seed: int = 0,
+                 device: str = "auto", show_progress: bool = True):
+        self.encoder = encoder
+        self.settings = {"regressor": regressor, "n_components": n_components, "cv_folds": int(cv_folds),
+                         "extra_features": bool(extra_features), "resample": bool(resample),
+                         "resample_power": float(resample_power),
+                         "score_range": tuple(float(v) for v in score_range), "seed": int(seed)}
+        BorpProbe(**self.settings)  # validates the settings (one-line errors) before any data or model
+        if not float(beta) > 0:
+            raise UserError(f"method.beta={beta} is invalid: must be a number > 0")
+        self.beta = float(beta)
+        self.use_baselines = bool(baselines)
+        self.device, self.show_progress = device, show_progress and not os.environ.get("TQDM_DISABLE")
+        self.probe: BorpProbe | None = None
+        self.history: list[dict] = []
+        self.fit_summary: dict = {}
+        self._extractor = None
+        self._ridge: MeanPoolRidge | None = None
+
+    def hyperparameters(self) -> dict:
+        return {**self.settings, "score_range": list(self.settings["score_range"]), "beta": self.beta,
+                "baselines": self.use_baselines}
+
+    # ------------------------------------------------------------------ the probe config and the backbone
+    def _probe_cfg(self):
+        if self.encoder is None:
+            raise RuntimeError("BorpMethod needs encoder= (the backbone with the run's probe config)")
+        cfg = self.encoder.probe_cfg
+        if cfg.get("kind") != PROBE_KIND:
+            raise UserError(f"method=borp reads hidden states through a contrastive probe: pass "
+                            f"probe={PROBE_KIND} (got probe={cfg.get('name')})")
+        return cfg
+
+    def layers(self) -> tuple[int, int | None]:
+        """(final layer, intermediate layer) as hidden_states indices; the intermediate default is 3/8 of the depth
+        (the paper's layer 15 of Qwen3-14B's 40), always below the final layer (``hidden_states[depth]`` is the
+        final layer's output, the same as -1)."""
+        cfg = self._probe_cfg()
+        final = int(cfg.layer)
+        intermediate = cfg.get("intermediate_layer")
+        if intermediate is None:
+            from transformers import AutoConfig
+
+            depth = int(self.encoder.backbone.from_pretrained(AutoConfig, "config").num_hidden_layers)
+            intermediate = min(round(depth * 15 / 40), depth - 1)  # below the final layer; 0 = embeddings
+        return final, (None if intermediate == "none" else int(intermediate))
+
+    def template(self) -> ProbeTemplate:
+        cfg = self._probe_cfg()
+        return ProbeTemplate(instruction=str(cfg.instruction), answer=str(cfg.answer), positive=str(cfg.positive),
+                             negative=str(cfg.negative), think=str(cfg.think))
+
+    def extractor(self) -> ContrastiveExtractor:
+        if self._extractor is None:
+            final, intermediate = self.layers()
+            layers = [final] + ([] if intermediate is None else [intermediate])
+            self._extractor = ContrastiveExtractor.from_backbone(
+                self.encoder.backbone, self.template(), layers, batch_size=int(self._probe_cfg().batch_size),
+                reuse=bool(self._probe_cfg().get("reuse_prefix", True)))
+        return self._extractor
+
+    def features(self, prompts, responses) -> dict[int, np.ndarray]:
+        return self.extractor().extract(_messages(prompts), _messages(responses))
+
+    # ------------------------------------------------------------------ contract
+    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # noqa: A002 (contract name)
+        if "response" not in train.columns or "score" not in train.columns:
+            raise UserError("method=borp trains on pointwise data (prompt, response, score), e.g. dataset=helpsteer2 "
+                            "or dataset=synthetic_pointwise")
+        t0 = time.perf_counter()
+        final, intermediate = self.layers()
+        features = self.features(train["prompt"], train["response"])
+        t_features = time.perf_counter() - t0
+        self.probe = BorpProbe(final_layer=final, intermediate_layer=intermediate, **self.settings)
+        self.probe.fit(features, train["score"].to_numpy(dtype=float))
+        self.fit_summary = {"train_responses": len(train), "layers": [final, intermediate],
+                            "feature_dim": int(features[final].shape[1]), "seconds_features": round(t_features, 3),
+                            "seconds_regression": round(time.perf_counter() - t0 - t_features, 3)}
+        if self.use_baselines:
+            from rewarduq_exp.methods.borp import mean_pooled_features
+
+            bb = self.encoder.backbone
+            x = mean_pooled_features(bb.tokenizer, self.extractor().model, _messages(train["prompt"]),
+                                     _messages(train["response"]), layer=final)
+            self._ridge = MeanPoolRidge().fit(x, train["score"].to_numpy(dtype=float))
+        return self.fit_summary
+
+    def predict(self, prompts, responses) -> BorpPrediction:
+        if self.probe is None:
+            raise RuntimeError("BorpMethod is not fitted: call fit or load first")
+        return self.probe.predict(self.features(prompts, responses))
+
+    def score(self, prompts, completions) -> Scores:
+        pred = self.predict(prompts, completions)
+        lower, upper = pred.bounds(self.beta)
+        return Scores(reward=pred.score, lower=lower, upper=upper)
+
+    def score_pairs(self, frame: pd.DataFrame) -> tuple[Scores, Scores]:
+        n = len(frame)
+        both = self.score(list(frame["prompt"]) * 2, list(frame["chosen"]) + list(frame["rejected"]))
+        cut = slice(0, n), slice(n, 2 * n)
+        return tuple(Scores(both.reward[c], both.lower[c], both.upper[c]) for c in cut)
+
+    def baselines(self, frame: pd.DataFrame) -> dict[str, np.ndarray]:
+        """Scores of the two baselines on a pointwise frame: the generative score-only judge (expected score of the
+        next-token distribution over the score digits) and the mean-pooled ridge fitted on the training split."""
+        if not self.use_baselines:
+            return {}
+        from rewarduq_exp.methods.borp import mean_pooled_features
+        from rewarduq_exp.methods.score_judge import ScoreOnlyJudge
+
+        prompts, responses = _messages(frame["prompt"]), _messages(frame["response"])
+        out = {}
+        judge = ScoreOnlyJudge.from_backbone(self.encoder.backbone, batch_size=int(self._probe_cfg().batch_size))
+        out["score_judge"] = np.asarray(judge.judge(prompts, responses).expected, dtype=float)
+        if self._ridge is not None:
+            final, _ = self.layers()
+            x = mean_pooled_features(self.encoder.backbone.tokenizer, self.extractor().model, prompts, responses,
+                                     layer=final)
+            out["mean_pool_ridge"] = np.clip(self._ridge.predict(x), *self.settings["score_range"])
+        return out
+
+    def save(self, directory: str | os.PathLike) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.probe.save(directory / PROBE_FILE)
+        if self._ridge is not None:
+            import joblib
+
+            from rewarduq_exp.runs.atomic_write import atomic_path
+
+            with atomic_path(directory / "mean_pool_ridge.joblib") as tmp:
+                joblib.dump(self._ridge, tmp)
+        extra = {"backbone": self.encoder.backbone.identity(), "probe": dict(self._probe_cfg())} \
+            if self.encoder is not None else {}
+        write_method_info(directory, self, **extra)
+
+    def load(self, directory: str | os.PathLike) -> BorpMethod:
+        directory = Path(directory)
+        info = read_method_info(directory, self.name)
+        self.probe = BorpProbe.load(directory / PROBE_FILE)
+        if (directory / "mean_pool_ridge.joblib").exists():
+            import joblib
+
+            self._ridge = joblib.load(directory / "mean_pool_ridge.joblib")
+        self.fit_summary = info.get("fit_summary", {})
+        return self

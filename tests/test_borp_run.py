@@ -1,0 +1,95 @@
+"""BoRP through the runner, as a user runs it: train.py method=borp probe=borp_contrastive on rated responses (the
+synthetic world's 1-5 ratings, tiny model, offline), scored on the rated eval splits against the two baselines of the
+same run and on a preference eval set with RewardUQ's metrics; evaluate.py and the Python API rebuild it."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import ROOT
+from entry_points import run_entry_point
+
+# A 4-layer tiny Qwen3, so the intermediate layer (3/8 of the depth) differs from the final one.
+ARGS = ["method=borp", "probe=borp_contrastive", "dataset=synthetic_ratings", "model.build.num_layers=4",
+        "dataset.n_train=400", "dataset.n_eval=200", "dataset.n_ood=100", "also_evaluate=[synthetic_eval]"]
+
+
+def run(script, args, cwd, cache, check=True):
+    args = [f"paths.output_root={cwd / 'outputs'}", f"paths.cache_dir={cache}", "progress=false", *args]
+    proc = run_entry_point(ROOT / script, args, cwd)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def borp_run(tmp_path_factory, shared_cache):
+    cwd = tmp_path_factory.mktemp("borp")
+    proc = run("train.py", [*ARGS, f"hydra.run.dir={cwd}/run"], cwd, shared_cache)
+    return cwd, cwd / "run", proc
+
+
+def test_probe_beats_the_baselines_and_its_uncertainty_tracks_the_error(borp_run):
+    _, folder, proc = borp_run
+    assert "alpha_judge" in proc.stdout  # the summary table shows the three side by side
+    blocks = json.loads((folder / "metrics.json").read_text())
+    ev = blocks["synthetic_ratings_eval"]
+    # chance level is alpha = 0, pearson = 0; the judge reads digits from a random-init LM (chance)
+    assert ev["probe/alpha_interval"] > 0.5 and ev["probe/pearson"] > 0.5
+    assert ev["probe/alpha_interval"] > ev["probe/baseline/score_judge/alpha_interval"] + 0.3
+    assert ev["probe/pearson"] > ev["probe/baseline/score_judge/pearson"] + 0.3
+    assert ev["probe/alpha_interval"] > ev["probe/baseline/mean_pool_ridge/alpha_interval"]
+    ood = blocks["synthetic_ratings_ood"]
+    assert ood["probe/alpha_interval"] > ood["probe/baseline/mean_pool_ridge/alpha_interval"]
+    for block in (ev, ood):  # eq. 3's layer gap grows with the error
+        assert block["probe/u_abs_error_spearman"] > 0.1
+    predictions = pd.read_parquet(folder / "predictions" / "synthetic_ratings_eval.parquet")
+    assert np.allclose(predictions["upper"] - predictions["prediction"], predictions["u"])  # beta = 1
+    assert predictions["prediction"].between(1, 5).all()
+    assert (folder / "figures" / "synthetic_ratings_eval" / "probe.png").exists()
+
+
+def test_probe_scores_preferences_with_rewarduq_metrics(borp_run):
+    _, folder, _ = borp_run
+    pairs = json.loads((folder / "metrics.json").read_text())["synthetic_eval"]
+    assert pairs["win_rate"] > 0.6 and pairs["bound_width"] > 0
+    assert {"ct_rate", "cf_rate", "rs_0.2", "ece", "ebce"} <= set(pairs)
+    assert (folder / "predictions" / "synthetic_eval.parquet").exists()
+
+
+def test_evaluate_and_the_python_api_rebuild_the_probe(borp_run, shared_cache):
+    cwd, folder, _ = borp_run
+    import rewarduq_exp as r
+
+    model = r.load_run(folder, cache_dir=shared_cache, progress=False)
+    frame = pd.read_parquet(folder / "predictions" / "synthetic_eval.parquet")
+    written = json.loads((folder / "metrics.json").read_text())["synthetic_eval"]
+    from rewarduq_exp.data.synthetic import SyntheticWorld
+
+    data = SyntheticWorld(n_eval=1000).load("eval").set_index("id").loc[frame["id"][:20]]
+    pairs = model.score_pairs(list(data["prompt"]), list(data["chosen"]), list(data["rejected"]))
+    written_margin = (frame["chosen_reward"] - frame["rejected_reward"])[:20].to_numpy()
+    # float32 hidden states in other batches (other padding): equal within the prefix-reuse tolerance
+    assert np.allclose(pairs["margin"].to_numpy(), written_margin, atol=1e-4)
+    trained = json.loads((folder / "metrics.json").read_text())["synthetic_ratings_ood"]
+    run("evaluate.py", [f"run={folder}", "eval_datasets=[synthetic_ratings_ood]"], cwd, shared_cache)
+    again = json.loads((folder / "metrics.json").read_text())
+    for key in ("probe/alpha_interval", "probe/pearson", "probe/u_abs_error_spearman"):
+        assert again["synthetic_ratings_ood"][key] == pytest.approx(trained[key], abs=1e-6)
+    assert again["synthetic_eval"] == written
+
+
+@pytest.mark.parametrize("args, message", [
+    (["method=borp"], "pass probe=borp_contrastive"),
+    (["method=ens_mlp"], "allowed methods here: borp"),
+    (["method=borp", "probe=borp_contrastive", "probe.layer=9"], "layer"),
+    (["method=borp", "probe=borp_contrastive", "probe.instruction=''"], "instruction is empty"),
+    (["method=borp", "probe=borp_contrastive", "method.regressor=lasso"], "regressor"),
+])
+def test_bad_input_is_one_line(tmp_path, shared_cache, args, message):
+    proc = run("train.py", [*args, "dataset=synthetic_ratings", "dataset.n_train=50", "dataset.n_eval=20",
+                            "dataset.n_ood=20"], tmp_path, shared_cache, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
