@@ -93,3 +93,19 @@ def test_bad_input_is_one_line(tmp_path, shared_cache, args, message):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+def test_helpsteer2_command_runs_on_a_fixture_in_the_hub_schema(tmp_path, shared_cache):
+    """The issue's command, `train.py method=borp dataset=helpsteer2 probe=borp_contrastive`, on a local copy of
+    nvidia/HelpSteer2 in its exact schema: verbosity (0-4) read on BoRP's 1-5 scale."""
+    from hub_fixtures import write_helpsteer2
+
+    write_helpsteer2(tmp_path / "hub")
+    run("train.py", ["method=borp", "probe=borp_contrastive", "dataset=helpsteer2",
+                     f"paths.datasets_dir={tmp_path}/hub", "method.cv_folds=2", "method.n_components=1",
+                     "method.resample=false", "method.baselines=false", "metric.diagrams=false",
+                     f"hydra.run.dir={tmp_path}/run"], tmp_path, shared_cache)
+    block = json.loads((tmp_path / "run" / "metrics.json").read_text())["helpsteer2_validation"]
+    predictions = pd.read_parquet(tmp_path / "run" / "predictions" / "helpsteer2_validation.parquet")
+    assert block["probe/n"] == len(predictions) > 0 and predictions["score"].between(1, 5).all()
+    assert np.isfinite(block["probe/rmse"])

@@ -121,8 +121,9 @@ def test_helpsteer2_scores_and_multiturn_prompt(hub_root):
     frame = lb.load("train")
     assert len(frame) == 9 and len(lb.load("validation")) == 4
     assert list(frame.helpfulness[:5]) == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert (frame.score == frame.helpfulness).all()
-    assert (loader("helpsteer2", hub_root, target="verbosity").load("train").score == frame.verbosity).all()
+    assert (frame.score == frame.verbosity + 1).all()  # BoRP's default target, on its 1-5 scale
+    assert (loader("helpsteer2", hub_root, target="helpfulness", score_offset=0).load("train").score
+            == frame.helpfulness).all()
     multi = frame.iloc[-1]
     assert multi.prompt == [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
                             {"role": "user", "content": "And times 3?"}]

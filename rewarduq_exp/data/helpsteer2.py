@@ -31,16 +31,21 @@ class HelpSteer2(HubDataset):
     kind = "pointwise"
     required_columns = ("prompt", "response", *ATTRIBUTES)
 
-    def __init__(self, *args, target: str = "helpfulness", **kwargs):
+    def __init__(self, *args, target: str = "verbosity", score_offset: float = 1.0, **kwargs):
         super().__init__(*args, **kwargs)
         if target not in ATTRIBUTES:
             raise UserError(f"dataset.target={target} is invalid; allowed: {', '.join(ATTRIBUTES)}")
         self.target = target
+        # BoRP reads the 0-4 ratings on its 1-5 scale (paper, table 6): score = rating + 1; the attribute columns
+        # keep the hub's 0-4 values.
+        self.score_offset = float(score_offset)
 
     def normalise(self, table, split: str, row_index: np.ndarray):
         raw = table.select_columns(list(self.required_columns)).to_dict()
         prompts = [parse_prompt(p) for p in raw["prompt"]]
         responses = [[{"role": "assistant", "content": r}] for r in raw["response"]]
         scores = {a: np.asarray(raw[a], dtype=float) for a in ATTRIBUTES}
-        return make_pointwise_frame([f"{split}-{i}" for i in row_index], prompts, responses, scores,
-                                    target=self.target)
+        frame = make_pointwise_frame([f"{split}-{i}" for i in row_index], prompts, responses, scores,
+                                     target=self.target)
+        frame["score"] = frame["score"] + self.score_offset
+        return frame

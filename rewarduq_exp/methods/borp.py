@@ -340,11 +340,22 @@ def fit_head(diff, y, *, regressor: str = "pls", n_components: int = 2, extra_fe
     centroid = x.mean(0) if centroid is None else np.asarray(centroid, dtype=np.float64)
     rows = np.arange(len(x)) if rows is None else np.asarray(rows)
     design = design_matrix(x, centroid, extra_features)
+    if np.ptp(y[rows]) == 0 or np.ptp(design[rows], axis=0).max() == 0:
+        # Every (resampled) training score, or every feature vector, is the same: PLS would divide by a zero
+        # variance (NaN); the least-squares answer is the constant mean score.
+        return LinearHead(centroid, np.zeros(design.shape[1]), float(y[rows].mean()), int(n_components),
+                          bool(extra_features)), None
     est = make_estimator(regressor, n_components)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
         # PLS says so when y is fully explained before the last component (the rest are then zero): harmless.
         warnings.filterwarnings("ignore", message="y residual is constant", category=UserWarning)
-        est.fit(design[rows], y[rows])
+        warnings.filterwarnings("ignore", category=RuntimeWarning)
+        try:
+            est.fit(design[rows], y[rows])
+        except ValueError as err:  # NaN from a zero-variance (e.g. all-duplicate) training set
+            raise UserError(f"the {regressor} regressor could not be fitted on {len(np.unique(rows))} distinct "
+                            f"training samples ({str(err).splitlines()[0]}); give more training data, fewer "
+                            "components (method.n_components) or method.resample=false") from None
     w, b = linear_map(est, design.shape[1])
     check = design[rows[:8]]
     if not np.allclose(check @ w + b, np.ravel(est.predict(check)), rtol=1e-6, atol=1e-6 * (1 + np.abs(y).max())):

@@ -80,7 +80,9 @@ class BorpMethod(RewardMethod):
             from transformers import AutoConfig
 
             depth = int(self.encoder.backbone.from_pretrained(AutoConfig, "config").num_hidden_layers)
-            intermediate = min(round(depth * 15 / 40), depth - 1)  # below the final layer; 0 = embeddings
+            if depth < 2:  # a one-layer model has no intermediate layer (0 is the embeddings): no uncertainty
+                return final, None
+            intermediate = min(max(1, round(depth * 15 / 40)), depth - 1)
         return final, (None if intermediate == "none" else int(intermediate))
 
     def template(self) -> ProbeTemplate:
