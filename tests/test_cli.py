@@ -205,7 +205,7 @@ def test_local_file_training_with_named_eval_datasets(tmp_path, shared_cache):
 
 BAD_INPUTS = [
     (["model=gpt-5"], "unknown model 'gpt-5'; allowed:"),
-    (["method=ens_foo"], "unknown method 'ens_foo'; allowed: bay_lin, ens_"),
+    (["method=ens_foo"], "unknown method 'ens_foo'; allowed: bay_lin, borp, ens_"),
     (["dataset=nope"], "unknown dataset 'nope'; allowed:"),
     (["method.num_heads=1"], "method.num_heads=1 is invalid"),
     (["method.beta=0"], "method.beta=0 is invalid"),

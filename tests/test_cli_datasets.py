@@ -114,7 +114,7 @@ def test_unreachable_hub_fails_with_one_clear_line(tmp_path, shared_cache):
 
 @pytest.mark.parametrize("args, message", [
     (["dataset=reward_bench"], "evaluation set without a train split"),
-    (["dataset=helpsteer2"], "is pointwise data; preference methods train on pairwise data"),
+    (["dataset=helpsteer2"], "dataset=helpsteer2 is pointwise data (rated responses); allowed methods here: borp"),
     (["metric.reward_bench_weighting=equal"], "reward_bench_weighting"),
     (["dataset=ultrafeedback", "dataset.num_samples=-1"], "dataset.num_samples=-1 is invalid"),
 ])

@@ -13,9 +13,10 @@ from omegaconf import OmegaConf
 from rewarduq_exp.methods.base import RUNTIME_SETTINGS, RewardMethod, constructor_settings, load_method
 
 ALL_METHODS = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
-# The reward models; the label-ranking learners (task "label_ranking") train on feature matrices, not text.
+# The reward models (trained on pairs, or on rated responses: BoRP); the label-ranking learners (task
+# "label_ranking") train on feature matrices, not text.
 METHODS = [m for m in ALL_METHODS
-           if get_class(OmegaConf.load(ROOT / "conf" / "method" / f"{m}.yaml")._target_).task == "preferences"]
+           if get_class(OmegaConf.load(ROOT / "conf" / "method" / f"{m}.yaml")._target_).task != "label_ranking"]
 LEARNERS = sorted(set(ALL_METHODS) - set(METHODS))
 
 
@@ -24,8 +25,10 @@ def test_every_method_implements_the_contract(option):
     cls = get_class(OmegaConf.load(ROOT / "conf" / "method" / f"{option}.yaml")._target_)
     assert issubclass(cls, RewardMethod) and not inspect.isabstract(cls), cls
     assert cls.name == option
-    # today's four: frozen features through the cache (ENS-MLP, BAY-LIN) or a fine-tuned backbone (ENS-LoRA, MCD-DPO)
-    assert cls.uses_feature_cache != cls.fine_tunes_backbone
+    # frozen features through the cache (ENS-MLP, BAY-LIN), a fine-tuned backbone (ENS-LoRA, MCD-DPO), or neither
+    # (BoRP reads its own contrastive hidden states)
+    assert not (cls.uses_feature_cache and cls.fine_tunes_backbone)
+    assert cls.task in ("preferences", "pointwise")
     assert isinstance(cls.uses_eval_set, bool)
 
 
@@ -74,7 +77,7 @@ def test_load_follows_the_class_in_method_json(tmp_path):
 def test_the_learners_are_the_label_ranking_methods():
     from rewarduq_exp.ranking.learners import LEARNERS as REGISTRY
 
-    assert LEARNERS == sorted(REGISTRY) and METHODS == ["bay_lin", "ens_lora", "ens_mlp", "mcd_dpo"]
+    assert LEARNERS == sorted(REGISTRY) and METHODS == ["bay_lin", "borp", "ens_lora", "ens_mlp", "mcd_dpo"]
     for name in LEARNERS:
         cls = get_class(OmegaConf.load(ROOT / "conf" / "method" / f"{name}.yaml")._target_)
         assert cls is REGISTRY[name] and cls.task == "label_ranking"
