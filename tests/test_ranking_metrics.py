@@ -591,3 +591,11 @@ def test_kernel_metrics_on_a_seeded_subset_of_rows(pl_world):
     assert sub["rank/full/sub_2/ece"] == pytest.approx(expected)
     with pytest.raises(UserError, match="kernel_max_samples"):
         ranking_metrics(dist, true, kernel_max_samples=1, **opts)
+
+
+def test_too_many_exact_events_is_a_one_line_error():
+    rng = np.random.default_rng(0)
+    true = orderings_to_ranks(np.argsort(rng.random((5, 26)), axis=1))
+    with pytest.raises(UserError, match=r"events=all needs all P\(26, 5\) = 7,893,600 top-5 prefixes"):
+        rm.top_k_events(true, 5, events="all")
+    assert len(rm.top_k_events(true, 5, events="auto")) <= 5  # observed prefixes only

@@ -316,12 +316,25 @@ def sub_k_events(true_ranks, k: int, *, events: str = "auto", subsets=None) -> n
     return _lexsorted(_orderings_of_subsets(np.sort(np.asarray(subsets, dtype=np.int64), axis=1)))
 
 
+# Enumerating more top-k prefixes than this (events=all with many items) is refused with one line, not attempted.
+MAX_EXACT_EVENTS = 1_000_000
+
+
+def all_prefixes(m: int, k: int) -> np.ndarray:
+    """All P(m, k) ordered k-tuples, or a one-line UserError when there are too many to enumerate."""
+    if math.perm(m, k) > MAX_EXACT_EVENTS:
+        raise UserError(f"events=all needs all P({m}, {k}) = {math.perm(m, k):,} top-{k} prefixes of m={m} items, "
+                        f"more than {MAX_EXACT_EVENTS:,}; use metric.ranking.events=auto or observed, or a smaller "
+                        "metric.ranking.max_k")
+    return ordered_tuples(m, k)
+
+
 def top_k_events(true_ranks, k: int, *, events: str = "auto") -> np.ndarray:
     """The top-k events (prefixes): all P(m, k) when unrestricted, else the prefixes observed in ``true_ranks``."""
     r = check_true_ranks(true_ranks)
     m = r.shape[1]
     k = check_k("top", k, m)
-    return observed_prefixes(r, k) if _restricted(m, events) else ordered_tuples(m, k)
+    return observed_prefixes(r, k) if _restricted(m, events) else all_prefixes(m, k)
 
 
 def event_labels(kind: str, true_ranks, tuples) -> np.ndarray:
@@ -559,7 +572,7 @@ def top_k_full_rank_problem(true_ranks, marginals: Marginals, k: int, *, events:
     n, m = r.shape
     k = check_k("top", k, m)
     restricted = _restricted(m, events)
-    classes = observed_prefixes(r, k) if restricted else ordered_tuples(m, k)
+    classes = observed_prefixes(r, k) if restricted else all_prefixes(m, k)
     step = max(1, min(_MAX_EVENTS_PER_CALL, _CHUNK_ELEMENTS // n))
     probs = np.concatenate([_marginals(marginals, classes[lo: lo + step], n)
                             for lo in range(0, len(classes), step)], axis=1)
