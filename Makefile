@@ -1,6 +1,6 @@
 # Two commands for a fresh machine (Python 3.10+, no GPU and no network needed beyond the package registry):
 #   make demo   set up .venv and run the default experiment (tiny Qwen3 on the synthetic world, about 30 s)
-#   make test   set up .venv, lint, and run the test suite (3.5 min on a fresh clone with 2 cores)
+#   make test   set up .venv, lint, and run the test suite (about 5 min on a fresh clone with 2 cores)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
