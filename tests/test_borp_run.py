@@ -109,3 +109,20 @@ def test_helpsteer2_command_runs_on_a_fixture_in_the_hub_schema(tmp_path, shared
     predictions = pd.read_parquet(tmp_path / "run" / "predictions" / "helpsteer2_validation.parquet")
     assert block["probe/n"] == len(predictions) > 0 and predictions["score"].between(1, 5).all()
     assert np.isfinite(block["probe/rmse"])
+
+
+def test_polarization_mining_writes_both_tails(borp_run, shared_cache):
+    cwd, folder, _ = borp_run
+    pool = cwd / "pool.jsonl"
+    rows = [{"prompt": f"Topic {i}: write a reply.", "response": " ".join(["vobe", "mada", "gobo"][: 1 + i % 3])}
+            for i in range(12)]
+    pd.DataFrame(rows).to_json(pool, orient="records", lines=True)
+    proc = run_entry_point(ROOT / "scripts" / "mine_polarized.py",
+                           [f"run={folder}", f"data={pool}", "--top", "3", "--out", cwd / "mined"], cwd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = pd.read_csv(cwd / "mined" / "polarized.csv")
+    assert len(table) == 12 and table["polarization"].is_monotonic_decreasing
+    top = (cwd / "mined" / "polarized_top.md").read_text()
+    assert top.count("\n| ") == 4  # header + 3 samples
+    proc = run_entry_point(ROOT / "scripts" / "mine_polarized.py", [f"run={folder}"], cwd)
+    assert proc.returncode == 2 and "nothing to mine" in proc.stderr

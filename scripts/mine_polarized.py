@@ -1,0 +1,102 @@
+"""Polarization mining (BoRP phase 2): rank unlabeled samples by the polarization index of a trained probe and write
+the most positive and most negative ones, the material a teacher model turns into a rubric.
+
+    python scripts/mine_polarized.py run=outputs/runs/<borp run> data=pool.jsonl --top 20 --out mined/
+    python scripts/mine_polarized.py run=<borp run> dataset=helpsteer2_validation --top 50
+
+``data`` is a JSONL/CSV/parquet file with ``prompt`` and ``response`` columns (strings or chat messages);
+``dataset=<name>_<split>`` reads a configured dataset instead (its pointwise rows, or the chosen completions of a
+preference set). The index is eq. 2 as we read it (rewarduq_exp/methods/borp.py): PI = z(||d||) * D / mean(D) with
+the training split's statistics. Writes ``polarized.csv`` (every sample with its PI and the probe's score and u)
+and ``polarized_top.md`` / ``polarized_bottom.md`` into ``--out`` (default: <run>/polarized).
+"""
+
+from __future__ import annotations
+
+import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from rewarduq_exp.data.contract import as_messages
+from rewarduq_exp.errors import UserError
+from rewarduq_exp.methods.borp import polarization_index, polarized_samples
+from rewarduq_exp.runner.cli import fail
+from rewarduq_exp.runs.atomic_write import write_atomic
+
+
+def read_pool(args, run_cfg) -> pd.DataFrame:
+    if args.data:
+        path = Path(args.data)
+        if not path.is_file():
+            raise UserError(f"data={path}: file not found")
+        frame = (pd.read_json(path, lines=True) if path.suffix in (".jsonl", ".json") else
+                 pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path))
+        missing = [c for c in ("prompt", "response") if c not in frame.columns]
+        if missing:
+            raise UserError(f"data={path}: missing column(s) {', '.join(missing)}; needs prompt and response")
+    elif args.dataset:
+        from rewarduq_exp.data.registry import build_loader, resolve_eval_sets
+
+        (es,) = resolve_eval_sets([args.dataset], run_cfg.dataset, int(run_cfg.seed), run_cfg.paths)
+        frame = build_loader(es.config).load(es.split)
+        if "response" not in frame.columns:
+            frame = frame.rename(columns={"chosen": "response"})
+    else:
+        raise UserError("nothing to mine: pass data=<file with prompt, response> or dataset=<name>_<split>")
+    frame = frame.reset_index(drop=True)
+    frame["prompt"] = [as_messages(v, "user", source="data", column="prompt") for v in frame["prompt"]]
+    frame["response"] = [as_messages(v, "assistant", source="data", column="response") for v in frame["response"]]
+    return frame
+
+
+def text(messages) -> str:
+    return " / ".join(f"{m['role']}: {m['content']}" for m in messages).replace("|", "\\|").replace("\n", " ")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("settings", nargs="+", help="run=<borp run folder>, and data=<file> or dataset=<name>")
+    parser.add_argument("--top", type=int, default=20, help="samples per tail")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args(argv)
+    settings = dict(s.split("=", 1) for s in args.settings if "=" in s)
+    args.run, args.data, args.dataset = settings.get("run"), settings.get("data"), settings.get("dataset")
+    try:
+        if not args.run:
+            raise UserError("pass run=<folder of a method=borp run>")
+        from rewarduq_exp.runner.trained_run import load_trained_method
+
+        run = load_trained_method(args.run, device=args.device, progress=True)
+        method = run.method
+        if getattr(method, "name", "") != "borp":
+            raise UserError(f"run={args.run} is a {method.name} run; polarization mining needs a method=borp run")
+        pool = read_pool(args, run.config)
+        final, _ = method.layers()
+        features = method.features(pool["prompt"], pool["response"])
+        pi = polarization_index(features[final], method.probe.polarization_)
+        prediction = method.probe.predict(features)
+        top, bottom = polarized_samples(pi, args.top)
+    except UserError as err:
+        fail(str(err), err.exit_code)
+    out = args.out or Path(args.run) / "polarized"
+    table = pd.DataFrame({"index": np.arange(len(pool)), "polarization": pi, "score": prediction.score,
+                          "u": prediction.u if prediction.u is not None else np.zeros(len(pi)),
+                          "prompt": [text(p) for p in pool["prompt"]],
+                          "response": [text(r) for r in pool["response"]]})
+    write_atomic(out / "polarized.csv", table.sort_values("polarization", ascending=False).to_csv(index=False))
+    for name, rows in (("top", top), ("bottom", bottom)):
+        lines = [f"# {name} {len(rows)} by polarization index (run {args.run})", "",
+                 "| PI | score | u | prompt | response |", "|---|---|---|---|---|"]
+        lines += [f"| {pi[i]:.3f} | {prediction.score[i]:.2f} | {table.u[i]:.2f} | {table.prompt[i]} | "
+                  f"{table.response[i]} |" for i in rows]
+        write_atomic(out / f"polarized_{name}.md", "\n".join(lines) + "\n")
+    print(f"{len(pool)} samples; top PI {pi[top[0]]:.3f}, bottom PI {pi[bottom[0]]:.3f}; written to {out}")
+
+
+if __name__ == "__main__":
+    main()
