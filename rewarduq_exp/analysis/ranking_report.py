@@ -111,7 +111,7 @@ def plot_dataset(frame: pd.DataFrame, path: Path, dataset: str) -> Path:
         for r, full in enumerate((False, True)):
             for c, kind in enumerate(("sub", "top")):
                 ax = axes[r, c]
-                for learner in _learners(frame):
+                for color, learner in enumerate(_learners(frame)):  # one colour per learner in every panel
                     pts = []
                     for key in ece_metrics(frame):
                         m = _ECE_KEY.match(key)
@@ -121,7 +121,7 @@ def plot_dataset(frame: pd.DataFrame, path: Path, dataset: str) -> Path:
                                 pts.append((int(m.group(3)), hit["mean"].iloc[0], hit["std"].iloc[0]))
                     if pts:
                         ks, mean, std = map(np.array, zip(*sorted(pts)))
-                        ax.errorbar(ks, mean, yerr=np.nan_to_num(std), fmt="o-", capsize=3,
+                        ax.errorbar(ks, mean, yerr=np.nan_to_num(std), fmt="o-", capsize=3, color=f"C{color}",
                                     label=ABBREVIATIONS.get(learner, learner))
                 ax.set_title(f"{'full-rank' if full else 'rank-wise'} {kind}-k")
                 ax.set_xlabel("k")
