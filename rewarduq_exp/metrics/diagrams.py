@@ -32,7 +32,8 @@ _DPI = 150
 
 
 def draw_reliability(
-    fig: Figure, ax: Axes, curve: CalibrationCurve, *, heading: str, xlabel: str, marker_label: str
+    fig: Figure, ax: Axes, curve: CalibrationCurve, *, heading: str, xlabel: str, marker_label: str,
+    ylabel: str = "empirical preference frequency",
 ) -> None:
     """One reliability panel on ``ax``: bars, mean-probability markers, diagonal, legend and share colour bar."""
     edges = curve.edges
@@ -56,7 +57,7 @@ def draw_reliability(
     ax.set_ylim(0, 1)
     ax.set_aspect("equal")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("empirical preference frequency")
+    ax.set_ylabel(ylabel)
     ax.set_title(heading)
     ax.grid(alpha=0.3, zorder=0)
     ax.legend(handles=handles, loc="best", fontsize=8, framealpha=0.9)

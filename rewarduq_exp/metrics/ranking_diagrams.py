@@ -42,7 +42,8 @@ def plot_top1_reliability(probs, labels, path: Path, *, n_bins: int = 10, title:
     try:
         shown = ece if ece is not None else curve.ece()
         draw_reliability(fig, fig.add_subplot(), curve, heading=f"top-1: ECE = {shown:.4f}",
-                         xlabel="predicted top-1 probability", marker_label="mean predicted probability")
+                         xlabel="predicted top-1 probability", marker_label="mean predicted probability",
+                         ylabel="empirical top-1 frequency")
         if title:
             fig.suptitle(title)
         save_figure(fig, path)

@@ -121,7 +121,8 @@ def run_label_ranking(cfg, out: Path, folder: RunFolder, show_progress: bool) ->
                 probs = np.concatenate([p for p, _ in top1_pooled]).ravel()
                 labels = np.concatenate([y for _, y in top1_pooled]).ravel()
                 plot_top1_reliability(probs, labels, figures / "top1_reliability.png",
-                                      n_bins=int(options.get("n_bins", 10)), title=f"{name}: top-1 events")
+                                      n_bins=int(options.get("n_bins", 10)),
+                                      title=f"{name}: top-1 events, all folds pooled")
     info = {"folds": source.folds, "seconds_fit_per_fold": [t[0] for t in times],
             "seconds_per_fold": [t[1] for t in times],
             "learner": cfg.method._target_.rsplit(".", 1)[-1]}
