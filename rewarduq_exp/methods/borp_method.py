@@ -54,6 +54,7 @@ class BorpMethod(RewardMethod):
         self.fit_summary: dict = {}
         self._extractor = None
         self._ridge: MeanPoolRidge | None = None
+        self._judge = None
 
     def hyperparameters(self) -> dict:
         return {**self.settings, "score_range": list(self.settings["score_range"]), "beta": self.beta,
@@ -151,8 +152,10 @@ class BorpMethod(RewardMethod):
 
         prompts, responses = _messages(frame["prompt"]), _messages(frame["response"])
         out = {}
-        judge = ScoreOnlyJudge.from_backbone(self.encoder.backbone, batch_size=int(self._probe_cfg().batch_size))
-        out["score_judge"] = np.asarray(judge.judge(prompts, responses).expected, dtype=float)
+        if self._judge is None:  # the causal LM is loaded once, not once per eval set
+            self._judge = ScoreOnlyJudge.from_backbone(self.encoder.backbone,
+                                                       batch_size=int(self._probe_cfg().batch_size))
+        out["score_judge"] = np.asarray(self._judge.judge(prompts, responses).expected, dtype=float)
         if self._ridge is not None:
             final, _ = self.layers()
             x = mean_pooled_features(self.encoder.backbone.tokenizer, self.extractor().model, prompts, responses,
