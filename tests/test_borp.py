@@ -159,8 +159,10 @@ def test_polarization_index_pushes_extremes_to_both_tails():
 
 def test_save_load_round_trip(tmp_path, data, fitted):
     _, _, _, test, _ = data
-    path = fitted.save(tmp_path / "model" / "borp.joblib")
-    assert [p.name for p in path.parent.iterdir()] == ["borp.joblib"]  # atomic: no temporary left behind
+    path = fitted.save(tmp_path / "model" / "probe.npz")
+    assert [p.name for p in path.parent.iterdir()] == ["probe.npz"]  # atomic: no temporary left behind
+    with np.load(path, allow_pickle=False) as npz:  # plain arrays: loading never unpickles (DESIGN section 6)
+        assert "meta" in npz.files and npz[f"head/{FINAL}/coef"].dtype == np.float64
     loaded = BorpProbe.load(path)
     a, b = fitted.predict(test), loaded.predict(test)
     np.testing.assert_allclose(a.score, b.score, atol=1e-12)
@@ -168,10 +170,32 @@ def test_save_load_round_trip(tmp_path, data, fitted):
     assert loaded.config() == fitted.config()
     np.testing.assert_allclose(fitted.polarization(test), loaded.polarization(test))
     assert loaded.cv_[FINAL].equals(fitted.cv_[FINAL])
+    np.testing.assert_array_equal(loaded.train_rows_, fitted.train_rows_)
     with pytest.raises(UserError, match="not fitted"):
-        BorpProbe().save(tmp_path / "x.joblib")
+        BorpProbe().save(tmp_path / "x.npz")
     with pytest.raises(UserError, match="no saved BoRP probe"):
-        BorpProbe.load(tmp_path / "missing.joblib")
+        BorpProbe.load(tmp_path / "missing.npz")
+    import pickle
+
+    (tmp_path / "old.npz").write_bytes(pickle.dumps({"format": "borp-probe", "version": 1}))
+    with pytest.raises(UserError, match="not a saved BoRP probe"):  # a pickle (format 1) is refused, not run
+        BorpProbe.load(tmp_path / "old.npz")
+
+
+def test_ridge_baseline_is_its_linear_map_and_round_trips(tmp_path):
+    from sklearn.linear_model import RidgeCV
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(200, 12)) * rng.uniform(0.1, 10, size=12)
+    y = np.clip(3 + x @ rng.normal(size=12) * 0.1 + rng.normal(size=200) * 0.3, 1, 5)
+    ridge = MeanPoolRidge().fit(x, y)
+    reference = make_pipeline(StandardScaler(), RidgeCV(alphas=list(ridge.alphas))).fit(x, y)
+    np.testing.assert_allclose(ridge.predict(x), np.clip(reference.predict(x), 1, 5), atol=1e-9)
+    loaded = MeanPoolRidge.load(ridge.save(tmp_path / "ridge.npz"))
+    np.testing.assert_allclose(loaded.predict(x), ridge.predict(x), atol=1e-12)
+    assert loaded.alpha_ == ridge.alpha_
 
 
 def test_bad_input_one_line_errors(data):

@@ -80,6 +80,25 @@ def test_evaluate_and_the_python_api_rebuild_the_probe(borp_run, shared_cache):
     assert again["synthetic_eval"] == written
 
 
+def test_a_second_run_reads_every_backbone_output_from_the_feature_cache(borp_run, shared_cache):
+    """A sweep over the regressor's settings (here: the resampling ablation) shares the difference vectors, the
+    ridge's mean-pooled states and the judge's digit logits: the second run does no backbone forward pass."""
+    cwd, folder, _ = borp_run
+    first = json.loads((folder / "status.json").read_text())["features"]
+    assert first["backbone_forward_passes"] > 0
+    run("train.py", [*ARGS, "method.resample=false", f"hydra.run.dir={cwd}/ablation"], cwd, shared_cache)
+    second = json.loads((cwd / "ablation" / "status.json").read_text())["features"]
+    assert second["backbone_forward_passes"] == 0 and second["cache_misses"] == 0
+    assert second["cache_hits"] == first["cache_hits"] + first["cache_misses"]
+    a = json.loads((folder / "metrics.json").read_text())["synthetic_ratings_eval"]
+    b = json.loads((cwd / "ablation" / "metrics.json").read_text())["synthetic_ratings_eval"]
+    for name in ("score_judge", "mean_pool_ridge"):  # same cached inputs, same baselines
+        key = f"probe/baseline/{name}/pearson"
+        assert a[key] == pytest.approx(b[key], abs=1e-12)
+    assert sorted(p.name for p in (folder / "model").iterdir() if p.suffix == ".npz") == [
+        "mean_pool_ridge.npz", "probe.npz"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["method=borp"], "pass probe=borp_contrastive"),
     (["method=ens_mlp"], "allowed methods here: borp"),

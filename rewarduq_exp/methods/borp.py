@@ -69,7 +69,7 @@ FUSIONS = ("product", "mean_z")
 DEFAULT_COMPONENT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 POLARITY = "{polarity}"
 SAVE_FORMAT = "borp-probe"
-SAVE_VERSION = 1
+SAVE_VERSION = 2  # 2: .npz + JSON (1 was a joblib pickle)
 
 # The generic ("blind") probe of phase 1; our own wording of the idea in section 3.2 ("Performance is
 # Excellent/Terrible"), not the paper's figure 4, which was lost.
@@ -158,9 +158,15 @@ class ContrastiveExtractor:
         check_layers(layers, int(config.num_hidden_layers))
         return cls(backbone.tokenizer, backbone.load_encoder(), template, layers, **kwargs)
 
+    def identity(self) -> dict:
+        """What determines the difference vectors besides the backbone and the conversations (the cache key)."""
+        return {"kind": "borp_contrastive", "template": self.template.as_dict(), "layers": self.layers}
+
     def states(self, prompts, responses) -> np.ndarray:
         """(n, 2, n_layers, d) hidden states: [:, 0] under the positive suffix, [:, 1] under the negative one."""
-        prefixes = [prefix_cache.render_prefix(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
+        return self._states(render_prefixes(self.tokenizer, prompts, responses))
+
+    def _states(self, prefixes: Sequence[str]) -> np.ndarray:
         pre_ids = prefix_cache.tokenize_pieces(self.tokenizer, prefixes)
         suf_ids = prefix_cache.tokenize_pieces(self.tokenizer, self.template.suffixes(self.tokenizer))
         run = prefix_cache.suffix_states if self.reuse else prefix_cache.full_recompute
@@ -168,11 +174,25 @@ class ContrastiveExtractor:
                 batch_size=self.batch_size, stats=self.stats)
         return h.numpy()
 
+    def differences(self, prefixes: Sequence[str]) -> np.ndarray:
+        """(n, n_layers, d) difference vectors (eq. 1) of rendered conversations (:func:`render_prefixes`)."""
+        h = self._states(prefixes)
+        return h[:, 0] - h[:, 1]
+
     def extract(self, prompts, responses) -> dict[int, np.ndarray]:
         """{layer (as given): (n, d) difference vectors d = h(positive) - h(negative)} (eq. 1)."""
-        h = self.states(prompts, responses)
-        diff = h[:, 0] - h[:, 1]
-        return {layer: np.ascontiguousarray(diff[:, i]) for i, layer in enumerate(self.layers)}
+        return by_layer(self.differences(render_prefixes(self.tokenizer, prompts, responses)), self.layers)
+
+
+def render_prefixes(tokenizer, prompts, responses) -> list[str]:
+    """The conversations as the shared prefixes of the probe suffixes."""
+    return [prefix_cache.render_prefix(tokenizer, p, r) for p, r in zip(prompts, responses)]
+
+
+def by_layer(diff, layers: Sequence[int]) -> dict[int, np.ndarray]:
+    """{layer: (n, d)} views of an (n, n_layers, d) array whose second axis follows ``layers``."""
+    diff = np.asarray(diff)
+    return {int(layer): np.ascontiguousarray(diff[:, i]) for i, layer in enumerate(layers)}
 
 
 # ---------------------------------------------------------------------------------------------------- geometry
@@ -545,49 +565,78 @@ class BorpProbe:
                 "seed": int(self.seed)}
 
     def save(self, path: str | Path) -> Path:
-        """One joblib file (written atomically) holding the config and the fitted heads as plain arrays."""
-        import joblib
-
+        """One ``.npz`` file (written atomically): the fitted heads and statistics as arrays, the config and scalars
+        as a JSON string beside them. Loading it runs ``np.load(allow_pickle=False)``, which never executes code
+        (DESIGN section 6), unlike a pickle."""
         self._fitted()
-        state = {"format": SAVE_FORMAT, "version": SAVE_VERSION, "config": self.config(),
-                 "heads": {k: h.as_dict() for k, h in self.heads_.items()},
-                 "polarization": self.polarization_.as_dict(),
-                 "cv": {k: t.to_dict("list") for k, t in self.cv_.items()},
-                 "train_rows": self.train_rows_}
-        path = Path(path)
-        with atomic_path(path) as tmp:
-            joblib.dump(state, tmp)
-        return path
+        arrays = {"polarization/centroid": self.polarization_.centroid, "train_rows": self.train_rows_}
+        heads = {}
+        for layer, head in self.heads_.items():
+            arrays[f"head/{layer}/centroid"] = head.centroid
+            arrays[f"head/{layer}/coef"] = head.coef
+            heads[str(layer)] = {"intercept": float(head.intercept), "n_components": int(head.n_components),
+                                 "extra_features": bool(head.extra_features)}
+        polarization = {k: v for k, v in self.polarization_.as_dict().items() if k != "centroid"}
+        meta = {"format": SAVE_FORMAT, "version": SAVE_VERSION, "config": self.config(), "heads": heads,
+                "polarization": polarization, "cv": {str(k): t.to_dict("list") for k, t in self.cv_.items()}}
+        return save_arrays(path, meta, arrays)
 
     @classmethod
     def load(cls, path: str | Path) -> BorpProbe:
-        import joblib
-
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"{path}: no saved BoRP probe there")
-        state = joblib.load(path)
-        if not isinstance(state, dict) or state.get("format") != SAVE_FORMAT:
-            raise UserError(f"{path}: not a saved BoRP probe")
-        if state.get("version") != SAVE_VERSION:
-            raise UserError(f"{path}: BoRP probe format version {state.get('version')}; this code reads "
-                            f"version {SAVE_VERSION}")
-        cfg = dict(state["config"])
-        cfg["score_range"] = tuple(cfg["score_range"])
-        probe = cls(**cfg)
-        probe.heads_ = {int(k): LinearHead(**h) for k, h in state["heads"].items()}
-        probe.polarization_ = PolarizationStats(**state["polarization"])
-        probe.cv_ = {int(k): pd.DataFrame(t) for k, t in state["cv"].items()}
-        probe.train_rows_ = state["train_rows"]
+        meta, arrays = load_arrays(path, "BoRP probe")
+        probe = cls(**{**meta["config"], "score_range": tuple(meta["config"]["score_range"])})
+        probe.heads_ = {int(k): LinearHead(centroid=arrays[f"head/{k}/centroid"], coef=arrays[f"head/{k}/coef"], **h)
+                        for k, h in meta["heads"].items()}
+        probe.polarization_ = PolarizationStats(centroid=arrays["polarization/centroid"], **meta["polarization"])
+        probe.cv_ = {int(k): pd.DataFrame(t) for k, t in meta["cv"].items()}
+        probe.train_rows_ = arrays["train_rows"]
         return probe
+
+
+def save_arrays(path: str | Path, meta: dict, arrays: Mapping[str, np.ndarray]) -> Path:
+    """Write ``arrays`` and the JSON-able ``meta`` (stored as the string array ``meta``) to one ``.npz``,
+    atomically."""
+    import json
+
+    path = Path(path)
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:  # a file object: np.savez would append ".npz" to a name
+        np.savez(fh, meta=np.array(json.dumps(meta)), **{k: np.asarray(v) for k, v in arrays.items()})
+    return path
+
+
+def load_arrays(path: str | Path, what: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta, arrays) of a file written by :func:`save_arrays`, after checking its format and version."""
+    import json
+    import zipfile
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no saved {what} there")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except (ValueError, OSError, zipfile.BadZipFile) as err:
+        raise UserError(f"{path}: not a saved {what} ({str(err).splitlines()[0]})") from None
+    meta = json.loads(str(arrays.pop("meta"))) if "meta" in arrays else {}
+    if meta.get("format") != SAVE_FORMAT:
+        raise UserError(f"{path}: not a saved {what}")
+    if meta.get("version") != SAVE_VERSION:
+        raise UserError(f"{path}: {what} format version {meta.get('version')}; this code reads version "
+                        f"{SAVE_VERSION}; retrain the run")
+    return meta, arrays
 
 
 # ---------------------------------------------------------------------------------------------------- baseline
 def mean_pooled_features(tokenizer, model, prompts, responses, layer: int = -1, batch_size: int = 32) -> np.ndarray:
     """(n, d) mean over the real tokens of the rendered conversation at ``layer`` (the ridge baseline's input)."""
+    return mean_pooled_prefixes(tokenizer, model, render_prefixes(tokenizer, prompts, responses), layer, batch_size)
+
+
+def mean_pooled_prefixes(tokenizer, model, prefixes: Sequence[str], layer: int = -1,
+                         batch_size: int = 32) -> np.ndarray:
+    """:func:`mean_pooled_features` of already rendered conversations."""
     check_layers([layer], prefix_cache.num_layers_of(model))
-    texts = [prefix_cache.render_prefix(tokenizer, p, r) for p, r in zip(prompts, responses)]
-    ids = prefix_cache.tokenize_pieces(tokenizer, texts)
+    ids = prefix_cache.tokenize_pieces(tokenizer, prefixes)
     h = prefix_cache.mean_pooled_states(model, ids, [layer], pad_id=tokenizer.pad_token_id, batch_size=batch_size)
     return h[:, 0].numpy()
 
@@ -595,11 +644,14 @@ def mean_pooled_features(tokenizer, model, prompts, responses, layer: int = -1, 
 @dataclass(eq=False)
 class MeanPoolRidge:
     """Baseline: standardised mean-pooled hidden states -> ridge regression, the penalty chosen by efficient
-    leave-one-out CV over ``alphas`` (``RidgeCV``); predictions clipped to ``score_range``."""
+    leave-one-out CV over ``alphas`` (``RidgeCV``); predictions clipped to ``score_range``. Like the probe's heads,
+    the fitted pipeline is reduced to its linear map ``y = x · w + b`` (standardising then ridge is linear in x)."""
 
     alphas: Sequence[float] = (0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
     score_range: tuple[float, float] = (1.0, 5.0)
-    model_: object = field(default=None, repr=False)
+    coef_: np.ndarray | None = field(default=None, repr=False)
+    intercept_: float = 0.0
+    alpha_: float | None = None
 
     def fit(self, x, y) -> MeanPoolRidge:
         from sklearn.linear_model import RidgeCV
@@ -610,10 +662,26 @@ class MeanPoolRidge:
         y = np.asarray(y, dtype=np.float64).ravel()
         if len(y) != len(x) or len(y) < 3:
             raise UserError(f"the ridge baseline needs >= 3 samples with one score each (got {len(x)} and {len(y)})")
-        self.model_ = make_pipeline(StandardScaler(), RidgeCV(alphas=list(self.alphas))).fit(x, y)
+        scaler, ridge = StandardScaler(), RidgeCV(alphas=list(self.alphas))
+        make_pipeline(scaler, ridge).fit(x, y)
+        self.coef_ = np.ravel(ridge.coef_) / scaler.scale_
+        self.intercept_ = float(ridge.intercept_ - scaler.mean_ @ self.coef_)
+        self.alpha_ = float(ridge.alpha_)
         return self
 
     def predict(self, x) -> np.ndarray:
-        if self.model_ is None:
+        if self.coef_ is None:
             raise UserError("the ridge baseline is not fitted; call fit(features, scores) first")
-        return np.clip(self.model_.predict(_as_matrix(x, "mean-pooled features")), *self.score_range)
+        return np.clip(_as_matrix(x, "mean-pooled features") @ self.coef_ + self.intercept_, *self.score_range)
+
+    def save(self, path: str | Path) -> Path:
+        meta = {"format": SAVE_FORMAT, "version": SAVE_VERSION, "kind": "mean_pool_ridge",
+                "intercept": self.intercept_, "alpha": self.alpha_, "alphas": [float(a) for a in self.alphas],
+                "score_range": list(self.score_range)}
+        return save_arrays(path, meta, {"coef": self.coef_})
+
+    @classmethod
+    def load(cls, path: str | Path) -> MeanPoolRidge:
+        meta, arrays = load_arrays(path, "ridge baseline")
+        return cls(alphas=tuple(meta["alphas"]), score_range=tuple(meta["score_range"]), coef_=arrays["coef"],
+                   intercept_=float(meta["intercept"]), alpha_=meta["alpha"])

@@ -20,10 +20,20 @@ import pandas as pd
 
 from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.base import RewardMethod, Scores, read_method_info, write_method_info
-from rewarduq_exp.methods.borp import BorpPrediction, BorpProbe, ContrastiveExtractor, MeanPoolRidge, ProbeTemplate
+from rewarduq_exp.methods.borp import (
+    BorpPrediction,
+    BorpProbe,
+    ContrastiveExtractor,
+    MeanPoolRidge,
+    ProbeTemplate,
+    by_layer,
+    mean_pooled_prefixes,
+    render_prefixes,
+)
 
 PROBE_KIND = "borp_contrastive"
-PROBE_FILE = "probe.joblib"
+PROBE_FILE = "probe.npz"
+RIDGE_FILE = "mean_pool_ridge.npz"
 
 
 def _messages(values) -> list:
@@ -33,6 +43,10 @@ def _messages(values) -> list:
 class BorpMethod(RewardMethod):
     name = "borp"
     task = "pointwise"               # trains on rated responses (prompt, response, score)
+    # Its difference vectors, the ridge's mean-pooled states and the judge's digit logits go through the shared
+    # feature cache (keyed by backbone, template, layers and texts): a sweep over the regressor's settings runs the
+    # backbone once, and under torchrun the processes split that work.
+    uses_feature_cache = True
 
     def __init__(self, encoder=None, regressor: str = "pls", n_components: int | None = None, cv_folds: int = 5,
                  extra_features: bool = True, resample: bool = True, resample_power: float = 0.5,
@@ -100,8 +114,36 @@ class BorpMethod(RewardMethod):
                 reuse=bool(self._probe_cfg().get("reuse_prefix", True)))
         return self._extractor
 
+    def _cached(self, what: dict, prefixes: list[str], compute) -> np.ndarray:
+        """``compute(prefixes)`` (a numpy array or tensor, one row per prefix) through the feature cache; its forward
+        passes are counted in the encoder's stats."""
+        import torch
+
+        def rows(idx):
+            before = self._forward_passes()
+            out = torch.as_tensor(np.asarray(compute([prefixes[i] for i in idx]), dtype=np.float32))
+            self.encoder.stats["backbone_forward_passes"] += self._forward_passes() - before
+            return out
+
+        return self.encoder.cached(what, prefixes, rows).numpy()
+
+    def _forward_passes(self) -> int:
+        return sum(part.stats.get("forward_passes", 0) for part in (self._extractor, self._judge) if part is not None)
+
     def features(self, prompts, responses) -> dict[int, np.ndarray]:
-        return self.extractor().extract(_messages(prompts), _messages(responses))
+        final, intermediate = self.layers()
+        layers = [final] + ([] if intermediate is None else [intermediate])
+        what = {"kind": PROBE_KIND, "template": self.template().as_dict(), "layers": layers}
+        prefixes = render_prefixes(self.encoder.tokenizer, _messages(prompts), _messages(responses))
+        return by_layer(self._cached(what, prefixes, lambda texts: self.extractor().differences(texts)), layers)
+
+    def mean_pooled(self, prompts, responses) -> np.ndarray:
+        """The ridge baseline's input: mean-pooled final-layer states of the conversations (cached)."""
+        final, _ = self.layers()
+        prefixes = render_prefixes(self.encoder.tokenizer, _messages(prompts), _messages(responses))
+        what = {"kind": "mean_pooled_conversation", "layer": final}
+        return self._cached(what, prefixes, lambda texts: mean_pooled_prefixes(
+            self.encoder.tokenizer, self.extractor().model, texts, final, int(self._probe_cfg().batch_size)))
 
     # ------------------------------------------------------------------ contract
     def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # noqa: A002 (contract name)
@@ -118,12 +160,9 @@ class BorpMethod(RewardMethod):
                             "feature_dim": int(features[final].shape[1]), "seconds_features": round(t_features, 3),
                             "seconds_regression": round(time.perf_counter() - t0 - t_features, 3)}
         if self.use_baselines:
-            from rewarduq_exp.methods.borp import mean_pooled_features
-
-            bb = self.encoder.backbone
-            x = mean_pooled_features(bb.tokenizer, self.extractor().model, _messages(train["prompt"]),
-                                     _messages(train["response"]), layer=final)
-            self._ridge = MeanPoolRidge().fit(x, train["score"].to_numpy(dtype=float))
+            x = self.mean_pooled(train["prompt"], train["response"])
+            self._ridge = MeanPoolRidge(score_range=self.settings["score_range"]).fit(
+                x, train["score"].to_numpy(dtype=float))
         return self.fit_summary
 
     def predict(self, prompts, responses) -> BorpPrediction:
@@ -147,20 +186,16 @@ class BorpMethod(RewardMethod):
         next-token distribution over the score digits) and the mean-pooled ridge fitted on the training split."""
         if not self.use_baselines:
             return {}
-        from rewarduq_exp.methods.borp import mean_pooled_features
         from rewarduq_exp.methods.score_judge import ScoreOnlyJudge
 
-        prompts, responses = _messages(frame["prompt"]), _messages(frame["response"])
-        out = {}
-        if self._judge is None:  # the causal LM is loaded once, not once per eval set
+        if self._judge is None:  # the causal LM is loaded once per run, and only if a judgment is not cached
             self._judge = ScoreOnlyJudge.from_backbone(self.encoder.backbone,
                                                        batch_size=int(self._probe_cfg().batch_size))
-        out["score_judge"] = np.asarray(self._judge.judge(prompts, responses).expected, dtype=float)
+        prefixes = render_prefixes(self.encoder.tokenizer, _messages(frame["prompt"]), _messages(frame["response"]))
+        raw = self._cached(self._judge.identity(), prefixes, self._judge.raw)
+        out = {"score_judge": np.asarray(self._judge.result(raw).expected, dtype=float)}
         if self._ridge is not None:
-            final, _ = self.layers()
-            x = mean_pooled_features(self.encoder.backbone.tokenizer, self.extractor().model, prompts, responses,
-                                     layer=final)
-            out["mean_pool_ridge"] = np.clip(self._ridge.predict(x), *self.settings["score_range"])
+            out["mean_pool_ridge"] = self._ridge.predict(self.mean_pooled(frame["prompt"], frame["response"]))
         return out
 
     def save(self, directory: str | os.PathLike) -> None:
@@ -168,12 +203,7 @@ class BorpMethod(RewardMethod):
         directory.mkdir(parents=True, exist_ok=True)
         self.probe.save(directory / PROBE_FILE)
         if self._ridge is not None:
-            import joblib
-
-            from rewarduq_exp.runs.atomic_write import atomic_path
-
-            with atomic_path(directory / "mean_pool_ridge.joblib") as tmp:
-                joblib.dump(self._ridge, tmp)
+            self._ridge.save(directory / RIDGE_FILE)
         extra = {"backbone": self.encoder.backbone.identity(), "probe": dict(self._probe_cfg())} \
             if self.encoder is not None else {}
         write_method_info(directory, self, **extra)
@@ -182,9 +212,7 @@ class BorpMethod(RewardMethod):
         directory = Path(directory)
         info = read_method_info(directory, self.name)
         self.probe = BorpProbe.load(directory / PROBE_FILE)
-        if (directory / "mean_pool_ridge.joblib").exists():
-            import joblib
-
-            self._ridge = joblib.load(directory / "mean_pool_ridge.joblib")
+        if (directory / RIDGE_FILE).exists():
+            self._ridge = MeanPoolRidge.load(directory / RIDGE_FILE)
         self.fit_summary = info.get("fit_summary", {})
         return self

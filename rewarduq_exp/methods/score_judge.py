@@ -45,7 +45,9 @@ class ScoreOnlyJudge:
                  scores: Sequence[str] = ("1", "2", "3", "4", "5"), think: str = "auto", batch_size: int = 32,
                  reuse: bool = True):
         self.tokenizer = tokenizer
-        self.lm = lm
+        # The LM, or a function that loads it on first use: a run whose judgments are all in the feature cache
+        # never loads it.
+        self._lm = lm
         self.suffix = prefix_cache.render_suffix(tokenizer, instruction, answer, think)
         self.values = np.array([float(s) for s in scores])
         self.score_ids = []
@@ -59,27 +61,50 @@ class ScoreOnlyJudge:
             raise UserError(f"judge scores {list(scores)} must be distinct tokens")
         self.batch_size = int(batch_size)
         self.reuse = bool(reuse)
+        self.stats: dict = {}  # forward passes and tokens (prefix_cache's counters)
 
     @classmethod
     def from_backbone(cls, backbone, instruction: str = SCORE_ONLY_INSTRUCTION, **kwargs):
         from transformers import AutoModelForCausalLM
 
-        lm = backbone.from_pretrained(AutoModelForCausalLM, "causal LM", dtype=backbone.dtype)
-        lm.requires_grad_(False)
-        return cls(backbone.tokenizer, lm.eval().to(backbone.device), instruction, **kwargs)
+        def load():
+            lm = backbone.from_pretrained(AutoModelForCausalLM, "causal LM", dtype=backbone.dtype)
+            return lm.requires_grad_(False).eval().to(backbone.device)
 
-    @torch.no_grad()
+        return cls(backbone.tokenizer, load, instruction, **kwargs)
+
+    @property
+    def lm(self):
+        if callable(self._lm) and not isinstance(self._lm, torch.nn.Module):
+            self._lm = self._lm()
+        return self._lm
+
+    def identity(self) -> dict:
+        """What determines the judgments besides the backbone and the conversations (the feature-cache key)."""
+        return {"kind": "score_only_judge", "suffix": self.suffix, "score_ids": self.score_ids}
+
     def judge(self, prompts, responses) -> JudgeResult:
         prefixes = [prefix_cache.render_prefix(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
+        return self.result(self.raw(prefixes))
+
+    @torch.no_grad()
+    def raw(self, prefixes: Sequence[str]) -> torch.Tensor:
+        """(n, K + 1) float32: the logits of the K score tokens after each rendered conversation + the judge suffix,
+        then the log of the probability the full softmax puts on them (what :meth:`result` needs, and all the cache
+        keeps)."""
         pre_ids = prefix_cache.tokenize_pieces(self.tokenizer, prefixes)
         suf_ids = prefix_cache.tokenize_pieces(self.tokenizer, [self.suffix])
         run = prefix_cache.suffix_states if self.reuse else prefix_cache.full_recompute
         decoder = self.lm.get_decoder()
-        h = run(decoder, pre_ids, suf_ids, [-1], pad_id=self.tokenizer.pad_token_id, batch_size=self.batch_size)
+        h = run(decoder, pre_ids, suf_ids, [-1], pad_id=self.tokenizer.pad_token_id, batch_size=self.batch_size,
+                stats=self.stats)
         head = self.lm.get_output_embeddings()
         logits = head(h[:, 0, 0].to(head.weight.device, head.weight.dtype)).float().cpu()
-        full = torch.log_softmax(logits, -1)
-        picked = logits[:, self.score_ids]
-        probs = torch.softmax(picked, -1).numpy()
-        mass = full[:, self.score_ids].exp().sum(-1).numpy()
-        return JudgeResult(expected=probs @ self.values, argmax=self.values[probs.argmax(1)], probs=probs, mass=mass)
+        log_mass = torch.logsumexp(torch.log_softmax(logits, -1)[:, self.score_ids], -1, keepdim=True)
+        return torch.cat([logits[:, self.score_ids], log_mass], 1)
+
+    def result(self, raw) -> JudgeResult:
+        raw = torch.as_tensor(raw, dtype=torch.float32)
+        probs = torch.softmax(raw[:, :-1], -1).numpy()
+        return JudgeResult(expected=probs @ self.values, argmax=self.values[probs.argmax(1)], probs=probs,
+                           mass=raw[:, -1].exp().numpy())

@@ -75,12 +75,17 @@ class FeatureEncoder:
     def encode(self, prompts, completions, desc: str = "features") -> torch.Tensor:
         """Features (N, d) as float32 on the CPU, in input order."""
         texts = render_all(self.tokenizer, prompts, completions)
-        meta = {"backbone": self.backbone.identity(), "probe": self.probe_identity(),
-                "texts": texts_fingerprint(texts), "n": len(texts)}
+        return self.cached(self.probe_identity(), texts, lambda rows: self._extract([texts[i] for i in rows], desc))
+
+    def cached(self, what: dict, texts: list[str], compute_rows) -> torch.Tensor:
+        """Features of ``texts`` through the shared cache, keyed by the backbone, ``what`` (how they are read: the
+        probe's identity) and the texts; ``compute_rows(indices)`` computes the rows of a miss (it adds its forward
+        passes to ``stats``). Methods that read the backbone their own way (BoRP) share the cache through this."""
+        meta = {"backbone": self.backbone.identity(), "probe": what, "texts": texts_fingerprint(texts),
+                "n": len(texts)}
         key = stable_hash(meta, n=24)
-        # Under torchrun / accelerate each process extracts a block of the texts (one process: all of them).
-        feats, hit = self.cache.get_or_compute_sharded(
-            key, len(texts), lambda rows: self._extract([texts[i] for i in rows], desc), meta)
+        # Under torchrun / accelerate each process computes a block of the rows (one process: all of them).
+        feats, hit = self.cache.get_or_compute_sharded(key, len(texts), compute_rows, meta)
         self.stats["cache_hits" if hit else "cache_misses"] += 1
         return feats.float()
 
