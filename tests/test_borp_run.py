@@ -80,23 +80,44 @@ def test_evaluate_and_the_python_api_rebuild_the_probe(borp_run, shared_cache):
     assert again["synthetic_eval"] == written
 
 
-def test_a_second_run_reads_every_backbone_output_from_the_feature_cache(borp_run, shared_cache):
-    """A sweep over the regressor's settings (here: the resampling ablation) shares the difference vectors, the
-    ridge's mean-pooled states and the judge's digit logits: the second run does no backbone forward pass."""
-    cwd, folder, _ = borp_run
+@pytest.fixture(scope="module")
+def ablation_run(borp_run, shared_cache):
+    """The resampling ablation of the same probe, beside the first run (a two-configuration sweep)."""
+    cwd, _, _ = borp_run
+    run("train.py", [*ARGS, "method.resample=false", f"hydra.run.dir={cwd}/ablation"], cwd, shared_cache)
+    return cwd / "ablation"
+
+
+def test_a_second_run_reads_every_backbone_output_from_the_feature_cache(borp_run, ablation_run):
+    """A sweep over the regressor's settings shares the difference vectors, the ridge's mean-pooled states and the
+    judge's digit logits: the second run does no backbone forward pass."""
+    _, folder, _ = borp_run
     first = json.loads((folder / "status.json").read_text())["features"]
     assert first["backbone_forward_passes"] > 0
-    run("train.py", [*ARGS, "method.resample=false", f"hydra.run.dir={cwd}/ablation"], cwd, shared_cache)
-    second = json.loads((cwd / "ablation" / "status.json").read_text())["features"]
+    second = json.loads((ablation_run / "status.json").read_text())["features"]
     assert second["backbone_forward_passes"] == 0 and second["cache_misses"] == 0
     assert second["cache_hits"] == first["cache_hits"] + first["cache_misses"]
     a = json.loads((folder / "metrics.json").read_text())["synthetic_ratings_eval"]
-    b = json.loads((cwd / "ablation" / "metrics.json").read_text())["synthetic_ratings_eval"]
+    b = json.loads((ablation_run / "metrics.json").read_text())["synthetic_ratings_eval"]
     for name in ("score_judge", "mean_pool_ridge"):  # same cached inputs, same baselines
         key = f"probe/baseline/{name}/pearson"
         assert a[key] == pytest.approx(b[key], abs=1e-12)
     assert sorted(p.name for p in (folder / "model").iterdir() if p.suffix == ".npz") == [
         "mean_pool_ridge.npz", "probe.npz"]
+
+
+def test_selection_and_table1_pick_up_borp_runs(borp_run, ablation_run):
+    """BoRP scored on preference pairs enters RewardUQ's selection (ECE/EBCE filter, best RS_0.2) and Table 1 like
+    any other method."""
+    cwd, _, _ = borp_run
+    for script in ("select.py", "table1.py"):
+        proc = run_entry_point(ROOT / "scripts" / script, [cwd, "--dataset", "synthetic_eval", "--out", cwd / "sel"],
+                               cwd)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    table = pd.read_csv(cwd / "sel" / "selection.csv")
+    assert set(table["method"]) == {"borp"} and len(table) == 2
+    assert "resample" in table.columns
+    assert "borp" in (cwd / "sel" / "table1.md").read_text()
 
 
 @pytest.mark.parametrize("args, message", [
