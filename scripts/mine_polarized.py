@@ -8,7 +8,10 @@ the most positive and most negative ones, the material a teacher model turns int
 ``dataset=<name>_<split>`` reads a configured dataset instead (its pointwise rows, or the chosen completions of a
 preference set). The index is eq. 2 as we read it (rewarduq_exp/methods/borp.py): PI = z(||d||) * D / mean(D) with
 the training split's statistics. Writes ``polarized.csv`` (every sample with its PI and the probe's score and u)
-and ``polarized_top.md`` / ``polarized_bottom.md`` into ``--out`` (default: <run>/polarized).
+and ``polarized_top.md`` / ``polarized_bottom.md`` into ``--out`` (default: <run>/polarized), and
+``teacher_prompt.md``: phase 3's request to a teacher model, with both tails in it, to reverse-engineer a
+behaviour-oriented rubric (our wording; the paper's meta-prompt, figure 5, was lost). The rubric it returns goes
+into ``probe.rubrics`` of a refined probe (README, BoRP).
 """
 
 from __future__ import annotations
@@ -57,12 +60,32 @@ def text(messages) -> str:
     return " / ".join(f"{m['role']}: {m['content']}" for m in messages).replace("|", "\\|").replace("\n", " ")
 
 
+TEACHER_PROMPT = """\
+You are writing an evaluation rubric. A probe on a language model's hidden states found the conversations below
+to be the most clearly positive and the most clearly negative of {n} unlabeled ones. Study what separates the two
+groups and write a behaviour-oriented rubric for {target}: a short list of observable behaviours of the assistant
+that make a conversation better or worse, each with one example from the conversations. Do not mention the probe.
+
+## Most positive ({k})
+{top}
+
+## Most negative ({k})
+{bottom}
+"""
+
+
+def conversation(prompt_text: str, response_text: str) -> str:
+    return f"- {prompt_text} / {response_text}"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("settings", nargs="+", help="run=<borp run folder>, and data=<file> or dataset=<name>")
     parser.add_argument("--top", type=int, default=20, help="samples per tail")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--target", default="user satisfaction with the assistant",
+                        help="what the rubric is for, in the teacher prompt")
     args = parser.parse_args(argv)
     settings = dict(s.split("=", 1) for s in args.settings if "=" in s)
     args.run, args.data, args.dataset = settings.get("run"), settings.get("data"), settings.get("dataset")
@@ -95,6 +118,10 @@ def main(argv=None) -> None:
         lines += [f"| {pi[i]:.3f} | {prediction.score[i]:.2f} | {table.u[i]:.2f} | {table.prompt[i]} | "
                   f"{table.response[i]} |" for i in rows]
         write_atomic(out / f"polarized_{name}.md", "\n".join(lines) + "\n")
+    tails = {name: "\n".join(conversation(table.prompt[i], table.response[i]) for i in rows)
+             for name, rows in (("top", top), ("bottom", bottom))}
+    write_atomic(out / "teacher_prompt.md", TEACHER_PROMPT.format(n=len(pool), target=args.target, k=len(top),
+                                                                   **tails))
     print(f"{len(pool)} samples; top PI {pi[top[0]]:.3f}, bottom PI {pi[bottom[0]]:.3f}; written to {out}")
 
 

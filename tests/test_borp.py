@@ -265,6 +265,25 @@ def test_contrastive_extractor_on_the_tiny_model(deep_backbone):
     assert pooled.shape == (3, 256)
 
 
+def test_several_rubrics_share_one_prefix_pass_and_concatenate(deep_backbone):
+    """Phase 3 with R rubric templates: 2R suffixes on one prefix pass, vectors side by side in template order."""
+    prompts, responses = zip(*CONVS)
+    rubrics = [ProbeTemplate(instruction="Rubric A: is the reply on topic? One word."),
+               ProbeTemplate(instruction="Rubric B: is the reply polite? One word.", positive="Good", negative="Bad")]
+    single = [ContrastiveExtractor.from_backbone(deep_backbone, t, layers=[1, -1], batch_size=12) for t in rubrics]
+    both = ContrastiveExtractor(deep_backbone.tokenizer, single[0].model, rubrics, [1, -1], batch_size=12)
+    feats = both.extract(prompts, responses)
+    alone = [ex.extract(prompts, responses) for ex in single]
+    for layer in (1, -1):
+        assert feats[layer].shape == (3, 512)
+        np.testing.assert_allclose(feats[layer], np.hstack([a[layer] for a in alone]), atol=1e-4)
+    # the conversations ran once for both rubrics (one batch of 3 either way): the prefix tokens of one rubric
+    assert both.stats["prefix_tokens"] == single[0].stats["prefix_tokens"]
+    assert both.stats["suffix_tokens"] > single[0].stats["suffix_tokens"]
+    with pytest.raises(UserError, match="at least one template"):
+        ContrastiveExtractor(deep_backbone.tokenizer, single[0].model, [], [1, -1])
+
+
 def test_score_only_judge_on_the_tiny_model(deep_backbone):
     prompts, responses = zip(*CONVS)
     judge = ScoreOnlyJudge.from_backbone(deep_backbone, batch_size=2)

@@ -126,6 +126,9 @@ def test_selection_and_table1_pick_up_borp_runs(borp_run, ablation_run):
     (["method=borp", "probe=borp_contrastive", "probe.layer=9"], "layer"),
     (["method=borp", "probe=borp_contrastive", "probe.instruction=''"], "instruction is empty"),
     (["method=borp", "probe=borp_contrastive", "method.regressor=lasso"], "regressor"),
+    (["method=borp", "probe=borp_contrastive", "probe.rubrics=[on topic]", "probe.rubric_instruction=Judge"],
+     "must contain {rubric}"),
+    (["method=borp", "probe=borp_contrastive", "probe.rubrics=['on topic',' ']"], "probe.rubrics[1] is empty"),
 ])
 def test_bad_input_is_one_line(tmp_path, shared_cache, args, message):
     proc = run("train.py", [*args, "dataset=synthetic_ratings", "dataset.n_train=50", "dataset.n_eval=20",
@@ -133,6 +136,19 @@ def test_bad_input_is_one_line(tmp_path, shared_cache, args, message):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+def test_refined_probe_with_two_rubrics_trains(tmp_path, shared_cache):
+    """Phase 3: rubrics replace the generic instruction; two rubrics give twice the feature width."""
+    rubrics = "probe.rubrics=['Reward replies that stay on the topic.','Penalise replies that repeat words.']"
+    run("train.py", ["method=borp", "probe=borp_contrastive", rubrics, "dataset=synthetic_ratings",
+                     "model.build.num_layers=4", "dataset.n_train=60", "dataset.n_eval=20", "dataset.n_ood=20",
+                     "method.baselines=false", "metric.diagrams=false", f"hydra.run.dir={tmp_path}/run"],
+        tmp_path, shared_cache)
+    fit = json.loads((tmp_path / "run" / "status.json").read_text())["fit"]
+    assert fit["feature_dim"] == 2 * 256
+    assert np.isfinite(json.loads((tmp_path / "run" / "metrics.json").read_text())[
+        "synthetic_ratings_eval"]["probe/pearson"])
 
 
 def test_helpsteer2_command_runs_on_a_fixture_in_the_hub_schema(tmp_path, shared_cache):
@@ -164,5 +180,7 @@ def test_polarization_mining_writes_both_tails(borp_run, shared_cache):
     assert len(table) == 12 and table["polarization"].is_monotonic_decreasing
     top = (cwd / "mined" / "polarized_top.md").read_text()
     assert top.count("\n| ") == 4  # header + 3 samples
+    teacher = (cwd / "mined" / "teacher_prompt.md").read_text()
+    assert teacher.count("\n- ") == 6 and "## Most negative (3)" in teacher
     proc = run_entry_point(ROOT / "scripts" / "mine_polarized.py", [f"run={folder}"], cwd)
     assert proc.returncode == 2 and "nothing to mine" in proc.stderr

@@ -134,13 +134,18 @@ class ContrastiveExtractor:
     The conversation is the prefix; the positive and negative suffixes reuse its KV cache
     (:func:`~rewarduq_exp.models.prefix_cache.suffix_states`, ``reuse=True``) or are run from scratch
     (``reuse=False``; same numbers within float tolerance). ``model`` is a headless decoder.
+
+    ``template`` may be a list (phase 3, several rubrics): the 2R suffixes of R templates all share the one prefix
+    pass, and a layer's vector is the concatenation of the R difference vectors, in template order.
     """
 
-    def __init__(self, tokenizer, model, template: ProbeTemplate, layers: Sequence[int], *, batch_size: int = 32,
-                 reuse: bool = True):
+    def __init__(self, tokenizer, model, template: ProbeTemplate | Sequence[ProbeTemplate], layers: Sequence[int], *,
+                 batch_size: int = 32, reuse: bool = True):
         self.tokenizer = tokenizer
         self.model = model
-        self.template = template
+        self.templates = [template] if isinstance(template, ProbeTemplate) else list(template)
+        if not self.templates:
+            raise UserError("the probe needs at least one template (rubric)")
         self.num_layers = prefix_cache.num_layers_of(model)
         self.layers = check_layers(layers, self.num_layers)
         if int(batch_size) < 1:
@@ -158,26 +163,26 @@ class ContrastiveExtractor:
         check_layers(layers, int(config.num_hidden_layers))
         return cls(backbone.tokenizer, backbone.load_encoder(), template, layers, **kwargs)
 
-    def identity(self) -> dict:
-        """What determines the difference vectors besides the backbone and the conversations (the cache key)."""
-        return {"kind": "borp_contrastive", "template": self.template.as_dict(), "layers": self.layers}
-
     def states(self, prompts, responses) -> np.ndarray:
-        """(n, 2, n_layers, d) hidden states: [:, 0] under the positive suffix, [:, 1] under the negative one."""
+        """(n, 2R, n_layers, d) hidden states of R templates: [:, 2r] under template r's positive suffix,
+        [:, 2r + 1] under its negative one."""
         return self._states(render_prefixes(self.tokenizer, prompts, responses))
 
     def _states(self, prefixes: Sequence[str]) -> np.ndarray:
         pre_ids = prefix_cache.tokenize_pieces(self.tokenizer, prefixes)
-        suf_ids = prefix_cache.tokenize_pieces(self.tokenizer, self.template.suffixes(self.tokenizer))
+        suffixes = [text for t in self.templates for text in t.suffixes(self.tokenizer)]
+        suf_ids = prefix_cache.tokenize_pieces(self.tokenizer, suffixes)
         run = prefix_cache.suffix_states if self.reuse else prefix_cache.full_recompute
         h = run(self.model, pre_ids, suf_ids, self.layers, pad_id=self.tokenizer.pad_token_id,
                 batch_size=self.batch_size, stats=self.stats)
         return h.numpy()
 
     def differences(self, prefixes: Sequence[str]) -> np.ndarray:
-        """(n, n_layers, d) difference vectors (eq. 1) of rendered conversations (:func:`render_prefixes`)."""
+        """(n, n_layers, R d) difference vectors (eq. 1) of rendered conversations (:func:`render_prefixes`), the R
+        templates' vectors side by side."""
         h = self._states(prefixes)
-        return h[:, 0] - h[:, 1]
+        diff = h[:, 0::2] - h[:, 1::2]                                 # (n, R, n_layers, d)
+        return np.concatenate(list(diff.transpose(1, 0, 2, 3)), axis=-1)  # (n, n_layers, R d)
 
     def extract(self, prompts, responses) -> dict[int, np.ndarray]:
         """{layer (as given): (n, d) difference vectors d = h(positive) - h(negative)} (eq. 1)."""

@@ -32,6 +32,7 @@ from rewarduq_exp.methods.borp import (
 )
 
 PROBE_KIND = "borp_contrastive"
+RUBRIC = "{rubric}"
 PROBE_FILE = "probe.npz"
 RIDGE_FILE = "mean_pool_ridge.npz"
 
@@ -100,17 +101,36 @@ class BorpMethod(RewardMethod):
             intermediate = min(max(1, round(depth * 15 / 40)), depth - 1)
         return final, (None if intermediate == "none" else int(intermediate))
 
-    def template(self) -> ProbeTemplate:
+    def templates(self) -> list[ProbeTemplate]:
+        """The generic probe (``probe.instruction``), or, for a refined probe (phase 3), one template per rubric in
+        ``probe.rubrics``, each rubric put into ``probe.rubric_instruction`` at ``{rubric}``."""
         cfg = self._probe_cfg()
-        return ProbeTemplate(instruction=str(cfg.instruction), answer=str(cfg.answer), positive=str(cfg.positive),
-                             negative=str(cfg.negative), think=str(cfg.think))
+        rubrics = list(cfg.get("rubrics") or [])
+        common = {"answer": str(cfg.answer), "positive": str(cfg.positive), "negative": str(cfg.negative),
+                  "think": str(cfg.think)}
+        if not rubrics:
+            return [ProbeTemplate(instruction=str(cfg.instruction), **common)]
+        wrapper = str(cfg.get("rubric_instruction") or "")
+        if RUBRIC not in wrapper:
+            raise UserError(f"probe.rubric_instruction must contain {RUBRIC}, where each rubric of probe.rubrics "
+                            "goes")
+        empty = [i for i, r in enumerate(rubrics) if not str(r).strip()]
+        if empty:
+            raise UserError(f"probe.rubrics[{empty[0]}] is empty; give the rubric's text")
+        return [ProbeTemplate(instruction=wrapper.replace(RUBRIC, str(r).strip()), **common) for r in rubrics]
+
+    def identity(self, layers: list[int]) -> dict:
+        """The feature-cache identity of the difference vectors (one template: the same key as before rubrics)."""
+        templates = [t.as_dict() for t in self.templates()]
+        which = {"template": templates[0]} if len(templates) == 1 else {"templates": templates}
+        return {"kind": PROBE_KIND, **which, "layers": layers}
 
     def extractor(self) -> ContrastiveExtractor:
         if self._extractor is None:
             final, intermediate = self.layers()
             layers = [final] + ([] if intermediate is None else [intermediate])
             self._extractor = ContrastiveExtractor.from_backbone(
-                self.encoder.backbone, self.template(), layers, batch_size=int(self._probe_cfg().batch_size),
+                self.encoder.backbone, self.templates(), layers, batch_size=int(self._probe_cfg().batch_size),
                 reuse=bool(self._probe_cfg().get("reuse_prefix", True)))
         return self._extractor
 
@@ -133,7 +153,7 @@ class BorpMethod(RewardMethod):
     def features(self, prompts, responses) -> dict[int, np.ndarray]:
         final, intermediate = self.layers()
         layers = [final] + ([] if intermediate is None else [intermediate])
-        what = {"kind": PROBE_KIND, "template": self.template().as_dict(), "layers": layers}
+        what = self.identity(layers)
         prefixes = render_prefixes(self.encoder.tokenizer, _messages(prompts), _messages(responses))
         return by_layer(self._cached(what, prefixes, lambda texts: self.extractor().differences(texts)), layers)
 
