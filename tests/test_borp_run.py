@@ -129,6 +129,8 @@ def test_selection_and_table1_pick_up_borp_runs(borp_run, ablation_run):
     (["method=borp", "probe=borp_contrastive", "probe.rubrics=[on topic]", "probe.rubric_instruction=Judge"],
      "must contain {rubric}"),
     (["method=borp", "probe=borp_contrastive", "probe.rubrics=['on topic',' ']"], "probe.rubrics[1] is empty"),
+    (["method=borp", "probe=borp_contrastive", "probe.backend=sglang"], "engine returns only the final layer"),
+    (["method=borp", "probe=borp_contrastive", "probe.backend=vllm"], "allowed: hf"),
 ])
 def test_bad_input_is_one_line(tmp_path, shared_cache, args, message):
     proc = run("train.py", [*args, "dataset=synthetic_ratings", "dataset.n_train=50", "dataset.n_eval=20",

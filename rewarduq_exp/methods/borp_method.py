@@ -33,6 +33,13 @@ from rewarduq_exp.methods.borp import (
 
 PROBE_KIND = "borp_contrastive"
 RUBRIC = "{rubric}"
+# Why there is no SGLang backend (README, BoRP): its public API returns only the final layer's hidden state, after
+# the final norm (eq. 3 needs an intermediate layer too), and it pins its own torch/transformers/CUDA stack, so it
+# cannot share this environment; nothing could be run or checked without a GPU.
+SGLANG_NOT_BUILT = ("probe.backend=sglang is not available: SGLang's engine returns only the final layer's hidden "
+                    "state (other layers only through its internal speculative-decoding capture), eq. 3 needs an "
+                    "intermediate one too, and SGLang needs its own CUDA environment; use probe.backend=hf, which "
+                    "also reuses the conversation's KV cache for every suffix")
 PROBE_FILE = "probe.npz"
 RIDGE_FILE = "mean_pool_ridge.npz"
 
@@ -83,6 +90,11 @@ class BorpMethod(RewardMethod):
         if cfg.get("kind") != PROBE_KIND:
             raise UserError(f"method=borp reads hidden states through a contrastive probe: pass "
                             f"probe={PROBE_KIND} (got probe={cfg.get('name')})")
+        backend = cfg.get("backend", "hf")
+        if backend == "sglang":
+            raise UserError(SGLANG_NOT_BUILT)
+        if backend != "hf":
+            raise UserError(f"probe.backend={backend!r} is invalid; allowed: hf")
         return cfg
 
     def layers(self) -> tuple[int, int | None]:
