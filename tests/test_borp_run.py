@@ -15,8 +15,9 @@ ARGS = ["method=borp", "probe=borp_contrastive", "dataset=synthetic_ratings", "m
         "dataset.n_train=400", "dataset.n_eval=200", "dataset.n_ood=100", "also_evaluate=[synthetic_eval]"]
 
 
-def run(script, args, cwd, cache, check=True):
-    args = [f"paths.output_root={cwd / 'outputs'}", f"paths.cache_dir={cache}", "progress=false", *args]
+def run(script, args, cwd, cache, check=True, flags=()):
+    # Hydra's flags (--config-dir) go first: argparse takes the overrides as one run of positional arguments.
+    args = [*flags, f"paths.output_root={cwd / 'outputs'}", f"paths.cache_dir={cache}", "progress=false", *args]
     proc = run_entry_point(ROOT / script, args, cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -141,12 +142,17 @@ def test_bad_input_is_one_line(tmp_path, shared_cache, args, message):
 
 
 def test_refined_probe_with_two_rubrics_trains(tmp_path, shared_cache):
-    """Phase 3: rubrics replace the generic instruction; two rubrics give twice the feature width."""
-    rubrics = "probe.rubrics=['Reward replies that stay on the topic.','Penalise replies that repeat words.']"
-    run("train.py", ["method=borp", "probe=borp_contrastive", rubrics, "dataset=synthetic_ratings",
-                     "model.build.num_layers=4", "dataset.n_train=60", "dataset.n_eval=20", "dataset.n_ood=20",
-                     "method.baselines=false", "metric.diagrams=false", f"hydra.run.dir={tmp_path}/run"],
-        tmp_path, shared_cache)
+    """Phase 3 as the README shows it: a probe config of the user's own (--config-dir) whose rubrics replace the
+    generic instruction; two rubrics give twice the feature width."""
+    (tmp_path / "mine" / "probe").mkdir(parents=True)
+    (tmp_path / "mine" / "probe" / "refined.yaml").write_text(
+        "defaults: [borp_contrastive]\nname: refined\nrubrics:\n"
+        "  - |\n    Reward replies that stay on the topic.\n    Penalise replies that repeat words.\n"
+        "  - Reward short replies.\n")
+    run("train.py", ["method=borp", "probe=refined", "dataset=synthetic_ratings", "model.build.num_layers=4",
+                     "dataset.n_train=60", "dataset.n_eval=20", "dataset.n_ood=20", "method.baselines=false",
+                     "metric.diagrams=false", f"hydra.run.dir={tmp_path}/run"], tmp_path, shared_cache,
+        flags=["--config-dir", str(tmp_path / "mine")])
     fit = json.loads((tmp_path / "run" / "status.json").read_text())["fit"]
     assert fit["feature_dim"] == 2 * 256
     assert np.isfinite(json.loads((tmp_path / "run" / "metrics.json").read_text())[

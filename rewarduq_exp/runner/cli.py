@@ -77,8 +77,21 @@ def _choices(arg: str) -> tuple[str, list[str]] | None:
     return (override.key_or_group, [str(value)]) if isinstance(value, str) else None
 
 
+def extra_config_dirs(args: list[str]) -> list[Path]:
+    """The folders given with Hydra's ``--config-dir`` / ``-cd``: the user's own configs, searched besides ours."""
+    found = []
+    for i, arg in enumerate(args):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(args):
+            found.append(Path(args[i + 1]))
+        elif arg.startswith("--config-dir="):
+            found.append(Path(arg.split("=", 1)[1]))
+    return found
+
+
 def check_group_choices(args: list[str], conf_dir: Path = CONF_DIR, groups=GROUPS) -> None:
-    """Exit with one line if a command-line override names a config that does not exist."""
+    """Exit with one line if a command-line override names a config that does not exist (in our configs or in a
+    ``--config-dir`` of the user's)."""
+    extra = extra_config_dirs(args)
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
@@ -86,7 +99,7 @@ def check_group_choices(args: list[str], conf_dir: Path = CONF_DIR, groups=GROUP
         if parsed is None or parsed[0] not in groups:
             continue
         group, values = parsed
-        allowed = available(group, conf_dir)
+        allowed = sorted({*available(group, conf_dir), *(name for d in extra for name in available(group, d))})
         for value in values:
             if value not in allowed:
                 fail(f"unknown {group} '{value}'; allowed: {', '.join(allowed)}")
