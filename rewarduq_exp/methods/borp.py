@@ -637,12 +637,13 @@ def mean_pooled_features(tokenizer, model, prompts, responses, layer: int = -1, 
     return mean_pooled_prefixes(tokenizer, model, render_prefixes(tokenizer, prompts, responses), layer, batch_size)
 
 
-def mean_pooled_prefixes(tokenizer, model, prefixes: Sequence[str], layer: int = -1,
-                         batch_size: int = 32) -> np.ndarray:
+def mean_pooled_prefixes(tokenizer, model, prefixes: Sequence[str], layer: int = -1, batch_size: int = 32,
+                         stats: dict | None = None) -> np.ndarray:
     """:func:`mean_pooled_features` of already rendered conversations."""
     check_layers([layer], prefix_cache.num_layers_of(model))
     ids = prefix_cache.tokenize_pieces(tokenizer, prefixes)
-    h = prefix_cache.mean_pooled_states(model, ids, [layer], pad_id=tokenizer.pad_token_id, batch_size=batch_size)
+    h = prefix_cache.mean_pooled_states(model, ids, [layer], pad_id=tokenizer.pad_token_id, batch_size=batch_size,
+                                        stats=stats)
     return h[:, 0].numpy()
 
 

@@ -137,13 +137,17 @@ class BorpMethod(RewardMethod):
         which = {"template": templates[0]} if len(templates) == 1 else {"templates": templates}
         return {"kind": PROBE_KIND, **which, "layers": layers}
 
+    def probe_layers(self) -> list[int]:
+        """The layers read: the final one, then the intermediate one if any."""
+        final, intermediate = self.layers()
+        return [final] + ([] if intermediate is None else [intermediate])
+
     def extractor(self) -> ContrastiveExtractor:
         if self._extractor is None:
-            final, intermediate = self.layers()
-            layers = [final] + ([] if intermediate is None else [intermediate])
+            cfg = self._probe_cfg()
             self._extractor = ContrastiveExtractor.from_backbone(
-                self.encoder.backbone, self.templates(), layers, batch_size=int(self._probe_cfg().batch_size),
-                reuse=bool(self._probe_cfg().get("reuse_prefix", True)))
+                self.encoder.backbone, self.templates(), self.probe_layers(), batch_size=int(cfg.batch_size),
+                reuse=bool(cfg.get("reuse_prefix", True)))
         return self._extractor
 
     def _cached(self, what: dict, prefixes: list[str], compute) -> np.ndarray:
@@ -163,8 +167,7 @@ class BorpMethod(RewardMethod):
         return sum(part.stats.get("forward_passes", 0) for part in (self._extractor, self._judge) if part is not None)
 
     def features(self, prompts, responses) -> dict[int, np.ndarray]:
-        final, intermediate = self.layers()
-        layers = [final] + ([] if intermediate is None else [intermediate])
+        layers = self.probe_layers()
         what = self.identity(layers)
         prefixes = render_prefixes(self.encoder.tokenizer, _messages(prompts), _messages(responses))
         return by_layer(self._cached(what, prefixes, lambda texts: self.extractor().differences(texts)), layers)
@@ -175,7 +178,8 @@ class BorpMethod(RewardMethod):
         prefixes = render_prefixes(self.encoder.tokenizer, _messages(prompts), _messages(responses))
         what = {"kind": "mean_pooled_conversation", "layer": final}
         return self._cached(what, prefixes, lambda texts: mean_pooled_prefixes(
-            self.encoder.tokenizer, self.extractor().model, texts, final, int(self._probe_cfg().batch_size)))
+            self.encoder.tokenizer, self.extractor().model, texts, final, int(self._probe_cfg().batch_size),
+            stats=self.extractor().stats))
 
     # ------------------------------------------------------------------ contract
     def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # noqa: A002 (contract name)

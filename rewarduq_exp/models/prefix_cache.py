@@ -286,9 +286,9 @@ def full_recompute(model, prefix_ids: Sequence[Sequence[int]], suffix_ids: Seque
 
 @torch.no_grad()
 def mean_pooled_states(model, ids: Sequence[Sequence[int]], layers: Sequence[int], *, pad_id: int = 0,
-                       batch_size: int = 32) -> torch.Tensor:
+                       batch_size: int = 32, stats: dict | None = None) -> torch.Tensor:
     """Mean over the real tokens of each sequence, (n, n_layers, d) float32 on the CPU (the mean-pooled baseline's
-    features)."""
+    features). ``stats`` counts ``forward_passes`` as in :func:`suffix_states`."""
     _check_ids("sequences", ids)
     layers = normalize_layers(layers, num_layers_of(model))
     device = _device(model)
@@ -299,6 +299,8 @@ def mean_pooled_states(model, ids: Sequence[Sequence[int]], layers: Sequence[int
         x, mask = _right_pad([ids[i] for i in idx], pad_id)
         x, mask = x.to(device), mask.to(device)
         res = model(input_ids=x, attention_mask=mask, use_cache=False, output_hidden_states=True)
+        if stats is not None:
+            stats["forward_passes"] = stats.get("forward_passes", 0) + 1
         w = mask.unsqueeze(-1).float()
         pooled = torch.stack([(res.hidden_states[k].float() * w).sum(1) / w.sum(1) for k in layers], 1).cpu()
         if out is None:
