@@ -323,10 +323,6 @@ class LinearHead:
         """Unclipped scores."""
         return design_matrix(diff, self.centroid, self.extra_features) @ self.coef + self.intercept
 
-    def as_dict(self) -> dict:
-        return {"centroid": self.centroid, "coef": self.coef, "intercept": self.intercept,
-                "n_components": self.n_components, "extra_features": self.extra_features}
-
 
 def make_estimator(regressor: str, n_components: int):
     from sklearn.cross_decomposition import PLSRegression
