@@ -6,7 +6,7 @@ from pathlib import Path
 
 import hydra
 
-from rewarduq_exp.distributed import launcher_overrides
+from rewarduq_exp.core.distributed import launcher_overrides
 from rewarduq_exp.runner.cli import check_group_choices, check_setting_keys, fail, register_resolvers
 from rewarduq_exp.runs import sweep_outcome
 

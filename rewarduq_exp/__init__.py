@@ -5,14 +5,18 @@
     model.score(["What is 2+2?"], ["4"])
 
 The Python API (rewarduq_exp/api.py) is imported on first use, so the command-line entry points, which import this
-package before Hydra has parsed the command line, do not pay for torch and transformers there.
+package before Hydra has parsed the command line, do not pay for torch and transformers there. ``UserError`` (a
+``ValueError``) is what every bad input raises: one line that names the problem and the allowed values.
 """
 
-__all__ = ["RewardModel", "TRLRewardFunction", "load_run"]
+from rewarduq_exp.core.errors import UserError  # light: no torch; callers catch it (``except r.UserError``)
+
+__all__ = ["RewardModel", "TRLRewardFunction", "UserError", "load_run"]
+_API = ("RewardModel", "TRLRewardFunction", "load_run")
 
 
 def __getattr__(name: str):
-    if name in __all__:
+    if name in _API:
         from rewarduq_exp import api
 
         return getattr(api, name)

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import as_messages
-from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.base import Scores
 from rewarduq_exp.runner.trained_run import load_trained_method
 

@@ -10,11 +10,8 @@ and read through the real loader (``paths.datasets_dir``), so the timing covers 
 
 from __future__ import annotations
 
-import os
-
-import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
-
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -50,9 +47,9 @@ def main() -> None:
     import datasets
     from omegaconf import OmegaConf
 
-    from rewarduq_exp.models.backbone import Backbone
     from rewarduq_exp.data.contract import filter_by_length
     from rewarduq_exp.data.registry import CONF_DIR, build_loader, load_dataset_config
+    from rewarduq_exp.models.backbone import Backbone
     from rewarduq_exp.models.token_counter import TokenCounter
 
     datasets.disable_progress_bars()

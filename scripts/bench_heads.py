@@ -11,8 +11,6 @@ the backbone is not part of an ENS-MLP epoch, because the features come from the
 
 from __future__ import annotations
 
-import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
-
 import argparse
 import statistics
 import time

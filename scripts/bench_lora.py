@@ -11,12 +11,9 @@ per second.
 
 from __future__ import annotations
 
-import os
-
-import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
-
 import argparse
 import atexit
+import os
 import shutil
 import statistics
 import tempfile
@@ -42,10 +39,10 @@ def main() -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from rewarduq_exp.models.backbone import Backbone
     from rewarduq_exp.data.contract import render_all
     from rewarduq_exp.data.synthetic import SyntheticWorld
     from rewarduq_exp.methods.ens_lora import EnsLoRA
+    from rewarduq_exp.models.backbone import Backbone
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import sys
 
-import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs without install
 
 import argparse  # noqa: E402
@@ -84,8 +83,8 @@ def main():
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from rewarduq_exp.models.backbone import resolve_device
     from rewarduq_exp.data.registry import CONF_DIR
+    from rewarduq_exp.models.backbone import resolve_device
     from rewarduq_exp.models.tiny_qwen3 import ensure_tiny_qwen3
 
     device = resolve_device(args.device)

@@ -22,8 +22,6 @@ difference between the two paths' hidden states is printed as a check (tests ass
 
 from __future__ import annotations
 
-import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
-
 import argparse
 import statistics
 import time

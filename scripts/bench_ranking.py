@@ -14,8 +14,6 @@ printed as a correctness check. Timings are the best of ``--repeats`` runs.
 
 from __future__ import annotations
 
-import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
-
 import argparse
 import math
 import time

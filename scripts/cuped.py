@@ -13,16 +13,14 @@ computation is rewarduq_exp.analysis.cuped.
 
 from __future__ import annotations
 
-import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
-
 import argparse
 import json
 from pathlib import Path
 
 from rewarduq_exp.analysis.cuped import cuped_analysis, join_user_tables, read_table
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.atomic_write import write_atomic
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.runner.cli import fail
-from rewarduq_exp.runs.atomic_write import write_atomic
 
 
 def main(argv=None) -> None:

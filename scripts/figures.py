@@ -4,14 +4,12 @@
     python scripts/figures.py outputs/multirun --dataset ultrafeedback_test --models qwen3-0.6b qwen3-4b
 
 Each (method, backbone, training dataset) is shown with the configuration the selection rule picks on
---select-dataset (as scripts/select.py), or the best --rank one when none passes (hatched bars, noted in titles).
+--select-dataset (as scripts/select_runs.py), or the best --rank one when none passes (hatched bars, noted in titles).
 Writes figure2_rs, figure3_calibration, figure4_ranking_score and figure5_metrics as PNG and PDF into --out (default:
 <first folder>/figures); a figure without data is skipped with a note.
 """
 
 from __future__ import annotations
-
-import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
 
 import argparse
 from pathlib import Path
@@ -20,8 +18,6 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display needed; the figures are files
 
-from rewarduq_exp.runner.cli import fail
-from rewarduq_exp.errors import UserError
 from rewarduq_exp.analysis.paper_figures import (
     check_dataset,
     check_models,
@@ -32,8 +28,10 @@ from rewarduq_exp.analysis.paper_figures import (
     figure5,
     shown_configurations,
 )
-from rewarduq_exp.runs.run_records import find_runs
 from rewarduq_exp.analysis.selection import add_selection_arguments, criteria_from_args, select
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.runner.cli import fail
+from rewarduq_exp.runs.run_records import find_runs
 
 
 def main(argv=None) -> None:

@@ -16,19 +16,17 @@ into ``probe.rubrics`` of a refined probe (README, BoRP).
 
 from __future__ import annotations
 
-import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
-
 import argparse
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from rewarduq_exp.core.atomic_write import write_atomic
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import as_messages
-from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.borp import polarization_index, polarized_samples
 from rewarduq_exp.runner.cli import fail
-from rewarduq_exp.runs.atomic_write import write_atomic
 
 
 def read_pool(args, run_cfg) -> pd.DataFrame:

@@ -12,13 +12,11 @@ Markdown.
 
 from __future__ import annotations
 
-import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
-
 import argparse
 from pathlib import Path
 
 from rewarduq_exp.analysis.ranking_report import ranking_frame, write_report
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.runner.cli import fail
 from rewarduq_exp.runs.run_records import find_runs
 

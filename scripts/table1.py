@@ -3,23 +3,21 @@
     python scripts/table1.py outputs/multirun/sweep_ens_mlp_* outputs/multirun/sweep_bay_lin_*
     python scripts/table1.py outputs/multirun --out paper/tables
 
-Each (method, backbone) is selected exactly as scripts/select.py does (same options and defaults). Prints the table
+Each (method, backbone) is selected exactly as scripts/select_runs.py does (same options and defaults). Prints the table
 as Markdown and writes table1.md and table1.tex into --out (default: <first folder>/selection).
 """
 
 from __future__ import annotations
 
-import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
-
 import argparse
 from pathlib import Path
 
-from rewarduq_exp.runs.atomic_write import write_atomic
-from rewarduq_exp.runner.cli import fail
-from rewarduq_exp.errors import UserError
-from rewarduq_exp.runs.run_records import find_runs
 from rewarduq_exp.analysis.selection import add_selection_arguments, criteria_from_args, select
 from rewarduq_exp.analysis.table1 import table1_latex, table1_markdown
+from rewarduq_exp.core.atomic_write import write_atomic
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.runner.cli import fail
+from rewarduq_exp.runs.run_records import find_runs
 
 
 def main(argv=None) -> None:

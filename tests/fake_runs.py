@@ -1,4 +1,4 @@
-"""Fake run folders in the run-folder contract (DESIGN section 3), for the selection, table and figure tests.
+"""Fake run folders in the run-folder contract, for the selection, table and figure tests.
 
 Only what the readers look at is written: ``.hydra/config.yaml`` (a ``method`` node with interpolations as in a
 real run), ``.hydra/hydra.yaml`` (the config-group choices), ``.hydra/overrides.yaml``, ``status.json``,

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 import rewarduq_exp as r
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.synthetic import SyntheticWorld
-from rewarduq_exp.errors import UserError
 
 
 def assert_api_scores_as_evaluate(folder, name: str, frame: pd.DataFrame) -> None:

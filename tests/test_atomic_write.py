@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from rewarduq_exp.core.atomic_write import atomic_dir, atomic_path, write_atomic
 from rewarduq_exp.models.feature_cache import FeatureCache
-from rewarduq_exp.runs.atomic_write import atomic_dir, atomic_path, write_atomic
 from rewarduq_exp.runs.run_folder import RunFolder
 
 

@@ -1,4 +1,4 @@
-"""BoRP probe (papers/borp.txt): the regressor on contrastive difference vectors, its ablations, geometric resampling,
+"""BoRP probe: the regressor on contrastive difference vectors, its ablations, geometric resampling,
 the layer-gap uncertainty, the polarization index, persistence and bad input; the extraction and the baselines on
 the tiny model."""
 
@@ -8,7 +8,7 @@ import torch
 from conftest import ROOT
 from omegaconf import OmegaConf
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.borp import (
     BorpProbe,
     ContrastiveExtractor,
@@ -161,7 +161,7 @@ def test_save_load_round_trip(tmp_path, data, fitted):
     _, _, _, test, _ = data
     path = fitted.save(tmp_path / "model" / "probe.npz")
     assert [p.name for p in path.parent.iterdir()] == ["probe.npz"]  # atomic: no temporary left behind
-    with np.load(path, allow_pickle=False) as npz:  # plain arrays: loading never unpickles (DESIGN section 6)
+    with np.load(path, allow_pickle=False) as npz:  # plain arrays: loading never unpickles
         assert "meta" in npz.files and npz[f"head/{FINAL}/coef"].dtype == np.float64
     loaded = BorpProbe.load(path)
     a, b = fitted.predict(test), loaded.predict(test)

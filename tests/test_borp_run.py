@@ -111,7 +111,7 @@ def test_selection_and_table1_pick_up_borp_runs(borp_run, ablation_run):
     """BoRP scored on preference pairs enters RewardUQ's selection (ECE/EBCE filter, best RS_0.2) and Table 1 like
     any other method."""
     cwd, _, _ = borp_run
-    for script in ("select.py", "table1.py"):
+    for script in ("select_runs.py", "table1.py"):
         proc = run_entry_point(ROOT / "scripts" / script, [cwd, "--dataset", "synthetic_eval", "--out", cwd / "sel"],
                                cwd)
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics import (
     calibration_curves,
     calibration_metrics,

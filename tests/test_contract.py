@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import (
     as_messages,
     filter_by_length,
@@ -19,7 +20,6 @@ from rewarduq_exp.data.contract import (
 )
 from rewarduq_exp.data.synthetic import SyntheticWorld
 from rewarduq_exp.data.vocabulary import WORDS
-from rewarduq_exp.errors import UserError
 
 
 def user(text):

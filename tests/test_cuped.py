@@ -16,7 +16,7 @@ from rewarduq_exp.analysis.cuped import (
     join_user_tables,
     sample_size_per_arm,
 )
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cuped.py"
 # y = 2x + e with e orthogonal to x and to the constant: theta = 2, rho^2 = (2 var x)^2 / (var y var x) = 0.8

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics.diagrams import plot_calibration_diagrams
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -16,7 +16,7 @@ import pytest
 from conftest import cache_with_tiny_model
 from entry_points import run_entry_point, run_ranks
 
-from rewarduq_exp.distributed import launcher_overrides
+from rewarduq_exp.core.distributed import launcher_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

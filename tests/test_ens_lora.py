@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.data.synthetic import SyntheticWorld
-from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.ens_lora import EnsLoRA
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.ens_mlp import BatchedMLPHeads, EnsMLP
 
 

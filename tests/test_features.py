@@ -1,4 +1,4 @@
-"""Feature extraction and the shared feature cache (DESIGN section 3)."""
+"""Feature extraction and the shared feature cache."""
 
 import multiprocessing
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.data.synthetic import SyntheticWorld
-from rewarduq_exp.errors import UserError
 from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.features import FeatureEncoder, pool
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hub_fixtures import HH_SUBSETS, write_all
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import PREFERENCE_COLUMNS, render
 from rewarduq_exp.data.registry import build_loader, load_dataset_config
-from rewarduq_exp.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.label_ranking import available_datasets, load_label_ranking
-from rewarduq_exp.errors import UserError
 
 DATA_DIR = Path("/work/shared/data/label_ranking")
 

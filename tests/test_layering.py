@@ -9,13 +9,13 @@ from conftest import ROOT
 PACKAGE = ROOT / "rewarduq_exp"
 # Lowest first. A top-level module or subpackage not listed here fails the test: place new code in a layer.
 LAYERS = [
-    {"errors", "distributed", "hub_access"},   # foundation
-    {"runs"},                                    # run folders, identity, atomic writes
-    {"ranking"},                                 # rankings as arrays, distributions over permutations, learners
+    {"core"},                                    # errors, checks, hashing, atomic writes, process rank, hub access
+    {"ranking"},                                 # rankings as arrays, distributions over permutations
     {"data"},                                    # datasets (label-ranking CSVs are checked as permutations)
     {"metrics"},                                 # computed from predictions, never from models
     {"models"},                                  # backbones, features, feature cache
-    {"methods"},                                 # reward models and learners
+    {"methods"},                                 # reward models, probes and label-ranking learners
+    {"runs"},                                    # run folders, identity, records: only what reads/writes runs
     {"analysis"},                                # selection, tables, figures over run folders
     {"runner"},                                  # what train.py / evaluate.py execute
     {"api"},                                     # the public Python API
@@ -25,7 +25,8 @@ LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 
 
 def unit_of(module: str) -> str:
-    """'rewarduq_exp.models.backbone' -> 'models'; 'rewarduq_exp.errors' -> 'errors'; 'rewarduq_exp' -> '__init__'."""
+    """'rewarduq_exp.models.backbone' -> 'models'; 'rewarduq_exp.core.errors' -> 'core'; 'rewarduq_exp' -> '__init__'.
+    """
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -67,3 +68,32 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from rewarduq_exp.models.backbone import Backbone\nfrom rewarduq_exp import api\n")
     assert [unit_of(m) for m in imported_modules(bad)] == ["models", "api"]
+
+
+@pytest.mark.parametrize("path", [p for p in source_files() if p.name != "__init__.py" and p.parent != PACKAGE],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_submodules_do_not_import_their_package_init(path):
+    """A package's ``__init__`` re-exports its submodules; a submodule importing it back would import its siblings
+    in an order that depends on who came first (and cycles)."""
+    package = "rewarduq_exp." + ".".join(path.relative_to(PACKAGE).parts[:-1])
+    assert package not in set(imported_modules(path)), f"{path.relative_to(PACKAGE)} imports {package} (__init__)"
+
+
+def test_code_refers_to_nothing_outside_the_repository():
+    """Code, configs and tests stand on their own: no pointers to design notes or paper files that are not shipped."""
+    offenders = []
+    for folder in ("rewarduq_exp", "scripts", "conf", "tests", "hydra_plugins"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in (".py", ".yaml") and path.name != "test_layering.py":
+                text = path.read_text()
+                offenders += [f"{path.relative_to(ROOT)}: {word}" for word in ("DESIGN", "papers/", "../shared")
+                              if word in text]
+    assert not offenders, offenders
+
+
+def test_no_script_shadows_the_standard_library():
+    import sys
+
+    shadowing = [p.name for p in (ROOT / "scripts").glob("*.py") if p.stem in sys.stdlib_module_names]
+    assert not shadowing, f"rename {shadowing}: Python puts scripts/ first on sys.path, before the standard library"
+

@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import PREFERENCE_COLUMNS
 from rewarduq_exp.data.local import LocalPreferenceFile
 from rewarduq_exp.data.registry import available, build_loader, load_dataset_config, resolve_eval_sets, with_options
-from rewarduq_exp.errors import UserError
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.synthetic import SyntheticWorld
-from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods import mcd_dpo as mod
 from rewarduq_exp.methods.mcd_dpo import McdDpo
 

@@ -1,4 +1,4 @@
-"""MCD-DPO pair weights (DESIGN data contract: weighting must equal repetition) in the DPO loss of eq. 13."""
+"""MCD-DPO pair weights (weighting must equal repetition) in the DPO loss of eq. 13."""
 
 import numpy as np
 import pytest

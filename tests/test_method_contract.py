@@ -54,7 +54,7 @@ def test_saved_hyperparameters_rebuild_every_trained_setting(option):
 def test_load_follows_the_class_in_method_json(tmp_path):
     import torch
 
-    from rewarduq_exp.errors import UserError
+    from rewarduq_exp.core.errors import UserError
     from rewarduq_exp.methods.bay_lin import BayLin
     from rewarduq_exp.methods.ens_mlp import EnsMLP
 

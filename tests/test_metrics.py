@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics import METRIC_NAMES, accuracy_metrics, compute_metrics
 
 

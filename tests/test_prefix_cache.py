@@ -9,7 +9,7 @@ import torch
 from conftest import ROOT
 from omegaconf import OmegaConf
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.models import prefix_cache
 from rewarduq_exp.models.backbone import Backbone
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics.probe import (
     interval_alpha_two_raters,
     krippendorff_alpha,

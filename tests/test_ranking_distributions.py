@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.ranking.categorical import RankCategorical
 from rewarduq_exp.ranking.distribution import ExplicitDistribution
 from rewarduq_exp.ranking.mallows import Mallows, expected_distance

@@ -197,7 +197,7 @@ def test_rank_classifier_unseen_mass_and_classes_from_training_only():
     assert rc.temperature != 1.0  # fitted on the held-out 20 %
     fixed = RankClassifierNet(epochs=2, calibrate=False, unseen_mass=0.05).fit(X[:40], ranks[:40], seed=0)
     assert fixed.temperature == 1.0 and fixed.predict_distribution(X[:3]).unseen_mass[0] == pytest.approx(0.05)
-    from rewarduq_exp.errors import UserError
+    from rewarduq_exp.core.errors import UserError
 
     with pytest.raises(UserError, match="method.unseen_mass=1.5"):
         RankClassifierNet(unseen_mass=1.5)

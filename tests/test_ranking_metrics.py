@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy.special import gammaln
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics import ranking as rm
 from rewarduq_exp.metrics.ranking import ranking_evaluation, ranking_metrics
 from rewarduq_exp.ranking.distribution import ExplicitDistribution, RankingDistribution
@@ -408,66 +408,6 @@ def test_kendall_footrule_top1_by_hand():
     assert rm.max_footrule(5) == 12 and rm.footrule_samples([[1, 2, 3, 4, 5]], [[5, 4, 3, 2, 1]])[0] == 12
     # A tie in the prediction counts as a discordant pair (sklr's tau_score).
     assert rm.kendall_tau_samples([[1, 2, 3, 4]], [[1, 1, 3, 4]])[0] == pytest.approx(4 / 6)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reward models, K-wise (appendix D)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-REWARDS = np.array([[np.log(4), np.log(2), 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # softmax: (.5,.25,.125,.125), .25 each
-BEST = np.array([0, 2])
-
-
-def test_top1_calibration_by_hand():
-    """Pooled (context, position): bin [.1,.2) holds two .125 (labels 0,0); [.2,.3) five .25 (labels 0,0,0,1,0);
-    [.5,.6) one .5 (label 1): ECE = 2/8 * .125 + 5/8 * |.2 - .25| + 1/8 * .5 = 0.125."""
-    res = rm.top1_calibration(REWARDS, BEST, n_bins=10)
-    assert res.ece == pytest.approx(0.125, abs=1e-12)
-    assert (res.curve.weight == [0, 2, 5, 0, 0, 1, 0, 0, 0, 0]).all()
-    assert res.curve.accuracy[2] == pytest.approx(0.2) and res.curve.confidence[2] == pytest.approx(0.25)
-    assert (res.n_contexts, res.n_predictions) == (2, 8)
-    # Two bins: [0,.5) holds the seven others (mean q .2143, one label 1); [.5,1] the .5 with label 1.
-    two = rm.top1_calibration(REWARDS, BEST, n_bins=2)
-    assert two.ece == pytest.approx(7 / 8 * abs(1 / 7 - 1.5 / 7) + 1 / 8 * 0.5, abs=1e-12)
-
-
-def test_top1_calibration_invariances_and_varying_k():
-    shifted = REWARDS + np.array([[3.0], [-7.5]])
-    assert rm.top1_calibration(shifted, BEST).ece == pytest.approx(rm.top1_calibration(REWARDS, BEST).ece, abs=1e-12)
-    # Rows with different response counts: a list of arrays or NaN padding give the same result.
-    rows = [REWARDS[0], REWARDS[1], np.array([1.0, 2.0, 0.5, 0.0, -1.0, 3.0])]
-    best = np.array([0, 2, 5])
-    padded = np.full((3, 6), np.nan)
-    for i, r in enumerate(rows):
-        padded[i, : len(r)] = r
-    a, b = rm.top1_calibration(rows, best), rm.top1_calibration(padded, best)
-    assert a.ece == pytest.approx(b.ece, abs=1e-15) and a.n_predictions == b.n_predictions == 14
-    np.testing.assert_allclose(np.nansum(rm.plackett_luce_top1(padded), axis=1), 1.0)
-
-
-def test_pairwise_calibration_and_chosen_only():
-    rewards = np.array([[np.log(3), 0.0, np.log(1.5)]])  # correct first: P(0>1) = 3/4, P(0>2) = 3/4.5
-    res = rm.pairwise_calibration(rewards, np.array([0]), n_bins=10)
-    # rows (.75, 1), (2/3, 1), (.25, 0), (1/3, 0), one per bin: ECE = (.25 + 1/3 + .25 + 1/3) / 4
-    assert res.ece == pytest.approx(7 / 24, abs=1e-12) and res.n_predictions == 4
-    # The pairwise PL marginal w_i / (w_i + w_j) equals sigmoid(r_i - r_j) (symmetric rows: invariant to shifts).
-    shifted = rm.pairwise_calibration(rewards + 10.0, np.array([0]), n_bins=10)
-    assert shifted.ece == pytest.approx(res.ece, abs=1e-12)
-    # Chosen-only (the reference's RB2 number) is 1 - mean p_chosen: (.5 + .25) / 2 here.
-    assert rm.chosen_only_ece(REWARDS, BEST) == pytest.approx(1 - 0.375, abs=1e-15)
-    assert rm.chosen_only_ece(REWARDS) == pytest.approx(1 - (0.5 + 0.25) / 2, abs=1e-15)  # index 0 by default
-    p = rm.plackett_luce_top1(REWARDS)
-    assert rm.chosen_only_ece(REWARDS, np.array([1, 3])) == pytest.approx(1 - (p[0, 1] + p[1, 3]) / 2)
-
-
-def test_kwise_bad_input():
-    with pytest.raises(UserError, match="best_index"):
-        rm.top1_calibration(REWARDS, np.array([0, 4]))
-    with pytest.raises(UserError, match="padding"):
-        rm.top1_calibration(np.array([[1.0, np.nan, 2.0]]), np.array([0]))
-    with pytest.raises(UserError, match="at least 2"):
-        rm.top1_calibration([np.array([1.0])], np.array([0]))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""scripts/select.py, table1.py and figures.py end to end on fake run folders, plus Table 1 and figure units."""
+"""scripts/select_runs.py, table1.py and figures.py end to end on fake run folders, plus Table 1 and figure units."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def run_script(name: str, *args) -> subprocess.CompletedProcess:
 
 def test_select_script(sweep, tmp_path):
     out = tmp_path / "sel"
-    proc = run_script("select.py", sweep / "part0", sweep / "part1", "--out", out)
+    proc = run_script("select_runs.py", sweep / "part0", sweep / "part1", "--out", out)
     assert proc.returncode == 0, proc.stderr
     assert (out / "selection.csv").is_file() and (out / "selection.md").is_file()
     # The winner comes first in each group's table, and the group without a passing configuration says so.
@@ -57,7 +57,7 @@ def test_select_script(sweep, tmp_path):
 
 
 def test_select_script_bad_dataset_is_one_line(sweep, tmp_path):
-    proc = run_script("select.py", sweep, "--dataset", "nope", "--out", tmp_path / "sel")
+    proc = run_script("select_runs.py", sweep, "--dataset", "nope", "--out", tmp_path / "sel")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")

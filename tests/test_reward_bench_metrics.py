@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics import compute_metrics
 from rewarduq_exp.metrics.preference import ranking_score
 from rewarduq_exp.metrics.reward_bench import (

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from rewarduq_exp.analysis.selection import Criteria, select
 from rewarduq_exp.analysis.selection_report import write_selection
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.runs.run_records import find_runs
 
 
@@ -170,8 +170,8 @@ def test_tuned_yaml_holds_exactly_the_searched_keys(tmp_path):
     text = path.read_text()
     lines = text.splitlines()
     assert lines[0] == "# @package _global_"
-    assert lines[1] == ("# Selected by scripts/select.py from sweep: ultrafeedback_test, ECE <= 0.05, EBCE <= 0.01, "
-                        "best rs_0.2 = 0.3000 (1 seed).")
+    assert lines[1] == ("# Selected by scripts/select_runs.py from sweep: ultrafeedback_test, ECE <= 0.05, "
+                        "EBCE <= 0.01, best rs_0.2 = 0.3000 (1 seed).")
     assert lines[2:] == ["method:", "  learning_rate: 1.0e-05", "  reg_lambda: 0.0"]
     loaded = OmegaConf.to_container(OmegaConf.load(path))
     assert loaded == {"method": {"learning_rate": 1e-5, "reg_lambda": 0.0}}

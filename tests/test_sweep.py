@@ -132,7 +132,7 @@ def test_selection_on_the_real_sweep_lists_failures_and_its_tuned_file_is_picked
     from conftest import ROOT
 
     extra = tmp_path / "conf_extra"
-    proc = run_entry_point(ROOT / "scripts/select.py", [sweep["folder"], "--out", tmp_path / "selection",
+    proc = run_entry_point(ROOT / "scripts/select_runs.py", [sweep["folder"], "--out", tmp_path / "selection",
                                                         "--tuned-dir", extra / "tuned",
                                                         "--ece", "1", "--ebce", "1"],  # any run may win: uncalibrated
                            tmp_path)

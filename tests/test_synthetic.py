@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import PREFERENCE_COLUMNS, validate_preferences
 from rewarduq_exp.data.synthetic import SyntheticWorld
 from rewarduq_exp.data.vocabulary import TOPIC_WORDS, WORDS
-from rewarduq_exp.errors import UserError
 
 SMALL = dict(n_train=300, n_eval=300, n_ood=300)
 PROMPT_RE = re.compile(r"^Topic (\w+): write a reply\.$")

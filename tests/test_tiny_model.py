@@ -10,10 +10,11 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.hashing import stable_hash
 from rewarduq_exp.data.synthetic import SyntheticWorld
 from rewarduq_exp.data.vocabulary import WORDS
-from rewarduq_exp.errors import UserError
-from rewarduq_exp.models.backbone import Backbone, stable_hash
+from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.tiny_qwen3 import build_spec, ensure_tiny_qwen3
 
 

@@ -12,7 +12,8 @@ summary.
 A job with several tasks (``hydra.launcher.tasks_per_node=N``, with ``gpus_per_node=N``) is one multi-GPU run: its N
 processes each run the job, and the job function exports the torch.distributed environment (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ...) first, so that they form one process group, exactly as under torchrun. Only
-rank 0 writes the run folder (``rewarduq_exp.distributed``), Hydra's ``.hydra/`` copy of the config and ``train.log``.
+rank 0 writes the run folder (``rewarduq_exp.core.distributed``), Hydra's ``.hydra/`` copy of the config and
+``train.log``.
 
 Plugins must live under the ``hydra_plugins`` namespace for Hydra to instantiate them (hydra/core/plugins.py).
 """

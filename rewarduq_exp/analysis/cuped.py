@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 
 TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
 

@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 
 from rewarduq_exp.analysis.selection import Configuration, Selection
 from rewarduq_exp.analysis.table1 import method_name, method_order, model_order
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics.calibration import calibration_curves
 from rewarduq_exp.metrics.diagrams import draw_reliability, save_figure
 from rewarduq_exp.metrics.preference import ranking_score_weight

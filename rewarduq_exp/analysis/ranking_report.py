@@ -15,8 +15,8 @@ import numpy as np
 import pandas as pd
 
 from rewarduq_exp.analysis.text_tables import DASH, fmt_number, markdown_table
-from rewarduq_exp.errors import UserError
-from rewarduq_exp.runs.atomic_write import write_atomic
+from rewarduq_exp.core.atomic_write import write_atomic
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.runs.run_records import RunRecord
 
 LEARNER_ORDER = ("plackett_luce", "mallows", "rank_classifier", "rpc", "pl_rpc")

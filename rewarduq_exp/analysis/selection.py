@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.runs.run_identity import NOT_HYPERPARAMETERS
 from rewarduq_exp.runs.run_records import RunRecord
 
@@ -54,7 +54,7 @@ class Criteria:
 
 
 def add_selection_arguments(parser: argparse.ArgumentParser, dataset_option: str = "--dataset") -> None:
-    """The rule's command-line options, shared by scripts/select.py, table1.py and figures.py."""
+    """The rule's command-line options, shared by scripts/select_runs.py, table1.py and figures.py."""
     parser.add_argument(dataset_option, dest="select_dataset", default=DEFAULT_DATASET,
                         help=f"evaluation block of metrics.json the rule reads (default: {DEFAULT_DATASET})")
     parser.add_argument("--ece", type=float, default=DEFAULT_ECE,

@@ -1,4 +1,5 @@
-"""What ``scripts/select.py`` writes: ``selection.csv``, ``selection.md``, the winners' tuned configs, a stdout table.
+"""What ``scripts/select_runs.py`` writes: ``selection.csv``, ``selection.md``, the winners' tuned configs, a
+stdout table.
 
 The tuned config has the layout of ``conf/tuned/<method>/<model>.yaml`` and sets exactly the searched keys (those
 that vary across the group's runs), so copying it into ``conf/tuned/`` changes nothing else about the method.
@@ -15,7 +16,7 @@ import yaml
 
 from rewarduq_exp.analysis.selection import Configuration, Criteria, Selection
 from rewarduq_exp.analysis.text_tables import fmt_mean_std, fmt_number, fmt_setting, markdown_table, text_table
-from rewarduq_exp.runs.atomic_write import write_atomic
+from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.runs.run_records import RunRecord
 
 STDOUT_ROWS = 10  # the terminal shows the top of each ranking; selection.md has all of it
@@ -57,7 +58,7 @@ def tuned_yaml(selection: Selection, sources: list[str]) -> str | None:
     seeds = f"{winner.n_seeds} seed{'s' if winner.n_seeds != 1 else ''}"
     lines = [
         "# @package _global_",
-        (f"# Selected by scripts/select.py from {', '.join(sources)}: {c.dataset}, ECE <= {c.ece:g}, "
+        (f"# Selected by scripts/select_runs.py from {', '.join(sources)}: {c.dataset}, ECE <= {c.ece:g}, "
          f"EBCE <= {c.ebce:g}, best {c.rank} = {winner.score:.4f} ({seeds})."),
     ]
     keys = [k for k in selection.searched if k in winner.hyperparameters]

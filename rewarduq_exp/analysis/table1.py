@@ -2,8 +2,8 @@
 
 Rows are backbones; each method gets a column group with its searched hyperparameters (eta, lambda, gamma, ...)
 and the winner's rank metric, ECE and EBCE (means over seeds on the selection dataset). The selection is
-:mod:`rewarduq_exp.analysis.selection`, the same as ``scripts/select.py``; "—" marks a backbone where no configuration
-passes the thresholds (or that was not run with that method).
+:mod:`rewarduq_exp.analysis.selection`, the same as ``scripts/select_runs.py``; "—" marks a backbone where no
+configuration passes the thresholds (or that was not run with that method).
 """
 
 from __future__ import annotations

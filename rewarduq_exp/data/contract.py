@@ -1,4 +1,4 @@
-"""The preference-data contract (DESIGN section 3) and the steps every source goes through.
+"""The preference-data contract and the steps every source goes through.
 
 After loading, every preference dataset is a DataFrame with columns ``id`` (str), ``prompt`` (list of
 ``{role, content}`` messages), ``chosen`` and ``rejected`` (lists of assistant messages), ``weight`` (float, default
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 
 PREFERENCE_COLUMNS = ("id", "prompt", "chosen", "rejected", "weight", "subset")
 ROLES = ("system", "user", "assistant", "tool")

@@ -20,8 +20,8 @@ import logging
 import re
 from dataclasses import dataclass
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import as_messages, make_preference_frame
-from rewarduq_exp.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ import re
 
 import numpy as np
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import make_pointwise_frame
 from rewarduq_exp.data.hub import HubDataset
-from rewarduq_exp.errors import UserError
 
 ATTRIBUTES = ("helpfulness", "correctness", "coherence", "complexity", "verbosity")
 _TURN = re.compile(r"\s*<extra_id_1>(User|Assistant)\s*\n?")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.conversation import PairColumns, normalise_pairs
 from rewarduq_exp.data.hub import HubDataset
-from rewarduq_exp.errors import UserError
 
 SUBSETS = ("harmless-base", "helpful-base", "helpful-online", "helpful-rejection-sampled")
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.hub_access import hub_reachable, offline_hint
 from rewarduq_exp.data.contract import validate_preferences
-from rewarduq_exp.errors import UserError
-from rewarduq_exp.hub_access import hub_reachable, offline_hint
 
 log = logging.getLogger(__name__)
 

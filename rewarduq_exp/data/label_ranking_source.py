@@ -12,9 +12,9 @@ from __future__ import annotations
 import urllib.request
 from pathlib import Path
 
+from rewarduq_exp.core.atomic_write import atomic_path
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.label_ranking import LabelRankingData, load_label_ranking
-from rewarduq_exp.errors import UserError
-from rewarduq_exp.runs.atomic_write import atomic_path
 
 DEFAULT_URL = ("https://raw.githubusercontent.com/Advueu963/Calibrated_Preference_Learning/dc0b533/"
                "src/cal_pref/data/{name}.csv")

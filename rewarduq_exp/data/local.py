@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import validate_preferences
 from rewarduq_exp.data.conversation import PairColumns, normalise_pairs, parse_transcript
 from rewarduq_exp.data.hub import file_builder, no_rows
-from rewarduq_exp.errors import UserError
 
 TEXT = ("prompt", "chosen", "rejected")
 REQUIRED = ("chosen", "rejected")          # prompt may be implicit in chosen/rejected conversations

@@ -14,7 +14,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import make_kwise_frame
 from rewarduq_exp.data.hub import HubDataset
-from rewarduq_exp.errors import UserError
 
 
 class RewardBench2(HubDataset):

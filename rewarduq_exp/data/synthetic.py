@@ -18,9 +18,9 @@ import numpy as np
 import pandas as pd
 from scipy.special import expit  # overflow-free sigmoid
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import make_pointwise_frame, make_preference_frame
 from rewarduq_exp.data.vocabulary import TOPIC_WORDS, WORDS
-from rewarduq_exp.errors import UserError
 
 SPLITS = ("train", "eval", "ood")
 # Fixed offsets so that the splits use independent random streams of the same world.

@@ -1,4 +1,4 @@
-"""The method contract (DESIGN section 3) and the shared machinery of frozen-backbone methods.
+"""The method contract and the shared machinery of frozen-backbone methods.
 
 A method is built by ``hydra.utils.instantiate`` from ``conf/method/<name>.yaml``. It exposes ``fit(train, eval)``,
 ``score(prompts, completions) -> Scores`` and ``save(dir)`` / ``load(dir)``, which store only what was trained plus
@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from rewarduq_exp import distributed
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core import distributed
+from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
+from rewarduq_exp.core.checks import check_max_grad_norm, check_positive
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.models.backbone import resolve_device
-from rewarduq_exp.runs.atomic_write import atomic_path, write_atomic
 
 
 @dataclass
@@ -44,15 +45,6 @@ class Scores:
         return len(self.reward)
 
 
-def check_positive(value, key: str, *, integer: bool = False, minimum: float = 0.0, inclusive: bool = False):
-    ok = (value >= minimum) if inclusive else (value > minimum)
-    if integer and (int(value) != value):
-        ok = False
-    if not ok or (isinstance(value, float) and not math.isfinite(value)):
-        kind = "an integer" if integer else "a number"
-        rel = ">=" if inclusive else ">"
-        raise UserError(f"{key}={value} is invalid: must be {kind} {rel} {minimum:g}")
-    return value
 
 
 @dataclass
@@ -97,13 +89,6 @@ def cosine_schedule_with_warmup(optimizer, warmup_steps: int, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def check_max_grad_norm(value, key: str = "method.max_grad_norm") -> float | None:
-    """``None`` (no clipping) or a number > 0, else a one-line UserError."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UserError(f"{key}={value!r} is invalid: must be a number > 0, or null for no clipping")
-    return float(check_positive(value, key))
 
 
 def weighted_mean(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -174,9 +159,9 @@ def load_method(directory: str | os.PathLike, *, encoder, **runtime) -> RewardMe
 
 
 class RewardMethod(ABC):
-    """What every uncertainty-aware reward model offers the runner, ``evaluate.py`` and the Python API (DESIGN
-    section 3). It is constructed with its hyperparameters and ``encoder=`` (a :class:`FeatureEncoder`: the backbone
-    with its feature cache; ``None`` only to validate settings before the backbone exists), then offers
+    """What every uncertainty-aware reward model offers the runner, ``evaluate.py`` and the Python API. It is
+    constructed with its hyperparameters and ``encoder=`` (a :class:`FeatureEncoder`: the backbone with its feature
+    cache; ``None`` only to validate settings before the backbone exists), then offers
     ``fit(train, eval=None) -> summary``, ``score(prompts, completions) -> Scores`` (bounds
     reward +- beta * u, eq. 9), ``score_pairs(frame) -> (chosen, rejected)``, ``save(dir)`` / ``load(dir)``.
 

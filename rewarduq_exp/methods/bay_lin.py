@@ -28,12 +28,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.checks import check_positive
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import (
     FeatureHeadMethod,
     TrainingSchedule,
     bradley_terry_nll,
-    check_positive,
     weighted_mean,
 )
 

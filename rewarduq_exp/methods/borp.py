@@ -1,4 +1,4 @@
-"""BoRP: Bootstrapped Regression Probing (Sun, Zhang and Wu; papers/borp.txt), as plain Python classes.
+"""BoRP: Bootstrapped Regression Probing (Sun, Zhang and Wu), as plain Python classes.
 
 A conversation is scored by reading the backbone's hidden state at the final token of a *probe suffix* appended to
 it, under a positive and a negative wording, and mapping the difference to a score with a PLS regressor; the gap
@@ -60,9 +60,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.atomic_write import atomic_path
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.models import prefix_cache
-from rewarduq_exp.runs.atomic_write import atomic_path
 
 REGRESSORS = ("pls", "pca")
 FUSIONS = ("product", "mean_z")
@@ -393,7 +393,7 @@ class BorpPrediction:
     u: np.ndarray | None = None                      # eq. 3; None without an intermediate layer
 
     def bounds(self, beta: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-        """(score - beta u, score + beta u): the bounds of the predictions file (DESIGN section 3)."""
+        """(score - beta u, score + beta u): the bounds of the predictions file."""
         u = np.zeros_like(self.score) if self.u is None else self.u
         return self.score - beta * u, self.score + beta * u
 
@@ -567,8 +567,8 @@ class BorpProbe:
 
     def save(self, path: str | Path) -> Path:
         """One ``.npz`` file (written atomically): the fitted heads and statistics as arrays, the config and scalars
-        as a JSON string beside them. Loading it runs ``np.load(allow_pickle=False)``, which never executes code
-        (DESIGN section 6), unlike a pickle."""
+        as a JSON string beside them. Loading it runs ``np.load(allow_pickle=False)``, which never executes code,
+        unlike a pickle."""
         self._fitted()
         arrays = {"polarization/centroid": self.polarization_.centroid, "train_rows": self.train_rows_}
         heads = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import RewardMethod, Scores, read_method_info, write_method_info
 from rewarduq_exp.methods.borp import (
     BorpPrediction,

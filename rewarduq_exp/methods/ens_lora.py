@@ -51,21 +51,21 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from rewarduq_exp import distributed
+from rewarduq_exp.core import distributed
+from rewarduq_exp.core.atomic_write import atomic_dir, atomic_path
+from rewarduq_exp.core.checks import check_positive
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import render_all
-from rewarduq_exp.errors import UserError
 from rewarduq_exp.methods.base import (
     RewardMethod,
     Scores,
     TrainingSchedule,
     bradley_terry_nll,
-    check_positive,
     read_method_info,
     run_training,
     write_method_info,
 )
 from rewarduq_exp.models.backbone import resolve_device
-from rewarduq_exp.runs.atomic_write import atomic_dir, atomic_path
 
 HEAD_INITS = ("auto", "pretrained", "fresh")
 ANCHORS = ("l2", "mean_squared")

@@ -10,13 +10,13 @@ give K implicit rewards
 summed over the completion tokens, the chat template's tokens of the assistant turn included (as the authors do).
 reward = mean_k r_k, u = unbiased std_k r_k, bounds reward ± beta * u (paper eq. 9, beta 2).
 
-The DPO loss is the pair-weighted mean of eq. 13 over a micro-batch (DESIGN data contract: weight = repetition); the
+The DPO loss is the pair-weighted mean of eq. 13 over a micro-batch (weight = repetition); the
 frame's ``weight`` column reaches ``compute_loss`` through :class:`WeightCollator`. A bf16 backbone (a GPU, or CPU with
 ``model.keep_dtype_on_cpu=true``) trains and scores under bf16 autocast with fp32 weights (policy and reference).
 Gradients are clipped to a total norm of ``max_grad_norm`` (1.0, the HF Trainer default the authors trained with, so
 Table 1's values hold with it; null = off), passed to TRL's config explicitly.
 
-Performance (DESIGN section 5):
+Performance:
 - training goes through TRL's ``DPOTrainer`` with ``precompute_ref_log_probs=True``: the reference log-probs are
   computed once per pair before training, never per step, per epoch or per MC sample, and no reference copy stays in
   memory while training. Only ``compute_loss`` is overridden (dropout before the LM head, chunked log-softmax).
@@ -42,19 +42,18 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from rewarduq_exp.distributed import rank, world_size
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.atomic_write import atomic_path
+from rewarduq_exp.core.checks import check_max_grad_norm, check_positive
+from rewarduq_exp.core.distributed import rank, world_size
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import (
     RewardMethod,
     Scores,
     TrainingSchedule,
-    check_max_grad_norm,
-    check_positive,
     read_method_info,
     write_method_info,
 )
 from rewarduq_exp.models.backbone import resolve_device
-from rewarduq_exp.runs.atomic_write import atomic_path
 
 WEIGHTS_FILE = "policy.safetensors"
 
@@ -231,7 +230,7 @@ class WeightCollator:
 def weighted_dpo_loss(margin: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
     """Eq. 13 as a weighted mean over the pairs: sum_i w_i * -log sigmoid(m_i) / sum_i w_i.
 
-    Weighting equals repetition (DESIGN data contract): a pair of weight 2 counts like the pair twice. All weights 1
+    Weighting equals repetition: a pair of weight 2 counts like the pair twice. All weights 1
     (or none) give exactly the plain mean. A batch whose weights are all 0 gives loss 0 (and zero gradient).
     """
     nll = -F.logsigmoid(margin)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics.preference import check_n_bins, pairs_from_table, preference_probabilities
 
 # Probabilities from a valid table are ordered exactly (rounding is monotone); this only absorbs caller noise.

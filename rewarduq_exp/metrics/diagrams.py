@@ -22,8 +22,8 @@ from matplotlib.figure import Figure, SubplotParams
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from rewarduq_exp.core.atomic_write import atomic_path
 from rewarduq_exp.metrics.calibration import CalibrationCurve, calibration_curves
-from rewarduq_exp.runs.atomic_write import atomic_path
 
 PRED_FILE = "calibration_pred.png"
 BOUNDS_FILE = "calibration_bounds.png"

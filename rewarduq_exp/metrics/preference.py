@@ -13,7 +13,8 @@ from numbers import Real
 import numpy as np
 import pandas as pd
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.checks import check_n_bins  # noqa: F401 (part of this module's interface)
+from rewarduq_exp.core.errors import UserError
 
 REWARD_COLUMNS = (
     "chosen_reward",
@@ -54,11 +55,6 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=float)))
 
 
-def check_n_bins(n_bins: object) -> int:
-    """Return ``n_bins`` as an int, or raise UserError unless it is an integer >= 1."""
-    if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
-        raise UserError(f"n_bins must be an integer >= 1, got {n_bins!r}")
-    return int(n_bins)
 
 
 def check_alphas(alphas: Iterable[float] | float) -> tuple[float, ...]:

@@ -1,5 +1,5 @@
 """Metrics of pointwise score probes (BoRP, section 4 and 5.2), as numpy functions of human scores, predicted scores
-and uncertainties. Names are flat under ``probe/…`` (DESIGN section 3).
+and uncertainties. Names are flat under ``probe/…``.
 
 * ``probe/alpha_interval``: Krippendorff's alpha between the human scores and the predictions treated as two raters,
   interval level, on the raw (continuous) predictions. The paper's headline "K-alpha" (Tables 1, 2, 4, 5).
@@ -25,7 +25,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from scipy import stats
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics.diagrams import save_figure
 
 ALPHA_LEVELS = ("interval", "ordinal")

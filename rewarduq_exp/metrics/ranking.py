@@ -19,9 +19,8 @@ The metrics
   scored with the Dirichlet-kernel estimator of Popordanoska et al. (2022) that appendix E uses
   (:func:`dirichlet_kernel_ece`).
 * **Accuracy of the modal ranking**: Kendall tau, Spearman footrule, top-1 accuracy.
-* **Reward models, K-wise** (appendix D): pooled (context, position) top-1 calibration of the Plackett-Luce
-  probabilities ``softmax(rewards)`` (:func:`top1_calibration`), its pairwise (sub-2) counterpart
-  (:func:`pairwise_calibration`) and, only to reproduce the reference code's figures, :func:`chosen_only_ece`.
+
+Reward models scored on K-wise data (appendix D) are calibrated in :mod:`rewarduq_exp.metrics.kwise`.
 
 Which events are evaluated (appendix E)
 ---------------------------------------
@@ -45,14 +44,14 @@ Two deliberate differences from the reference code (whose metric definitions are
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.special import gammaln
 
-from rewarduq_exp.errors import UserError
-from rewarduq_exp.metrics.calibration import CalibrationCurve
+from rewarduq_exp.core.checks import check_choice, check_n_bins
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.ranking.distribution import RankingDistribution
 from rewarduq_exp.ranking.permutations import (
     all_orderings,
@@ -88,16 +87,8 @@ _MAX_EVENTS_PER_CALL = 256
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check_choice(name: str, value, allowed: Sequence[str]) -> str:
-    if value not in allowed:
-        raise UserError(f"{name}={value!r} is invalid: allowed values are {', '.join(allowed)}")
-    return value
 
 
-def _check_n_bins(n_bins) -> int:
-    if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
-        raise UserError(f"n_bins must be an integer >= 1, got {n_bins!r}")
-    return int(n_bins)
 
 
 def check_true_ranks(true_ranks) -> np.ndarray:
@@ -142,7 +133,7 @@ def bin_edges(n_bins: int = 10, spacing: str = "linear") -> np.ndarray:
     ``log``: n_bins + 1 log-spaced points from 1e-12 to 1 with the first edge set to 0 (the reference's "log"
     option; with 10 bins every probability above 10^-1.2 = 0.063 shares the last bin).
     """
-    n_bins = _check_n_bins(n_bins)
+    n_bins = check_n_bins(n_bins)
     check_choice("spacing", spacing, SPACINGS)
     if spacing == "linear":
         return np.arange(n_bins + 1) / n_bins  # each edge b / n_bins correctly rounded (linspace can be 1 ulp off)
@@ -184,7 +175,7 @@ def binary_ece(labels, probs, *, n_bins: int = 10, discrepancy: str = "abs", spa
 
     Vectorised: one bincount over the flattened (event, bin) index, no loop over events.
     """
-    n_bins = _check_n_bins(n_bins)
+    n_bins = check_n_bins(n_bins)
     check_choice("discrepancy", discrepancy, DISCREPANCIES)
     y = np.asarray(labels, dtype=np.float64)
     q = np.asarray(probs, dtype=np.float64)
@@ -672,132 +663,6 @@ def ranking_accuracy(true_ranks, pred_ranks) -> dict[str, float]:
         "footrule_norm": float(foot.mean() / max_footrule(t.shape[1])),
         "top1_accuracy": float(top1_correct(t, p).mean()),
     }
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reward models, K-wise (appendix D)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def padded_rewards(rewards) -> np.ndarray:
-    """Rewards as a float (n, K_max) array, NaN after each row's own K responses.
-
-    Accepts a 2-D array (NaN padding allowed at the end of a row) or a sequence of 1-D arrays of varying length
-    (e.g. RewardBench 2's Ties prompts have more responses; the paper excludes Ties, which is left to the caller).
-    """
-    if isinstance(rewards, np.ndarray) and rewards.ndim == 2:
-        out = rewards.astype(np.float64)
-    else:
-        rows = [np.asarray(r, dtype=np.float64).reshape(-1) for r in rewards]
-        if not rows:
-            raise UserError("rewards: no contexts")
-        out = np.full((len(rows), max(len(r) for r in rows)), np.nan)
-        for s, row in enumerate(rows):
-            out[s, : len(row)] = row
-    if out.ndim != 2 or out.shape[0] == 0:
-        raise UserError(f"rewards must be (n, K) or a list of per-context arrays, got shape {out.shape}")
-    valid = ~np.isnan(out)
-    k = valid.sum(axis=1)
-    if (valid != (np.arange(out.shape[1]) < k[:, None])).any():
-        raise UserError("rewards: NaN padding must come after a row's responses (no NaN between rewards)")
-    if (k < 2).any():
-        raise UserError(f"rewards: every context needs at least 2 responses; row {int(np.argmax(k < 2))} has "
-                        f"{int(k[np.argmax(k < 2)])}")
-    if np.isinf(out).any():
-        raise UserError("rewards must be finite")
-    return out
-
-
-def _best(best_index, rewards: np.ndarray) -> np.ndarray:
-    b = np.asarray(best_index)
-    if b.shape != (len(rewards),) or not np.issubdtype(b.dtype, np.integer):
-        raise UserError(f"best_index must be {len(rewards)} integers (one per context), got shape {b.shape}")
-    k = (~np.isnan(rewards)).sum(axis=1)
-    if (b < 0).any() or (b >= k).any():
-        raise UserError("best_index: each index must point at one of its context's responses (0-based)")
-    return b.astype(np.int64)
-
-
-def plackett_luce_top1(rewards) -> np.ndarray:
-    """Top-1 probabilities of the Plackett-Luce model with utilities = rewards: a softmax per row (max subtracted),
-    NaN at padded positions."""
-    r = padded_rewards(rewards)
-    z = np.exp(r - np.nanmax(r, axis=1, keepdims=True))
-    return z / np.nansum(z, axis=1, keepdims=True)
-
-
-@dataclass(frozen=True, eq=False)
-class KwiseCalibration:
-    """Pooled calibration of reward-model probabilities: ``ece`` and the reliability ``curve`` (bin confidence,
-    accuracy and count in ``curve.weight``), ready for :func:`rewarduq_exp.metrics.diagrams.draw_reliability`."""
-
-    ece: float
-    curve: CalibrationCurve
-    n_contexts: int
-    n_predictions: int
-
-
-def _pooled(q: np.ndarray, y: np.ndarray, n_contexts: int, n_bins: int) -> KwiseCalibration:
-    """Equal-width binning of pooled predictions (the bins of :func:`binary_ece`) into a reliability curve."""
-    edges = bin_edges(n_bins)
-    b = np.digitize(q, edges[1:-1])
-    count = np.bincount(b, minlength=len(edges) - 1).astype(np.float64)
-    occ = count > 0
-    conf = np.full(len(count), np.nan)
-    acc = np.full(len(count), np.nan)
-    conf[occ] = np.bincount(b, weights=q, minlength=len(count))[occ] / count[occ]
-    acc[occ] = np.bincount(b, weights=y, minlength=len(count))[occ] / count[occ]
-    curve = CalibrationCurve(edges=edges, confidence=conf, accuracy=acc, weight=count)
-    return KwiseCalibration(ece=curve.ece(), curve=curve, n_contexts=n_contexts, n_predictions=len(q))
-
-
-def top1_calibration(rewards, best_index, n_bins: int = 10) -> KwiseCalibration:
-    """Appendix D's top-1 calibration of a reward model on K-wise data.
-
-    For each context the Plackett-Luce top-1 probability softmax(r)_t of every response position t, with label 1 at
-    the correct position (``best_index``) and 0 elsewhere; all (context, position) predictions pooled, binned into
-    ``n_bins`` equal-width bins (left-closed, 1.0 in the last) and ECE = sum_b (n_b / N) |accuracy_b - confidence_b|.
-    This is rank-wise top-1 calibration (Definition 7, k = 1) pooled over positions, the only top-k event that is
-    observed when just the correct response is known. Invariant to adding a constant to a context's rewards.
-    """
-    r = padded_rewards(rewards)
-    b = _best(best_index, r)
-    q = plackett_luce_top1(r)
-    y = np.zeros_like(q)
-    y[np.arange(len(r)), b] = 1.0
-    valid = ~np.isnan(q)
-    return _pooled(q[valid], y[valid], len(r), n_bins)
-
-
-def pairwise_calibration(rewards, best_index, n_bins: int = 10) -> KwiseCalibration:
-    """Sub-2 (pairwise) calibration of the Plackett-Luce model induced by the rewards, on the pairs that are
-    observed when only the correct response is known: for each other response j, the events (correct > j) with
-    P = sigmoid(r_correct - r_j) (the PL pairwise marginal, w_c / (w_c + w_j)) and label 1, and (j > correct) with
-    P = sigmoid(r_j - r_correct) and label 0; pooled and binned as in :func:`top1_calibration`. Pairs between two
-    incorrect responses are not observed and not used."""
-    r = padded_rewards(rewards)
-    b = _best(best_index, r)
-    diff = r[np.arange(len(r)), b][:, None] - r  # r_correct - r_j
-    other = ~np.isnan(r)
-    other[np.arange(len(r)), b] = False
-    d = diff[other]
-    q_win = 0.5 * (1.0 + np.tanh(0.5 * d))  # sigmoid without overflow
-    q = np.concatenate([q_win, 1.0 - q_win])
-    y = np.concatenate([np.ones_like(d), np.zeros_like(d)])
-    return _pooled(q, y, len(r), n_bins)
-
-
-def chosen_only_ece(rewards, best_index=None) -> float:
-    """The reference code's RewardBench 2 "ECE", for reproducing its figures only: 1 - mean over contexts of the
-    top-1 probability of the correct response (``best_index``; the reference's index 0 when None).
-
-    **Not the paper's definition** (appendix D pools all (context, position) predictions, :func:`top1_calibration`):
-    the reference bins only the correct response's probability with every label 1, so bins play no role and the
-    number is exactly 1 - mean p_chosen; rejected responses never enter as label-0 events.
-    """
-    r = padded_rewards(rewards)
-    b = np.zeros(len(r), dtype=np.int64) if best_index is None else _best(best_index, r)
-    return float(1.0 - plackett_luce_top1(r)[np.arange(len(r)), b].mean())
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
-from rewarduq_exp.errors import UserError
-from rewarduq_exp.metrics import compute_metrics
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics.preference import DEFAULT_ALPHAS, check_alphas, pairs_from_table, ranking_score
+from rewarduq_exp.metrics.rewarduq import compute_metrics
 
 log = logging.getLogger(__name__)
 

@@ -10,15 +10,23 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from rewarduq_exp.errors import UserError
-from rewarduq_exp.metrics import compute_metrics
-from rewarduq_exp.metrics.kwise import TIES_SUBSET, is_kwise, kwise_metrics, kwise_to_pairs
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.metrics.kwise import (
+    TIES_SUBSET,
+    chosen_only_ece,
+    is_kwise,
+    kwise_metrics,
+    kwise_to_pairs,
+    pairwise_calibration,
+    top1_calibration,
+)
 from rewarduq_exp.metrics.reward_bench import (
     check_scoring,
     is_reward_bench,
     reward_bench_metrics,
     reward_bench_row_weights,
 )
+from rewarduq_exp.metrics.rewarduq import compute_metrics
 
 
 def scoring_kind(predictions: pd.DataFrame, scoring: str = "auto") -> str:
@@ -80,8 +88,6 @@ def kwise_ranking_metrics(predictions: pd.DataFrame, n_bins: int = 10) -> dict:
     (``rank/sub_2/ece``), the only sub-2 events observed when just the correct completion is known (top-k for
     k >= 2 is never observed in such data); and the reference code's number 1 - mean p_correct
     (``rank/top_1/chosen_only_ece``, for comparison with its figures only)."""
-    from rewarduq_exp.metrics.ranking import chosen_only_ece, pairwise_calibration, top1_calibration
-
     rewards, best = top1_rows(predictions)
     if not rewards:
         return {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics.calibration import binned_curve
 from rewarduq_exp.metrics.preference import (
     check_n_bins,

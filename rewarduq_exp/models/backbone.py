@@ -1,7 +1,7 @@
 """Backbone loading: the tokenizer and the (frozen) transformer of the configured ``model``.
 
 A backbone is loaded lazily: a run whose features are all in the cache never loads the weights. Loading never
-executes remote code unless the model config turns ``trust_remote_code`` on explicitly (DESIGN section 6).
+executes remote code unless the model config turns ``trust_remote_code`` on explicitly.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from rewarduq_exp.errors import UserError
-from rewarduq_exp.hub_access import hub_reachable, offline_hint
-from rewarduq_exp.runs.run_identity import stable_hash  # noqa: F401 (re-exported: the caches key on it)
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.hub_access import hub_reachable, offline_hint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,4 +1,4 @@
-"""On-disk cache of backbone features shared by every run and every process (DESIGN section 3).
+"""On-disk cache of backbone features shared by every run and every process.
 
 An entry is one tensor file plus a JSON sidecar describing what it holds. Entries are written to a temporary name
 and renamed, under a per-entry file lock, so that 27 sweep jobs asking for the same features compute them once: the
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from rewarduq_exp import distributed
-from rewarduq_exp.runs.atomic_write import atomic_path, write_atomic
+from rewarduq_exp.core import distributed
+from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
 
 
 class FeatureCache:
@@ -37,7 +37,7 @@ class FeatureCache:
         path = self.path(key)
         if not path.exists():
             return None
-        # weights_only: loading a cache entry must never execute code (DESIGN section 6).
+        # weights_only: loading a cache entry must never execute code.
         return torch.load(path, map_location="cpu", weights_only=True)
 
     def _save_tensor(self, tensor: torch.Tensor, path: Path) -> None:

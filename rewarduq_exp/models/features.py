@@ -8,16 +8,16 @@ that padding stays small, and every result goes through the shared :class:`Featu
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.hashing import stable_hash, texts_fingerprint
 from rewarduq_exp.data.contract import render_all
-from rewarduq_exp.errors import UserError
-from rewarduq_exp.models.backbone import Backbone, stable_hash
+from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.feature_cache import FeatureCache
 
 POOLINGS = ("last", "mean")
@@ -34,12 +34,6 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> to
     raise UserError(f"probe.pooling={pooling!r} is invalid; allowed: {', '.join(POOLINGS)}")
 
 
-def texts_fingerprint(texts: list[str]) -> str:
-    h = hashlib.sha256()
-    for t in texts:
-        h.update(t.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:20]
 
 
 class FeatureEncoder:

@@ -48,8 +48,8 @@ from collections.abc import Sequence
 
 import torch
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import render
-from rewarduq_exp.errors import UserError
 
 THINK_MODES = ("auto", "always", "never")
 SUFFIX_MODES = ("auto", "packed", "repeat")

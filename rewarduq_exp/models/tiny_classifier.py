@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from rewarduq_exp.core.atomic_write import atomic_dir
 from rewarduq_exp.models.tiny_qwen3 import save_checkpoint
-from rewarduq_exp.runs.atomic_write import atomic_dir
 
 
 def build_tiny_sequence_classifier(causal_lm_dir: str | os.PathLike, target: str | os.PathLike, *,

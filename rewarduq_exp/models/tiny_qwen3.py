@@ -16,8 +16,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from rewarduq_exp.core.atomic_write import atomic_dir
 from rewarduq_exp.data.vocabulary import TOPIC_WORDS, WORDS
-from rewarduq_exp.runs.atomic_write import atomic_dir
 
 # Bump when the build below changes: it is part of the cache key of every feature computed with this model.
 BUILD_VERSION = 2

@@ -13,10 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rewarduq_exp.core.hashing import stable_hash, texts_fingerprint
 from rewarduq_exp.data.contract import token_lengths
-from rewarduq_exp.models.backbone import stable_hash
 from rewarduq_exp.models.feature_cache import FeatureCache
-from rewarduq_exp.models.features import texts_fingerprint
 
 
 class TokenCounter:

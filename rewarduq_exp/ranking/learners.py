@@ -31,7 +31,7 @@ from sklearn.calibration import CalibratedClassifierCV
 from sklearn.tree import DecisionTreeClassifier
 from torch import nn
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.ranking.categorical import RankCategorical
 from rewarduq_exp.ranking.distribution import RankingDistribution
 from rewarduq_exp.ranking.mallows import Mallows, expected_distance

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 
 
 def ranks_to_orderings(ranks: np.ndarray) -> np.ndarray:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.data.registry import CONF_DIR, available
-from rewarduq_exp.errors import UserError, one_line
 
 GROUPS = ("model", "method", "dataset", "probe", "metric", "logger", "sweep")
 log = logging.getLogger("rewarduq_exp")

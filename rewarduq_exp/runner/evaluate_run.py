@@ -17,9 +17,9 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.data.registry import build_loader, resolve_eval_sets, with_options
-from rewarduq_exp.errors import UserError
 from rewarduq_exp.models.token_counter import TokenCounter
 from rewarduq_exp.runner.cli import report_user_error
 from rewarduq_exp.runner.evaluation import diagrams, evaluate_method, evaluate_pointwise, score_predictions

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rewarduq_exp import distributed
+from rewarduq_exp.core import distributed
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.methods.base import Scores
 from rewarduq_exp.metrics.kwise import is_kwise
@@ -27,7 +27,7 @@ PASSTHROUGH_COLUMNS = ("true_margin", "true_prob")
 
 
 def predictions_frame(data: pd.DataFrame, chosen: Scores, rejected: Scores) -> pd.DataFrame:
-    """The predictions-file contract: one row per pair (DESIGN section 3)."""
+    """The predictions-file contract: one row per pair."""
     frame = pd.DataFrame({
         "id": data["id"].astype(str).to_numpy(),
         "subset": data["subset"].astype(str).to_numpy(),
@@ -53,7 +53,7 @@ def diagrams(predictions: pd.DataFrame, out_dir, metric_cfg, title: str, metrics
     paths = plot_calibration_diagrams(table, out_dir, n_bins=int(metric_cfg.n_bins),
                                       title=f"{title}: {note}" if note else title, reported=metrics)
     if is_kwise(predictions):  # top-1 calibration of the K-wise scores (calibrated-label-ranking paper, appendix D)
-        from rewarduq_exp.metrics.ranking import plackett_luce_top1
+        from rewarduq_exp.metrics.kwise import plackett_luce_top1
         from rewarduq_exp.metrics.ranking_diagrams import plot_top1_reliability
 
         rewards, best = top1_rows(predictions)

@@ -22,10 +22,10 @@ import pandas as pd
 from sklearn.model_selection import KFold
 from tqdm.auto import tqdm
 
+from rewarduq_exp.core.atomic_write import atomic_path
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.registry import build
-from rewarduq_exp.errors import UserError
 from rewarduq_exp.metrics.ranking import ranking_evaluation
-from rewarduq_exp.runs.atomic_write import atomic_path
 from rewarduq_exp.runs.run_folder import RunFolder, write_json
 
 log = logging.getLogger("rewarduq_exp")

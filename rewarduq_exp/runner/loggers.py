@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 
 
 class NullLogger:

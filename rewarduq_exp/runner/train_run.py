@@ -1,4 +1,4 @@
-"""What ``python train.py`` does (DESIGN section 4):
+"""What ``python train.py`` does:
 
 compose -> validate -> load datasets (normalise, filter) -> backbone + tokenizer -> method.fit (features from the
 cache) -> method.score on each eval dataset -> metrics -> run folder -> wandb (if enabled).
@@ -17,10 +17,10 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from rewarduq_exp import distributed
+from rewarduq_exp.core import distributed
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import data_kind, filter_by_length, validate_preferences
 from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
-from rewarduq_exp.errors import UserError
 from rewarduq_exp.metrics import check_alphas, check_n_bins
 from rewarduq_exp.metrics.kwise import check_tie_rule
 from rewarduq_exp.metrics.reward_bench import check_scoring

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import load_method
 from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.features import FeatureEncoder

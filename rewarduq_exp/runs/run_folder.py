@@ -1,4 +1,4 @@
-"""The run folder (DESIGN section 3): one self-describing directory per run that everything downstream reads.
+"""The run folder: one self-describing directory per run that everything downstream reads.
 
 ``.hydra/`` (written by Hydra), ``status.json`` (running | completed | failed, error, timings, config hash),
 ``metrics.json`` (one object per evaluated dataset), ``predictions/<dataset>.parquet``, ``figures/<dataset>/``,
@@ -18,8 +18,8 @@ from pathlib import Path
 import pandas as pd
 from filelock import FileLock
 
-from rewarduq_exp.errors import one_line
-from rewarduq_exp.runs.atomic_write import atomic_path, write_atomic
+from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
+from rewarduq_exp.core.errors import one_line
 from rewarduq_exp.runs.run_identity import VALIDATION, config_hash, is_completed  # noqa: F401 (config_hash: API)
 
 
@@ -122,7 +122,7 @@ class RunFolder:
 
 
 def _rank() -> int:
-    from rewarduq_exp.distributed import rank
+    from rewarduq_exp.core.distributed import rank
 
     return rank()
 

@@ -1,4 +1,4 @@
-"""What a run IS and when it is DONE, in one place (DESIGN section 3, dora-style identity).
+"""What a run IS and when it is DONE, in one place (dora-style identity).
 
 * A run's identity is a hash of its resolved config (``config_hash``), minus the keys that do not change its numbers
   (``NON_IDENTITY_KEYS``: where outputs go, progress bars, logging, re-run switches). A multirun job folder is named
@@ -16,12 +16,13 @@ Free of torch: the launchers and the selection scripts import it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+
+from rewarduq_exp.core.hashing import stable_hash
 
 # Top-level config keys that do not change a run's numbers: left out of its identity.
 NON_IDENTITY_KEYS = ("force", "progress", "logger", "paths", "sweep_name")
@@ -35,9 +36,6 @@ STATUS_FILE = "status.json"
 METRICS_FILE = "metrics.json"
 
 
-def stable_hash(obj, n: int = 16) -> str:
-    """Hash of a JSON-able object, independent of dict order (run identities and cache keys)."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
 
 def config_hash(cfg: DictConfig) -> str:

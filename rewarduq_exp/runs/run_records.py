@@ -1,4 +1,4 @@
-"""Read run folders (DESIGN section 3) into flat records for selection, tables and figures.
+"""Read run folders into flat records for selection, tables and figures.
 
 A run folder is any folder holding ``.hydra/config.yaml`` with a ``method`` node (``evaluate.py`` output folders
 also have a Hydra config but train nothing, so they are not runs). Its state comes from ``status.json``; a folder
@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rewarduq_exp.errors import UserError
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.runs.run_identity import NOT_HYPERPARAMETERS, VALIDATION, is_completed
 
 STATES = ("completed", "failed", "invalid", "running", "missing")

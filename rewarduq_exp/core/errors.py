@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """Bad input from the user (config value, data file, dataset name).
 
     The entry points print ``error: <message>`` on one line and exit with status 2. The message names what is
-    wrong and what is allowed, so the user can fix the command without reading code.
+    wrong and what is allowed, so the user can fix the command without reading code. It is a ``ValueError``, so
+    code that already catches bad values (a notebook, a training loop calling a reward function) catches it too.
     """
 
     exit_code = 2

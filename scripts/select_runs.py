@@ -1,8 +1,8 @@
 """Pick the best configuration of a sweep by the RewardUQ selection rule (paper section 5.1).
 
-    python scripts/select.py outputs/multirun/<sweep>                       # ECE <= 0.05, EBCE <= 0.01, best rs_0.2
-    python scripts/select.py outputs/multirun/part1 outputs/multirun/part2  # a sweep launched in several parts
-    python scripts/select.py outputs/multirun/<sweep> --tuned-dir conf/tuned   # install the winners as Table 1
+    python scripts/select_runs.py outputs/multirun/<sweep>                   # ECE <= 0.05, EBCE <= 0.01, best rs_0.2
+    python scripts/select_runs.py outputs/multirun/part1 outputs/multirun/part2  # a sweep launched in several parts
+    python scripts/select_runs.py outputs/multirun/<sweep> --tuned-dir conf/tuned  # install the winners as Table 1
 
 Runs that differ only by seed are one configuration; the thresholds and the ranking use the mean over seeds.
 Writes ``selection.csv``, ``selection.md`` and, per method and backbone with a passing configuration, the tuned
@@ -10,16 +10,15 @@ config ``<method>/<model>.yaml`` (into --tuned-dir, default --out). When nothing
 closest configurations and exits 0: that is a result, not an error.
 """
 
-import _unshadow_stdlib  # noqa: F401 (first: scripts/select.py would shadow the stdlib's `select`)
 
 import argparse
 from pathlib import Path
 
-from rewarduq_exp.runner.cli import fail
-from rewarduq_exp.errors import UserError
-from rewarduq_exp.runs.run_records import find_runs
 from rewarduq_exp.analysis.selection import add_selection_arguments, criteria_from_args, select
 from rewarduq_exp.analysis.selection_report import stdout_summary, write_selection
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.runner.cli import fail
+from rewarduq_exp.runs.run_records import find_runs
 
 
 def main(argv=None) -> None:

@@ -1,7 +1,7 @@
-"""The one way this package writes a result: to a temporary name beside the target, then a rename (DESIGN section 6).
+"""The one way this package writes a result: to a temporary name beside the target, then a rename.
 
-A reader (a colleague's ``select.py``, a dashboard polling the run folder, a sweep job waiting on the feature cache)
-never sees a half-written file, and a killed writer leaves at most a hidden ``.<name>.<random>.tmp``.
+A reader (a colleague's ``select_runs.py``, a dashboard polling the run folder, a sweep job waiting on the feature
+cache) never sees a half-written file, and a killed writer leaves at most a hidden ``.<name>.<random>.tmp``.
 
 Files and folders are created with the permissions the user's umask gives, as any ``open()`` or ``mkdir`` would:
 ``tempfile.mkstemp`` / ``mkdtemp`` create 0600 / 0700 whatever the umask, which on a shared cluster makes results
