@@ -45,7 +45,7 @@ def trained(tiny_backbone, data):
     mod._make_trainer_class = counting_class
     try:
         method = _method(tiny_backbone)
-        summary = method.fit(train)
+        summary = method.fit(train).fit_summary
     finally:
         mod._make_trainer_class = original
     return method, summary, calls
@@ -211,7 +211,7 @@ def test_bf16_training_and_scoring_on_cpu(bf16_backbone, tiny_backbone, data):
 
     mod._make_trainer_class = recording_class
     try:
-        summary = method.fit(train[:16])
+        summary = method.fit(train[:16]).fit_summary
     finally:
         mod._make_trainer_class = original
     assert summary["optimizer_steps"] == 2 and all(np.isfinite(h["loss"]) for h in method.history)
@@ -346,7 +346,7 @@ def test_default_tiny_run_learns(tiny_backbone):
                     **kw | {"device": "cpu", "show_progress": False, "num_samples": 4})
     world = SyntheticWorld(n_train=384, n_eval=200, n_ood=8)
     train, ev = world.load("train"), world.load("eval")
-    summary = method.fit(train)
+    summary = method.fit(train).fit_summary
     losses = [h["loss"] for h in method.history]
     assert summary["optimizer_steps"] == 6                      # batch 64 from the config
     assert np.mean(losses[-3:]) < np.log(2) - 0.05

@@ -103,6 +103,6 @@ def test_fit_feeds_each_pair_weight_once_per_epoch(tiny_backbone, frame, monkeyp
     monkeypatch.setattr(mod, "_make_trainer_class", spying_class)
     weighted = frame.assign(weight=np.tile([0.5, 2.0, 1.0, 0.0], len(frame) // 4))
     method = _method(tiny_backbone, num_epochs=1, batch_size=4, micro_batch_size=4)
-    summary = method.fit(weighted)
+    summary = method.fit(weighted).fit_summary
     assert summary["optimizer_steps"] == 3 and np.isfinite(summary["final_train_loss"])
     assert sorted(seen) == sorted(weighted["weight"].tolist())

@@ -176,7 +176,7 @@ class RewardMethod(ABC):
     uses_eval_set = False           # fit(train, eval) reads eval (the runner passes the first pairwise eval set)
 
     @abstractmethod
-    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict: ...  # noqa: A002 (contract name)
+    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> RewardMethod: ...  # noqa: A002
 
     @abstractmethod
     def score(self, prompts, completions) -> Scores: ...
@@ -237,7 +237,7 @@ class FeatureHeadMethod(RewardMethod):
             raise RuntimeError(f"{type(self).__name__} needs a feature encoder (pass encoder=...)")
         return self.encoder
 
-    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # noqa: A002 (contract name)
+    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> FeatureHeadMethod:  # noqa: A002
         encoder = self._require_encoder()
         t0 = time.perf_counter()
         zc, zr = encoder.encode_pairs(train, desc="features (train)")
@@ -266,7 +266,7 @@ class FeatureHeadMethod(RewardMethod):
             m = torch.as_tensor(self.score_features(ec).reward - self.score_features(er).reward)
             self.fit_summary["eval_bt_loss"] = float(bradley_terry_nll(m).mean())
             self.fit_summary["eval_win_rate"] = float((m > 0).double().mean())
-        return self.fit_summary
+        return self
 
     @torch.no_grad()
     def score_features(self, z: torch.Tensor) -> Scores:

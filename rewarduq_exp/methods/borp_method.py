@@ -182,7 +182,7 @@ class BorpMethod(RewardMethod):
             stats=self.extractor().stats))
 
     # ------------------------------------------------------------------ contract
-    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # noqa: A002 (contract name)
+    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> BorpMethod:  # noqa: A002
         if "response" not in train.columns or "score" not in train.columns:
             raise UserError("method=borp trains on pointwise data (prompt, response, score), e.g. dataset=helpsteer2 "
                             "or dataset=synthetic_pointwise")
@@ -199,7 +199,7 @@ class BorpMethod(RewardMethod):
             x = self.mean_pooled(train["prompt"], train["response"])
             self._ridge = MeanPoolRidge(score_range=self.settings["score_range"]).fit(
                 x, train["score"].to_numpy(dtype=float))
-        return self.fit_summary
+        return self
 
     def predict(self, prompts, responses) -> BorpPrediction:
         if self.probe is None:

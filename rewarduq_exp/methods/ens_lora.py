@@ -376,7 +376,7 @@ class EnsLoRA(RewardMethod):
         else:
             self.model.train()
 
-    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # noqa: A002 (contract name)
+    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> EnsLoRA:  # noqa: A002
         """Train all K members in one job. ``eval`` is not scored here: the run scores every eval set right after
         fit, and scoring K members is a full pass over the data."""
         t0 = time.perf_counter()
@@ -433,7 +433,7 @@ class EnsLoRA(RewardMethod):
             self.fit_summary["processes"] = world
         if self.history:
             self.fit_summary["final_train_loss"] = self.history[-1]["loss"]
-        return self.fit_summary
+        return self
 
     # ------------------------------------------------------------------ scoring
     @torch.no_grad()

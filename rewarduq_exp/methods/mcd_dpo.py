@@ -475,13 +475,14 @@ class McdDpo(RewardMethod):
             trainer.remove_callback(ProgressCallback)
         return trainer
 
-    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> dict:  # eval: the contract's name
+    def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> McdDpo:  # noqa: A002
         t0 = time.perf_counter()
         quiet = not self.show_progress and not os.environ.get("TQDM_DISABLE")
         if quiet:  # TRL's reference pre-computation bar only listens to this variable
             os.environ["TQDM_DISABLE"] = "1"
         try:
-            return self._fit(train, eval, t0)
+            self._fit(train, eval, t0)
+            return self
         finally:
             if quiet:
                 os.environ.pop("TQDM_DISABLE", None)

@@ -278,7 +278,7 @@ def _fit_and_evaluate(cfg, out: Path, folder: RunFolder, loader, eval_sets, eval
     first_eval = None
     if method.uses_eval_set:
         first_eval = next((f for f in eval_frames.values() if data_kind(f) == "pairs"), None)
-    fit_summary = method.fit(train_frame, first_eval)
+    fit_summary = method.fit(train_frame, first_eval).fit_summary
     log.info("trained %s: %s", cfg.method._target_.rsplit(".", 1)[-1], fit_summary)
     if folder.writer:
         method.save(folder.model_dir)
