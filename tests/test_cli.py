@@ -290,3 +290,34 @@ def test_without_network_a_hub_model_fails_at_once(tmp_path, shared_cache):
     assert "Retrying" not in out and "does not answer" in out
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert "no network: 127.0.0.1:9 does not answer" in line and "model.path" in line
+
+
+@pytest.mark.parametrize("task", ["reward_model", "label_ranking"])
+def test_one_run_lifecycle_constructs_the_method_once(tmp_path, shared_cache, monkeypatch, task):
+    """Every task goes through the same lifecycle: the method is constructed once, after the config checks and with
+    its backbone (a label-ranking learner is copied, unfitted, per fold), and the same logger receives the metrics
+    and figures of every evaluated dataset."""
+    from rewarduq_exp.methods.ens_mlp import EnsMLP
+    from rewarduq_exp.methods.label_ranking import PlackettLuceNet
+    from rewarduq_exp.runner import loggers
+
+    cls = EnsMLP if task == "reward_model" else PlackettLuceNet
+    built, logged = [], []
+    original = cls.__init__
+    monkeypatch.setattr(cls, "__init__", lambda self, *a, **k: (built.append(k.get("encoder")), original(self, *a,
+                                                                                                          **k))[1])
+    monkeypatch.setattr(loggers.NullLogger, "log_metrics", lambda self, name, metrics, figures: logged.append(
+        (name, [Path(f).name for f in figures])))
+    if task == "reward_model":
+        args = [*SMALL, "eval_datasets=[synthetic_eval]"]
+    else:
+        data = tmp_path / "csv"
+        data.mkdir()
+        (data / "iris.csv").write_bytes((ROOT / "tests" / "fixtures" / "label_ranking" / "iris.csv").read_bytes())
+        args = ["dataset=label_ranking/iris", "method=plackett_luce", "method.num_epochs=2",
+                f"paths.label_ranking_dir={data}", "progress=false"]
+    run("train.py", args, tmp_path, shared_cache)
+    assert len(built) == 1
+    assert (built[0] is not None) == (task == "reward_model")  # reward models get their backbone at construction
+    (name, figures), = logged
+    assert name == ("synthetic_eval" if task == "reward_model" else "iris") and figures

@@ -26,7 +26,7 @@ def options(group: str) -> list[str]:
 def _check(cfg, model, method, dataset):
     from hydra.utils import get_class
 
-    from rewarduq_exp.ranking.learners import LEARNERS
+    from rewarduq_exp.methods.label_ranking import LEARNERS
 
     assert cfg.model.name == model and cfg.dataset.name == dataset.rsplit("/", 1)[-1]
     cls = get_class(cfg.method._target_)

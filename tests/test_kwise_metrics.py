@@ -260,7 +260,7 @@ def test_score_predictions_dispatches_kwise(tmp_path):
     assert score_predictions(table, OmegaConf.merge(cfg, {"kwise_tie_rule": "strict"}))["best_of_k_accuracy"] == 0.8
     with pytest.raises(UserError, match="metric.kwise_tie_rule='lenient' is invalid: allowed values are official"):
         check_tie_rule("lenient")
-    from rewarduq_exp.runner.train_run import validate_metric_config  # the run checks it before any heavy work
+    from rewarduq_exp.runner.validation import validate_metric_config  # the run checks it before any heavy work
 
     with pytest.raises(UserError, match="^metric.kwise_tie_rule='lenient' is invalid: allowed values are "
                                         "official, strict$"):

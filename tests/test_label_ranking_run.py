@@ -57,7 +57,7 @@ def only_run(cwd):
 
 
 def test_train_writes_a_cross_validated_run_folder(tmp_path, data_dir):
-    proc = run("train.py", ["dataset=label_ranking/iris", "method=plackett_luce", "method.epochs=5",
+    proc = run("train.py", ["dataset=label_ranking/iris", "method=plackett_luce", "method.num_epochs=5",
                             f"paths.label_ranking_dir={data_dir}"], tmp_path)
     assert "tau" in proc.stdout and "ECE_sub2" in proc.stdout  # the summary table
     folder = only_run(tmp_path)
@@ -73,7 +73,16 @@ def test_train_writes_a_cross_validated_run_folder(tmp_path, data_dir):
     predictions = pd.read_parquet(folder / "predictions" / "iris.parquet")
     assert len(predictions) == 60 and sorted(predictions["row"]) == list(range(60))
     assert np.allclose(np.stack(predictions["top1_probabilities"]).sum(axis=1), 1.0)
-    assert sorted(p.name for p in (folder / "model").iterdir()) == [f"fold_{i}.joblib" for i in range(5)]
+    assert sorted(p.name for p in (folder / "model").iterdir()) == [f"fold_{i}" for i in range(5)]
+    # Each fold's learner loads back from its folder alone (no pickle) and predicts what the run recorded.
+    from rewarduq_exp.data.label_ranking import load_label_ranking
+    from rewarduq_exp.methods.base import load_method
+
+    fold = predictions[predictions["fold"] == 2]
+    data = load_label_ranking("iris", data_dir)
+    x_train, x_test = data.fold(np.setdiff1d(np.arange(60), fold["row"]), fold["row"].to_numpy())
+    learner = load_method(folder / "model" / "fold_2")
+    assert (learner.predict_ranks(x_test) == np.stack(fold["predicted_ranks"])).all()
     assert {p.name for p in (folder / "figures" / "iris").iterdir()} == {"ece_by_k.png", "top1_reliability.png"}
 
 

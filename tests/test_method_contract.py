@@ -10,7 +10,13 @@ from conftest import ROOT
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from rewarduq_exp.methods.base import RUNTIME_SETTINGS, RewardMethod, constructor_settings, load_method
+from rewarduq_exp.methods.base import (
+    RUNTIME_SETTINGS,
+    LabelRankingMethod,
+    RewardMethod,
+    constructor_settings,
+    load_method,
+)
 
 ALL_METHODS = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
 # The reward models (trained on pairs, or on rated responses: BoRP); the label-ranking learners (task
@@ -41,7 +47,7 @@ def test_method_drivers_ask_flags_not_types(module):
     assert ".encoder = " not in source  # the backbone comes in at construction (encoder=...), not assigned later
 
 
-@pytest.mark.parametrize("option", METHODS)
+@pytest.mark.parametrize("option", ALL_METHODS)
 def test_saved_hyperparameters_rebuild_every_trained_setting(option):
     """load_method rebuilds a method from method.json's hyperparameters; every constructor setting that is not
     saved there must be a runtime setting (device, progress, batch sizes for scoring), never one that changes what
@@ -75,10 +81,10 @@ def test_load_follows_the_class_in_method_json(tmp_path):
 
 
 def test_the_learners_are_the_label_ranking_methods():
-    from rewarduq_exp.ranking.learners import LEARNERS as REGISTRY
+    from rewarduq_exp.methods.label_ranking import LEARNERS as REGISTRY
 
     assert LEARNERS == sorted(REGISTRY) and METHODS == ["bay_lin", "borp", "ens_lora", "ens_mlp", "mcd_dpo"]
     for name in LEARNERS:
         cls = get_class(OmegaConf.load(ROOT / "conf" / "method" / f"{name}.yaml")._target_)
-        assert cls is REGISTRY[name] and cls.task == "label_ranking"
-        assert callable(cls.fit) and callable(cls.predict_distribution)
+        assert cls is REGISTRY[name] and cls.task == "label_ranking" and cls.name == name
+        assert issubclass(cls, LabelRankingMethod) and not inspect.isabstract(cls), cls

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from sklearn.model_selection import KFold
 
-from rewarduq_exp.ranking.categorical import RankCategorical
-from rewarduq_exp.ranking.learners import (
+from rewarduq_exp.methods.label_ranking import (
     LEARNERS,
     MallowsLearner,
     PlackettLuceNet,
@@ -22,12 +21,13 @@ from rewarduq_exp.ranking.learners import (
     fit_temperature,
     zermelo_log_weights,
 )
+from rewarduq_exp.ranking.categorical import RankCategorical
 from rewarduq_exp.ranking.mallows import Mallows, expected_distance
 from rewarduq_exp.ranking.pairwise import PairwiseOnly
 from rewarduq_exp.ranking.permutations import all_orderings, kendall_distance, orderings_to_ranks
 from rewarduq_exp.ranking.plackett_luce import PlackettLuce
 
-DATA_DIR = Path("/work/shared/data/label_ranking")
+DATA_DIR = Path(__file__).parent / "fixtures" / "label_ranking"
 
 
 def kendall_tau(pred: np.ndarray, true: np.ndarray) -> float:
@@ -55,7 +55,7 @@ def cv_taus(request):
     folds = KFold(5, shuffle=True, random_state=42).split(data.X)
     for fold, (train, test) in enumerate(folds):
         x_train, x_test = data.fold(train, test)
-        rpc = RPCLearner().fit(x_train, data.ranks[train], seed=fold)
+        rpc = RPCLearner(seed=fold).fit(x_train, data.ranks[train])
         for name, cls in LEARNERS.items():
             if name == "pl_rpc":  # the same trees as RPC: reuse the fitted pairs instead of fitting them again
                 learner = PLRPCLearner()
@@ -63,7 +63,7 @@ def cv_taus(request):
             elif name == "rpc":
                 learner = rpc
             else:
-                learner = cls().fit(x_train, data.ranks[train], seed=fold)
+                learner = cls(seed=fold).fit(x_train, data.ranks[train])
             dist = learner.predict_distribution(x_test)
             assert dist.n == len(test) and dist.m == data.m
             taus[name].append(kendall_tau(dist.mode_ranks(), data.ranks[test]))
@@ -94,9 +94,9 @@ def _toy(n=90, m=4, seed=0):
 @pytest.mark.parametrize("name", sorted(LEARNERS))
 def test_learners_are_deterministic_given_the_seed(name):
     X, ranks = _toy()
-    kwargs = {"epochs": 3} if name in ("plackett_luce", "rank_classifier") else {}
-    a = LEARNERS[name](**kwargs).fit(X, ranks, seed=7).predict_distribution(X[:20])
-    b = LEARNERS[name](**kwargs).fit(X, ranks, seed=7).predict_distribution(X[:20])
+    kwargs = {"num_epochs": 3} if name in ("plackett_luce", "rank_classifier") else {}
+    a = LEARNERS[name](seed=7, **kwargs).fit(X, ranks).predict_distribution(X[:20])
+    b = LEARNERS[name](seed=7, **kwargs).fit(X, ranks).predict_distribution(X[:20])
     np.testing.assert_array_equal(a.pairwise(), b.pairwise())
     np.testing.assert_array_equal(a.mode_ranks(), b.mode_ranks())
 
@@ -106,8 +106,8 @@ def test_learner_output_types():
     types = {"plackett_luce": PlackettLuce, "mallows": Mallows, "rank_classifier": RankCategorical,
              "rpc": PairwiseOnly, "pl_rpc": PlackettLuce}
     for name, cls in LEARNERS.items():
-        kwargs = {"epochs": 1} if name in ("plackett_luce", "rank_classifier") else {}
-        dist = cls(**kwargs).fit(X, ranks, seed=0).predict_distribution(X[:5])
+        kwargs = {"num_epochs": 1} if name in ("plackett_luce", "rank_classifier") else {}
+        dist = cls(seed=0, **kwargs).fit(X, ranks).predict_distribution(X[:5])
         assert isinstance(dist, types[name]) and (dist.n, dist.m) == (5, 4)
     with pytest.raises(RuntimeError, match="not fitted"):
         PlackettLuceNet().predict_distribution(X)
@@ -115,8 +115,8 @@ def test_learner_output_types():
 
 def test_plackett_luce_net_learns_a_pl_model():
     X, ranks = _toy(n=600, seed=1)
-    net = PlackettLuceNet(hidden=(32,), epochs=30, lr=3e-3).fit(X[:500], ranks[:500], seed=0)
-    assert net.loss_history[-1] < net.loss_history[0]
+    net = PlackettLuceNet(hidden=(32,), num_epochs=30, learning_rate=3e-3, log_every=8).fit(X[:500], ranks[:500])
+    assert net.history[-1]["loss"] < net.history[0]["loss"] and net.history[-1]["step"] == 30 * 8
     assert kendall_tau(net.predict_ranks(X[500:]), ranks[500:]) > 0.5
 
 
@@ -125,7 +125,7 @@ def test_mallows_learner_recovers_center_and_theta():
     center, theta = np.array([4, 1, 5, 0, 2, 3]), 0.7
     orderings = Mallows(center, theta).sample(np.random.default_rng(0), 4000)
     ranks = orderings_to_ranks(orderings)
-    learner = MallowsLearner().fit(np.zeros((len(ranks), 1)), ranks, seed=0)
+    learner = MallowsLearner(seed=0).fit(np.zeros((len(ranks), 1)), ranks)
     np.testing.assert_array_equal(learner.center, center)
     assert abs(learner.theta - theta) < 0.05
     d = learner.mean_distance_
@@ -170,7 +170,7 @@ def test_rpc_handles_single_class_pairs():
     rest[swap, 0], rest[swap, 2] = rest[swap, 2], rest[swap, 0]  # item 1 before item 3 ...
     rest[0] = [4, 3, 2]  # ... except in one row: pair (1, 3) has fewer than cv = 2 rows of one class
     ranks = np.concatenate([np.ones((40, 1), dtype=int), rest], axis=1)  # item 0 always first: single class
-    rpc = RPCLearner(eps=1e-4).fit(X, ranks, seed=0)
+    rpc = RPCLearner(eps=1e-4, seed=0).fit(X, ranks)
     P = rpc.predict_pairwise(X[:5])
     np.testing.assert_allclose(P[:, 0, 1:], 1 - 1e-4)
     np.testing.assert_allclose(P[:, 1, 3], np.clip(39 / 40, 1e-4, 1 - 1e-4))
@@ -188,14 +188,14 @@ def test_fit_temperature_recovers_a_known_temperature():
 
 def test_rank_classifier_unseen_mass_and_classes_from_training_only():
     X, ranks = _toy(n=60)
-    rc = RankClassifierNet(epochs=2).fit(X[:40], ranks[:40], seed=0)
+    rc = RankClassifierNet(num_epochs=2, seed=0).fit(X[:40], ranks[:40])
     classes, counts = np.unique(ranks[:40], axis=0, return_counts=True)
     assert len(rc.classes) == len(classes)
     assert rc.unseen_mass_ == pytest.approx((np.sum(counts == 1) + 1) / 41)
     dist = rc.predict_distribution(X[40:])
     np.testing.assert_allclose(dist.unseen_mass, rc.unseen_mass_)
     assert rc.temperature != 1.0  # fitted on the held-out 20 %
-    fixed = RankClassifierNet(epochs=2, calibrate=False, unseen_mass=0.05).fit(X[:40], ranks[:40], seed=0)
+    fixed = RankClassifierNet(num_epochs=2, calibrate=False, unseen_mass=0.05, seed=0).fit(X[:40], ranks[:40])
     assert fixed.temperature == 1.0 and fixed.predict_distribution(X[:3]).unseen_mass[0] == pytest.approx(0.05)
     from rewarduq_exp.core.errors import UserError
 
@@ -203,5 +203,43 @@ def test_rank_classifier_unseen_mass_and_classes_from_training_only():
         RankClassifierNet(unseen_mass=1.5)
     with pytest.raises(UserError, match="method.hidden"):
         RankClassifierNet(hidden=[])
-    with pytest.raises(UserError, match="method.lr"):
-        PlackettLuceNet(lr=0)
+    with pytest.raises(UserError, match="method.learning_rate"):
+        PlackettLuceNet(learning_rate=0)
+    with pytest.raises(UserError, match="method.num_epochs"):
+        PlackettLuceNet(num_epochs=2.5)
+
+
+# ---------------------------------------------------------------------------------------------------- persistence
+@pytest.mark.parametrize("name", sorted(LEARNERS))
+def test_learners_save_and_load_without_pickle(name, tmp_path):
+    """The method contract of every learner: fit returns the learner, save writes method.json + safetensors (+ skops
+    for RPC's trees), load_method rebuilds an equal learner from the folder alone; no file unpickles on load."""
+    from rewarduq_exp.methods.base import load_method
+
+    X, ranks = _toy()
+    kwargs = {"num_epochs": 2} if name in ("plackett_luce", "rank_classifier") else {}
+    fitted = LEARNERS[name](seed=3, **kwargs)
+    assert fitted.fit(X, ranks) is fitted and fitted.fit_summary["train_rows"] == len(X)
+    fitted.save(tmp_path)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert names == {"method.json", "state.safetensors"} | ({"pairs.skops"} if "rpc" in name else set())
+    loaded = load_method(tmp_path)
+    assert type(loaded) is type(fitted) and loaded.hyperparameters() == fitted.hyperparameters()
+    a, b = fitted.predict_distribution(X[:10]), loaded.predict_distribution(X[:10])
+    np.testing.assert_array_equal(a.pairwise(), b.pairwise())
+    np.testing.assert_array_equal(a.mode_ranks(), b.mode_ranks())
+
+
+def test_rpc_refuses_a_model_file_with_other_types(tmp_path):
+    """A pairs.skops file that names any type beyond the calibrated trees is refused with one line, before loading."""
+    import skops.io
+
+    from rewarduq_exp.core.errors import UserError
+    from rewarduq_exp.methods.base import load_method
+
+    X, ranks = _toy()
+    RPCLearner(seed=0).fit(X, ranks).save(tmp_path)
+    (tmp_path / "pairs.skops").write_bytes(skops.io.dumps([KFold(3)]))
+    with pytest.raises(UserError, match="types an RPC model never has.*KFold"):
+        load_method(tmp_path)
+

@@ -1,8 +1,11 @@
-"""The method contract and the shared machinery of frozen-backbone methods.
+"""The method contract (:class:`Method`, with :class:`RewardMethod` and :class:`LabelRankingMethod`), the one
+training loop (:func:`run_training`) and the shared machinery of frozen-backbone methods.
 
-A method is built by ``hydra.utils.instantiate`` from ``conf/method/<name>.yaml``. It exposes ``fit(train, eval)``,
-``score(prompts, completions) -> Scores`` and ``save(dir)`` / ``load(dir)``, which store only what was trained plus
-the configuration needed to rebuild it (never the frozen backbone). Bounds are ``reward ± beta * u`` (paper eq. 9).
+A method is built by ``hydra.utils.instantiate`` from ``conf/method/<name>.yaml``. ``fit(...)`` returns the method,
+``save(dir)`` / ``load(dir)`` store only what was trained plus the configuration needed to rebuild it (never the
+frozen backbone), in formats that load without executing code. A reward model also offers
+``score(prompts, completions) -> Scores`` with bounds ``reward ± beta * u`` (paper eq. 9); a label-ranking learner
+``predict_distribution(X)``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from tqdm.auto import tqdm
 
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
-from rewarduq_exp.core.checks import check_max_grad_norm, check_positive
+from rewarduq_exp.core.checks import check_choice, check_max_grad_norm, check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.models.backbone import resolve_device
 
@@ -47,6 +50,9 @@ class Scores:
 
 
 
+LR_SCHEDULES = ("cosine", "constant")
+
+
 @dataclass
 class TrainingSchedule:
     """AdamW with a cosine schedule and linear warm-up (RewardUQ Appendix B.2), gradients clipped to a total L2 norm
@@ -61,9 +67,11 @@ class TrainingSchedule:
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     max_grad_norm: float | None = 1.0
+    lr_schedule: str = "cosine"     # or "constant" (the label-ranking learners: plain Adam, appendix C)
 
     def validate(self, prefix: str = "method") -> None:
         check_positive(self.learning_rate, f"{prefix}.learning_rate")
+        check_choice(f"{prefix}.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_positive(self.batch_size, f"{prefix}.batch_size", integer=True, minimum=1, inclusive=True)
         check_positive(self.num_epochs, f"{prefix}.num_epochs")
         if not 0 <= self.warmup_ratio < 1:
@@ -123,7 +131,7 @@ def read_method_info(directory: Path, name: str | None = None) -> dict:
 # tolerance); they are not saved in method.json and come from the caller when a saved method is rebuilt.
 RUNTIME_SETTINGS = frozenset({"encoder", "device", "show_progress", "log_every", "score_batch_size",
                               "gradient_checkpointing", "mixed_adapter_training", "mixed_adapter_scoring",
-                              "logprob_chunk"})
+                              "logprob_chunk", "num_threads", "n_jobs"})
 
 
 def constructor_settings(cls) -> set[str]:
@@ -139,10 +147,11 @@ def constructor_settings(cls) -> set[str]:
     return names
 
 
-def load_method(directory: str | os.PathLike, *, encoder, **runtime) -> RewardMethod:
+def load_method(directory: str | os.PathLike, *, encoder=None, **runtime) -> Method:
     """Rebuild a saved method from its ``method.json``: the class recorded there, with the hyperparameters it was
     trained with and the ``runtime`` settings of the caller (device, show_progress, ...), then ``load`` its trained
-    parameters. The backbone comes in through ``encoder`` (built from the run's model config)."""
+    parameters. A reward model's backbone comes in through ``encoder`` (built from the run's model config); a
+    label-ranking learner needs none."""
     from hydra.utils import get_class
 
     info = read_method_info(directory)
@@ -154,21 +163,52 @@ def load_method(directory: str | os.PathLike, *, encoder, **runtime) -> RewardMe
     accepted = constructor_settings(cls)
     settings = {k: v for k, v in info["hyperparameters"].items() if k in accepted}
     settings.update({k: v for k, v in runtime.items() if k in accepted})
-    method = cls(encoder=encoder, **settings)
+    if "encoder" in accepted:
+        settings["encoder"] = encoder
+    method = cls(**settings)
     return method.load(directory)
 
 
-class RewardMethod(ABC):
-    """What every uncertainty-aware reward model offers the runner, ``evaluate.py`` and the Python API. It is
-    constructed with its hyperparameters and ``encoder=`` (a :class:`FeatureEncoder`: the backbone with its feature
-    cache; ``None`` only to validate settings before the backbone exists), then offers
-    ``fit(train, eval=None) -> summary``, ``score(prompts, completions) -> Scores`` (bounds
-    reward +- beta * u, eq. 9), ``score_pairs(frame) -> (chosen, rejected)``, ``save(dir)`` / ``load(dir)``.
+class Method(ABC):
+    """What every method offers the runner, ``evaluate.py`` and the Python API: the reward models, BoRP and the
+    label-ranking learners alike.
 
-    Where methods differ, they say so with flags instead of the callers testing their type."""
+    * It is built from ``conf/method/<name>.yaml`` with its hyperparameters, ``seed`` included.
+    * ``fit(...)`` trains it and returns the method itself, with ``fit_summary`` (what the run reports) and
+      ``history`` (the training log) filled in.
+    * ``hyperparameters()`` is what rebuilds it; ``save(dir)`` writes them to ``method.json`` beside what was trained,
+      in formats that load without executing code (safetensors, ``.npz`` read with ``allow_pickle=False``, JSON;
+      scikit-learn estimators through skops with a fixed list of trusted types), and ``load(dir)`` reads it back into
+      a constructed method. :func:`load_method` rebuilds one from the folder alone.
+    * Where methods differ, they say so with flags (``task``, ``uses_feature_cache``, ...) instead of the callers
+      testing their type.
+    """
 
     name = "method"
-    task = "preferences"            # trains on preference pairs (label-ranking learners: "label_ranking")
+    task = "preferences"            # what it trains on: preferences (pairs), pointwise (BoRP) or label_ranking
+    fit_summary: dict
+    history: list
+
+    @abstractmethod
+    def fit(self, *data) -> Method: ...
+
+    @abstractmethod
+    def hyperparameters(self) -> dict:
+        """The configuration that rebuilds this method (saved beside what it learned)."""
+
+    @abstractmethod
+    def save(self, directory: str | os.PathLike) -> None: ...
+
+    @abstractmethod
+    def load(self, directory: str | os.PathLike) -> Method: ...
+
+
+class RewardMethod(Method):
+    """An uncertainty-aware reward model. It is constructed with its hyperparameters and ``encoder=`` (a
+    :class:`FeatureEncoder`: the backbone with its feature cache), then offers ``fit(train, eval=None) -> self``,
+    ``score(prompts, completions) -> Scores`` (bounds reward +- beta * u, eq. 9) and
+    ``score_pairs(frame) -> (chosen, rejected)``."""
+
     beta: float = 1.0               # bound width in units of u (eq. 9); set by each method
     uses_feature_cache = False      # reads frozen-backbone features through the shared cache (ENS-MLP, BAY-LIN);
     #                                 otherwise it runs the backbone itself, per row (ENS-LoRA, MCD-DPO)
@@ -184,11 +224,69 @@ class RewardMethod(ABC):
     @abstractmethod
     def score_pairs(self, frame: pd.DataFrame) -> tuple[Scores, Scores]: ...
 
-    @abstractmethod
-    def save(self, directory: str | os.PathLike) -> None: ...
+
+class LabelRankingMethod(Method):
+    """A label-ranking learner (calibrated-label-ranking paper): ``fit(X, ranks) -> self`` on features X (n, d) and
+    ranks per item (n, m, 1 = best); ``predict_distribution(X)`` gives, per sample, a ranking distribution that
+    answers the marginals the ranking metrics need from the model's own structure.
+
+    ``save`` writes ``method.json`` (class, hyperparameters, fit summary and the fitted scalars of
+    :meth:`fitted_values`) and ``state.safetensors`` (the fitted arrays of :meth:`fitted_arrays`); learners with more
+    (RPC's trees) add their own file."""
+
+    task = "label_ranking"
+
+    def __init__(self, seed: int = 0, show_progress: bool = False, log_every: int = 10):
+        self.seed = int(seed)
+        self.show_progress = bool(show_progress)
+        self.log_every = int(log_every)
+        self.m: int | None = None
+        self.fit_summary: dict = {}
+        self.history: list[dict] = []
 
     @abstractmethod
-    def load(self, directory: str | os.PathLike) -> RewardMethod: ...
+    def fit(self, X, ranks) -> LabelRankingMethod: ...
+
+    @abstractmethod
+    def predict_distribution(self, X): ...
+
+    def predict_ranks(self, X) -> np.ndarray:
+        return self.predict_distribution(X).mode_ranks()
+
+    def _require_fit(self):
+        if self.m is None:
+            raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(X, ranks) first")
+
+    # ------------------------------------------------------------------ persistence hooks
+    def fitted_arrays(self) -> dict[str, np.ndarray]:
+        """The fitted arrays (network weights, centers, classes), saved as safetensors."""
+        return {}
+
+    def fitted_values(self) -> dict:
+        """The fitted scalars (m, theta, temperature, ...), saved as JSON in method.json."""
+        return {"m": self.m}
+
+    def load_fitted(self, arrays: dict[str, np.ndarray], values: dict) -> None:
+        self.m = int(values["m"])
+
+    def save(self, directory: str | os.PathLike) -> None:
+        from safetensors.numpy import save_file
+
+        self._require_fit()
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        with atomic_path(directory / "state.safetensors") as tmp:
+            save_file({k: np.ascontiguousarray(v) for k, v in self.fitted_arrays().items()}, str(tmp))
+        write_method_info(directory, self, fitted=self.fitted_values())
+
+    def load(self, directory: str | os.PathLike) -> LabelRankingMethod:
+        from safetensors.numpy import load_file
+
+        directory = Path(directory)
+        info = read_method_info(directory, self.name)
+        self.load_fitted(load_file(str(directory / "state.safetensors")), info.get("fitted", {}))
+        self.fit_summary = info.get("fit_summary", {})
+        return self
 
 
 class FeatureHeadMethod(RewardMethod):
@@ -328,8 +426,9 @@ class FeatureHeadMethod(RewardMethod):
 
 def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int, desc: str, history: list,
                  show_progress: bool, log_every: int, clip=None) -> int:
-    """The one training loop of every method we train ourselves (MCD-DPO trains through TRL's DPOTrainer): AdamW
-    with cosine warm-up over ``ceil(n / batch_size * num_epochs)`` steps, one seeded permutation of the ``n`` rows
+    """The one training loop of every method we train ourselves (MCD-DPO trains through TRL's DPOTrainer, BoRP
+    fits closed-form regressors, Mallows and RPC are not trained by gradients): AdamW with cosine warm-up (or a
+    constant learning rate) over ``ceil(n / batch_size * num_epochs)`` steps, one seeded permutation of the ``n`` rows
     per epoch (same seed, same order on every process), and a log record every ``log_every`` steps.
 
     ``step(index)`` runs the forward and backward pass of one batch (CPU row indices) and returns the values to log
@@ -342,7 +441,10 @@ def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int,
     total = max(1, math.ceil(steps_per_epoch * schedule.num_epochs))
     optimizer = torch.optim.AdamW(params, lr=schedule.learning_rate, betas=tuple(schedule.adam_betas),
                                   eps=schedule.adam_eps, weight_decay=schedule.weight_decay)
-    scheduler = cosine_schedule_with_warmup(optimizer, int(round(schedule.warmup_ratio * total)), total)
+    if schedule.lr_schedule == "constant":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    else:
+        scheduler = cosine_schedule_with_warmup(optimizer, int(round(schedule.warmup_ratio * total)), total)
     max_norm = schedule.max_grad_norm if schedule.max_grad_norm is not None else float("inf")
     generator = torch.Generator().manual_seed(seed)
     order = torch.empty(0, dtype=torch.long)

@@ -22,16 +22,11 @@ from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.data.registry import build_loader, resolve_eval_sets, with_options
 from rewarduq_exp.models.token_counter import TokenCounter
 from rewarduq_exp.runner.cli import report_user_error
+from rewarduq_exp.runner.data_loading import load_split, quiet_datasets_unless
 from rewarduq_exp.runner.evaluation import diagrams, evaluate_method, evaluate_pointwise, score_predictions
 from rewarduq_exp.runner.summary import summary_table
-from rewarduq_exp.runner.train_run import (
-    check_eval_kind,
-    load_split,
-    method_task,
-    quiet_datasets_unless,
-    validate_metric_config,
-)
 from rewarduq_exp.runner.trained_run import load_trained_method, read_run_config
+from rewarduq_exp.runner.validation import check_eval_kind, method_task, validate_metric_config
 from rewarduq_exp.runs.run_folder import write_json
 
 log = logging.getLogger("rewarduq_exp")

@@ -6,26 +6,26 @@ over folds.
 
 The run folder is the usual one: ``metrics.json`` holds ``{<dataset>: {metric: mean, "<metric>_std": std}}``,
 ``metrics_per_fold.json`` the fold values, ``predictions/<dataset>.parquet`` one row per sample (fold, true and
-modal ranks, top-1 probabilities), ``figures/<dataset>/`` the ECE-by-k and top-1 reliability plots, ``model/`` the
-fitted learner of each fold.
+modal ranks, top-1 probabilities), ``figures/<dataset>/`` the ECE-by-k and top-1 reliability plots, ``model/fold_<i>/``
+the fitted learner of each fold (saved by the learner itself: method.json + safetensors, never a pickle).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
 
-import joblib
 import numpy as np
 import pandas as pd
 from sklearn.model_selection import KFold
 from tqdm.auto import tqdm
 
-from rewarduq_exp.core.atomic_write import atomic_path
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.registry import build
 from rewarduq_exp.metrics.ranking import ranking_evaluation
+from rewarduq_exp.runner.run_output import RunOutput
 from rewarduq_exp.runs.run_folder import RunFolder, write_json
 
 log = logging.getLogger("rewarduq_exp")
@@ -66,9 +66,24 @@ def mean_and_std(per_fold: list[dict]) -> dict:
     return out
 
 
-def run_label_ranking(cfg, out: Path, folder: RunFolder, show_progress: bool) -> tuple[dict, dict]:
-    """Cross-validate ``cfg.method`` on ``cfg.dataset``; returns ({dataset: metrics}, run info)."""
-    source = build(cfg.dataset, "dataset")
+class LabelRankingTask:
+    """``dataset=label_ranking/<name> method=<learner>``: preparing it checks the ranking metric options, constructs
+    the learner once (its settings) and the data source; :meth:`run` cross-validates a fresh copy of that unfitted
+    learner per fold."""
+
+    def __init__(self, cfg, out: Path, folder: RunFolder):
+        self.cfg, self.out, self.folder = cfg, out, folder
+        validate_ranking_options(cfg.metric)
+        self.learner = build(cfg.method, "method")
+        self.source = build(cfg.dataset, "dataset")
+
+    def run(self) -> RunOutput:
+        return run_label_ranking(self.cfg, self.out, self.folder, self.learner, self.source,
+                                 show_progress=bool(self.cfg.progress))
+
+
+def run_label_ranking(cfg, out: Path, folder: RunFolder, learner, source, show_progress: bool) -> RunOutput:
+    """Cross-validate the unfitted ``learner`` on ``source``'s data: metrics, predictions, figures, fold models."""
     data = source.load()
     name = str(cfg.dataset.name)
     log.info("label ranking %s: %d rows, %d features, m=%d items, %d-fold cross-validation", name, data.n,
@@ -82,10 +97,9 @@ def run_label_ranking(cfg, out: Path, folder: RunFolder, show_progress: bool) ->
                                                    disable=not show_progress, leave=False)):
         t0 = time.perf_counter()
         x_train, x_test = data.fold(train_idx, test_idx)
-        learner = build(cfg.method, "method")
-        learner.fit(x_train, data.ranks[train_idx], seed=seed)
+        fold_learner = copy.deepcopy(learner).fit(x_train, data.ranks[train_idx])
         t_fit = time.perf_counter() - t0
-        dist = learner.predict_distribution(x_test)
+        dist = fold_learner.predict_distribution(x_test)
         evaluation = ranking_evaluation(dist, data.ranks[test_idx], seed=seed, **options)
         per_fold.append(evaluation.metrics)
         times.append((round(t_fit, 3), round(time.perf_counter() - t0, 3)))
@@ -99,16 +113,14 @@ def run_label_ranking(cfg, out: Path, folder: RunFolder, show_progress: bool) ->
         if top1 is not None:
             top1_pooled.append((top1, data.ranks[test_idx] == 1))
         if folder.writer:
-            fold_path = folder.model_dir / f"fold_{i}.joblib"
-            fold_path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_path(fold_path) as tmp:
-                joblib.dump(learner, tmp)
+            fold_learner.save(folder.model_dir / f"fold_{i}")
         log.info("fold %d/%d: kendall tau %.4f, sub-2 ECE %.4f (%.1f s)", i + 1, source.folds,
                  evaluation.metrics["rank/kendall_tau"], evaluation.metrics.get("rank/sub_2/ece", float("nan")),
                  times[-1][1])
     block = mean_and_std(per_fold)
     block["n_samples"] = data.n
     block["n_items"] = data.m
+    pngs = []
     if folder.writer:
         write_json(out / "metrics_per_fold.json", per_fold)
         folder.write_predictions(name, pd.concat(frames, ignore_index=True))
@@ -116,14 +128,13 @@ def run_label_ranking(cfg, out: Path, folder: RunFolder, show_progress: bool) ->
             from rewarduq_exp.metrics.ranking_diagrams import plot_ece_by_k, plot_top1_reliability
 
             figures = folder.figures_dir(name)
-            plot_ece_by_k(per_fold, figures / "ece_by_k.png", title=f"{name}: {cfg.method._target_.rsplit('.', 1)[-1]}")
+            pngs.append(plot_ece_by_k(per_fold, figures / "ece_by_k.png", title=f"{name}: {learner.name}"))
             if top1_pooled:
                 probs = np.concatenate([p for p, _ in top1_pooled]).ravel()
                 labels = np.concatenate([y for _, y in top1_pooled]).ravel()
-                plot_top1_reliability(probs, labels, figures / "top1_reliability.png",
-                                      n_bins=int(options.get("n_bins", 10)),
-                                      title=f"{name}: top-1 events, all folds pooled")
+                pngs.append(plot_top1_reliability(probs, labels, figures / "top1_reliability.png",
+                                                  n_bins=int(options.get("n_bins", 10)),
+                                                  title=f"{name}: top-1 events, all folds pooled"))
     info = {"folds": source.folds, "seconds_fit_per_fold": [t[0] for t in times],
-            "seconds_per_fold": [t[1] for t in times],
-            "learner": cfg.method._target_.rsplit(".", 1)[-1]}
-    return {name: block}, info
+            "seconds_per_fold": [t[1] for t in times], "learner": learner.name}
+    return RunOutput({name: block}, info, figures={name: pngs})

@@ -1,9 +1,10 @@
-"""The five label-ranking learners of the calibrated-label-ranking paper (section 3, appendix C).
+"""The five label-ranking learners of the calibrated-label-ranking paper (section 3, appendix C), as methods.
 
-Every learner has ``fit(X, ranks, seed=0) -> self`` (X (n, d) float features, ranks (n, m) ranks-per-item with
-1 = best) and ``predict_distribution(X) -> RankingDistribution``; ``predict_ranks(X)`` is the distribution's mode.
-Fitting is deterministic given ``seed`` (torch initialisation and minibatch order, scikit-learn ``random_state``,
-the calibration split). Constructor arguments are plain keywords with defaults, as a method config passes them.
+Every learner keeps the method contract (:class:`~rewarduq_exp.methods.base.LabelRankingMethod`): it is built with
+its hyperparameters and ``seed``, ``fit(X, ranks) -> self`` (X (n, d) float features, ranks (n, m) ranks-per-item with
+1 = best), ``predict_distribution(X) -> RankingDistribution`` (``predict_ranks(X)`` is its mode), and
+``save(dir)`` / ``load(dir)`` in formats that never execute code on load. Fitting is deterministic given the seed
+(torch initialisation and minibatch order, scikit-learn ``random_state``, the calibration split).
 
 * ``PlackettLuceNet`` (PL): MLP d -> hidden -> m item log-weights, PL negative log-likelihood, Adam.
 * ``MallowsLearner`` (MM): unconditional Mallows/Kendall model; center by best-improvement local search over swaps of
@@ -14,13 +15,17 @@ the calibration split). Constructor arguments are plain keywords with defaults, 
 * ``PLRPCLearner`` (PL-RPC): RPC, then per-sample Plackett-Luce weights from the pairwise matrix by the improved
   Zermelo iteration (Newman 2023).
 
-Pure numpy / torch / scikit-learn; nothing here reads configs or files.
+The two networks train with the one training loop of every method (:func:`~rewarduq_exp.methods.base.run_training`):
+Adam (AdamW with no weight decay is the same update; a weight decay > 0 is AdamW's decoupled one), a constant
+learning rate, no gradient clipping, one seeded permutation of the rows per epoch.
 """
 
 from __future__ import annotations
 
+import io
 import math
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,9 +36,11 @@ from sklearn.calibration import CalibratedClassifierCV
 from sklearn.tree import DecisionTreeClassifier
 from torch import nn
 
+from rewarduq_exp.core.atomic_write import write_atomic
+from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.methods.base import LabelRankingMethod, TrainingSchedule, run_training
 from rewarduq_exp.ranking.categorical import RankCategorical
-from rewarduq_exp.ranking.distribution import RankingDistribution
 from rewarduq_exp.ranking.mallows import Mallows, expected_distance
 from rewarduq_exp.ranking.pairwise import PairwiseOnly
 from rewarduq_exp.ranking.permutations import check_rankings, ranks_to_orderings
@@ -50,40 +57,6 @@ def _check_xy(X, ranks) -> tuple[np.ndarray, np.ndarray]:
     return X, ranks
 
 
-def _net_settings(hidden, lr, epochs, batch_size, weight_decay) -> tuple:
-    """The network settings as (hidden, lr, epochs, batch_size, weight_decay), or a one-line UserError naming the
-    ``method.<key>`` that is out of range."""
-    try:
-        hidden = tuple(int(h) for h in hidden)
-    except (TypeError, ValueError):
-        hidden = ()
-    if not hidden or min(hidden) < 1:
-        raise UserError(f"method.hidden={hidden!r} is invalid: a list of layer widths >= 1, e.g. [100, 100]")
-    for key, value, low in (("lr", lr, 0.0), ("epochs", epochs, 0), ("batch_size", batch_size, 0)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > low:
-            raise UserError(f"method.{key}={value!r} is invalid: must be a number > {low:g}")
-    if not weight_decay >= 0:
-        raise UserError(f"method.weight_decay={weight_decay!r} is invalid: must be >= 0")
-    return hidden, float(lr), int(epochs), int(batch_size), float(weight_decay)
-
-
-class _Learner:
-    """Shared helpers: the point prediction and the not-fitted guard."""
-
-    task = "label_ranking"  # what the runner trains it on (dataset=label_ranking/<name>); reward models: preferences
-    m: int | None = None
-
-    def predict_distribution(self, X) -> RankingDistribution:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def predict_ranks(self, X) -> np.ndarray:
-        return self.predict_distribution(X).mode_ranks()
-
-    def _require_fit(self):
-        if self.m is None:
-            raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(X, ranks, seed) first")
-
-
 # ---------------------------------------------------------------------------------------------------- neural nets
 def _mlp(d: int, hidden, out: int) -> nn.Sequential:
     layers, width = [], d
@@ -92,29 +65,6 @@ def _mlp(d: int, hidden, out: int) -> nn.Sequential:
         width = int(h)
     layers.append(nn.Linear(width, out))
     return nn.Sequential(*layers)
-
-
-def _train_net(net: nn.Module, X: np.ndarray, target: torch.Tensor, loss_fn, *, epochs: int, batch_size: int,
-               lr: float, weight_decay: float, seed: int) -> list[float]:
-    """Adam over seeded reshuffled minibatches; returns the mean training loss per epoch."""
-    x = torch.as_tensor(X, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)  # faster on CPU
-    history = []
-    net.train()
-    for _ in range(epochs):
-        perm = torch.randperm(len(x), generator=gen)
-        total = 0.0
-        for start in range(0, len(x), batch_size):
-            idx = perm[start:start + batch_size]
-            loss = loss_fn(net(x[idx]), target[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += float(loss.detach()) * len(idx)
-        history.append(total / max(1, len(x)))
-    net.eval()
-    return history
 
 
 @contextmanager
@@ -132,20 +82,6 @@ def _torch_threads(n: int | None):
         torch.set_num_threads(old)
 
 
-def _build_net(seed: int, d: int, hidden, out: int) -> nn.Sequential:
-    """The MLP initialised from ``seed`` without touching torch's global random state."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return _mlp(d, hidden, out)
-
-
-def _net_outputs(net: nn.Module, X, batch: int = 8192) -> np.ndarray:
-    x = torch.as_tensor(np.asarray(X, dtype=np.float64), dtype=torch.float32)
-    with torch.no_grad():
-        return np.concatenate([net(x[i:i + batch]).double().numpy() for i in range(0, len(x), batch)]) \
-            if len(x) else np.zeros((0, net[-1].out_features))
-
-
 def plackett_luce_nll(scores: torch.Tensor, orderings: torch.Tensor) -> torch.Tensor:
     """Mean PL negative log-likelihood: scores (B, m) log-weights, orderings (B, m) best first."""
     s = scores.gather(1, orderings)
@@ -153,7 +89,77 @@ def plackett_luce_nll(scores: torch.Tensor, orderings: torch.Tensor) -> torch.Te
     return (suffix - s).sum(1).mean()
 
 
-class PlackettLuceNet(_Learner):
+class _NetLearner(LabelRankingMethod):
+    """A learner whose model is an MLP from the features (PL, RC): its settings, training and weights."""
+
+    def __init__(self, hidden=(100, 100), learning_rate: float = 1e-3, num_epochs: int = 50, batch_size: int = 64,
+                 weight_decay: float = 0.0, num_threads: int | None = None, **common):
+        super().__init__(**common)
+        try:
+            self.hidden = tuple(int(h) for h in hidden)
+        except (TypeError, ValueError):
+            self.hidden = ()
+        if not self.hidden or min(self.hidden) < 1:
+            raise UserError(f"method.hidden={hidden!r} is invalid: a list of layer widths >= 1, e.g. [100, 100]")
+        check_positive(num_epochs, "method.num_epochs", integer=True)
+        # Appendix C: Adam with a constant learning rate and no clipping.
+        self.schedule = TrainingSchedule(learning_rate, batch_size, int(num_epochs), warmup_ratio=0.0,
+                                         weight_decay=weight_decay, max_grad_norm=None, lr_schedule="constant")
+        self.schedule.validate()
+        self.num_threads = num_threads
+        self.net: nn.Sequential | None = None
+
+    def hyperparameters(self) -> dict:
+        s = self.schedule
+        return {"hidden": list(self.hidden), "learning_rate": s.learning_rate, "num_epochs": s.num_epochs,
+                "batch_size": s.batch_size, "weight_decay": s.weight_decay, "seed": self.seed}
+
+    def _build_net(self, d: int, out: int) -> None:
+        """The MLP initialised from the seed without touching torch's global random state."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            self.net = _mlp(d, self.hidden, out)
+
+    def _train(self, X: np.ndarray, target: torch.Tensor, loss_fn) -> None:
+        x = torch.as_tensor(X, dtype=torch.float32)
+
+        def step(index: torch.Tensor) -> dict:
+            loss = loss_fn(self.net(x[index]), target[index])
+            loss.backward()
+            return {"loss": loss.detach()}
+
+        self.history = []
+        self.net.train()
+        with _torch_threads(self.num_threads):
+            steps = run_training(self.net.parameters(), len(x), self.schedule, step, seed=self.seed,
+                                 desc=f"{self.name} training", history=self.history,
+                                 show_progress=self.show_progress, log_every=self.log_every)
+        self.net.eval()
+        self.fit_summary = {"train_rows": len(x), "steps": steps, "final_train_loss": self.history[-1]["loss"]}
+
+    def _outputs(self, X, batch: int = 8192) -> np.ndarray:
+        x = torch.as_tensor(np.asarray(X, dtype=np.float64), dtype=torch.float32)
+        with torch.no_grad(), _torch_threads(self.num_threads):
+            if not len(x):
+                return np.zeros((0, self.net[-1].out_features))
+            return np.concatenate([self.net(x[i:i + batch]).double().numpy() for i in range(0, len(x), batch)])
+
+    def fitted_arrays(self) -> dict[str, np.ndarray]:
+        return {f"net.{k}": v.detach().numpy() for k, v in self.net.state_dict().items()}
+
+    def fitted_values(self) -> dict:
+        return {**super().fitted_values(), "in_features": int(self.net[0].in_features),
+                "out_features": int(self.net[-1].out_features)}
+
+    def load_fitted(self, arrays, values) -> None:
+        super().load_fitted(arrays, values)
+        self._build_net(int(values["in_features"]), int(values["out_features"]))
+        self.net.load_state_dict({k[len("net."):]: torch.from_numpy(v) for k, v in arrays.items()
+                                  if k.startswith("net.")})
+        self.net.eval()
+
+
+class PlackettLuceNet(_NetLearner):
     """PL: an MLP from features to m item log-weights, trained by the PL negative log-likelihood.
 
     Defaults follow the paper (appendix C): two hidden layers of 100 units with ReLU, Adam, no weight decay, 50
@@ -161,31 +167,21 @@ class PlackettLuceNet(_Learner):
     (The reference code used hidden layers [64, 32]: pass ``hidden=(64, 32)`` to match it.)
     """
 
-    def __init__(self, hidden=(100, 100), lr: float = 1e-3, epochs: int = 50, batch_size: int = 64,
-                 weight_decay: float = 0.0, num_threads: int | None = None):
-        self.hidden, self.lr, self.epochs, self.batch_size, self.weight_decay = _net_settings(
-            hidden, lr, epochs, batch_size, weight_decay)
-        self.num_threads = num_threads
-        self.net: nn.Sequential | None = None
+    name = "plackett_luce"
 
-    def fit(self, X, ranks, seed: int = 0) -> PlackettLuceNet:
+    def fit(self, X, ranks) -> PlackettLuceNet:
         X, ranks = _check_xy(X, ranks)
         self.m = ranks.shape[1]
-        self.net = _build_net(seed, X.shape[1], self.hidden, self.m)
-        target = torch.as_tensor(ranks_to_orderings(ranks))
-        with _torch_threads(self.num_threads):
-            self.loss_history = _train_net(self.net, X, target, plackett_luce_nll, epochs=self.epochs,
-                                           batch_size=self.batch_size, lr=self.lr, weight_decay=self.weight_decay,
-                                           seed=seed)
+        self._build_net(X.shape[1], self.m)
+        self._train(X, torch.as_tensor(ranks_to_orderings(ranks)), plackett_luce_nll)
         return self
 
     def predict_distribution(self, X) -> PlackettLuce:
         self._require_fit()
-        with _torch_threads(self.num_threads):
-            return PlackettLuce(_net_outputs(self.net, X))
+        return PlackettLuce(self._outputs(X))
 
 
-class RankClassifierNet(_Learner):
+class RankClassifierNet(_NetLearner):
     """RC: multi-class classification over the distinct rankings of the training fold plus a uniform remainder.
 
     * Classes: the distinct rankings of the training fold passed to ``fit`` (never the test fold's).
@@ -205,12 +201,11 @@ class RankClassifierNet(_Learner):
       and does not depend on T).
     """
 
-    def __init__(self, hidden=(100, 100), lr: float = 1e-3, epochs: int = 50, batch_size: int = 64,
-                 weight_decay: float = 0.0, calibrate: bool = True, calibration_fraction: float = 0.2,
-                 unseen_mass="good_turing", num_threads: int | None = None):
-        self.num_threads = num_threads
-        self.hidden, self.lr, self.epochs, self.batch_size, self.weight_decay = _net_settings(
-            hidden, lr, epochs, batch_size, weight_decay)
+    name = "rank_classifier"
+
+    def __init__(self, calibrate: bool = True, calibration_fraction: float = 0.2, unseen_mass="good_turing",
+                 **settings):
+        super().__init__(**settings)
         self.calibrate, self.calibration_fraction = bool(calibrate), float(calibration_fraction)
         if not 0 < self.calibration_fraction < 1:
             raise UserError(f"method.calibration_fraction={calibration_fraction!r} is invalid: must be in (0, 1)")
@@ -218,10 +213,13 @@ class RankClassifierNet(_Learner):
                                                  and 0 <= float(unseen_mass) < 1)):
             raise UserError(f"method.unseen_mass={unseen_mass!r} is invalid: good_turing or a number in [0, 1)")
         self.unseen_mass = unseen_mass
-        self.net: nn.Sequential | None = None
         self.temperature = 1.0
 
-    def fit(self, X, ranks, seed: int = 0) -> RankClassifierNet:
+    def hyperparameters(self) -> dict:
+        return {**super().hyperparameters(), "calibrate": self.calibrate,
+                "calibration_fraction": self.calibration_fraction, "unseen_mass": self.unseen_mass}
+
+    def fit(self, X, ranks) -> RankClassifierNet:
         X, ranks = _check_xy(X, ranks)
         n, self.m = ranks.shape
         orderings = ranks_to_orderings(ranks)
@@ -234,30 +232,33 @@ class RankClassifierNet(_Learner):
             self.unseen_mass_ = float((np.sum(counts == 1) + 1) / (n + 1))
         else:
             self.unseen_mass_ = float(self.unseen_mass)
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(self.seed)
         n_cal = int(round(self.calibration_fraction * n)) if self.calibrate else 0
         if self.calibrate and (n_cal < 1 or n - n_cal < 1):
             n_cal = 0
         perm = rng.permutation(n)
         cal_idx, train_idx = np.sort(perm[:n_cal]), np.sort(perm[n_cal:])
-        self.net = _build_net(seed, X.shape[1], self.hidden, len(self.classes))
-        target = torch.as_tensor(labels[train_idx])
-        with _torch_threads(self.num_threads):
-            self.loss_history = _train_net(self.net, X[train_idx], target, nn.functional.cross_entropy,
-                                           epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                                           weight_decay=self.weight_decay, seed=seed)
-            cal_logits = _net_outputs(self.net, X[cal_idx]) if n_cal else None
-        self.temperature = 1.0
-        if n_cal:
-            self.temperature = fit_temperature(cal_logits, labels[cal_idx])
+        self._build_net(X.shape[1], len(self.classes))
+        self._train(X[train_idx], torch.as_tensor(labels[train_idx]), nn.functional.cross_entropy)
+        self.temperature = fit_temperature(self._outputs(X[cal_idx]), labels[cal_idx]) if n_cal else 1.0
+        self.fit_summary.update(train_rows=n, calibration_rows=n_cal, classes=len(self.classes),
+                                unseen_mass=self.unseen_mass_, temperature=self.temperature)
         return self
 
     def predict_distribution(self, X) -> RankCategorical:
         self._require_fit()
-        with _torch_threads(self.num_threads):
-            logits = _net_outputs(self.net, X)
-        logits /= self.temperature
-        return RankCategorical.from_unseen_mass(self.classes, logits, self.unseen_mass_)
+        return RankCategorical.from_unseen_mass(self.classes, self._outputs(X) / self.temperature, self.unseen_mass_)
+
+    def fitted_arrays(self) -> dict[str, np.ndarray]:
+        return {**super().fitted_arrays(), "classes": self.classes}
+
+    def fitted_values(self) -> dict:
+        return {**super().fitted_values(), "temperature": self.temperature, "unseen_mass": self.unseen_mass_}
+
+    def load_fitted(self, arrays, values) -> None:
+        super().load_fitted(arrays, values)
+        self.classes = arrays["classes"]
+        self.temperature, self.unseen_mass_ = float(values["temperature"]), float(values["unseen_mass"])
 
 
 def fit_temperature(logits: np.ndarray, labels: np.ndarray, bounds=(math.log(1 / 20), math.log(20))) -> float:
@@ -274,7 +275,7 @@ def fit_temperature(logits: np.ndarray, labels: np.ndarray, bounds=(math.log(1 /
 
 
 # ---------------------------------------------------------------------------------------------------- Mallows
-class MallowsLearner(_Learner):
+class MallowsLearner(LabelRankingMethod):
     """MM: unconditional Mallows model with Kendall distance (ignores X, as in the paper).
 
     * Total Kendall distance of the training rankings to a center c is sum_{t < u} N[c_u, c_t], where N[a, b] is the
@@ -288,20 +289,27 @@ class MallowsLearner(_Learner):
       expectation), restricted to [0, ``theta_max``] (0 = uniform when the data are no closer than uniform; theta_max
       when every training ranking equals the center).
     * The predicted ``Mallows`` distribution draws its Monte-Carlo samples (sub-k, k >= 3, m > ``exact_max_m``) with
-      the fit's seed.
+      the seed.
     """
 
+    name = "mallows"
+
     def __init__(self, max_iter: int = 10000, theta_max: float = 50.0, mc_samples: int = 20000,
-                 exact_max_m: int = 7):
+                 exact_max_m: int = 7, **common):
+        super().__init__(**common)
         self.max_iter, self.theta_max = int(max_iter), float(theta_max)
         self.mc_samples, self.exact_max_m = int(mc_samples), int(exact_max_m)
 
-    def fit(self, X, ranks, seed: int = 0) -> MallowsLearner:
+    def hyperparameters(self) -> dict:
+        return {"max_iter": self.max_iter, "theta_max": self.theta_max, "mc_samples": self.mc_samples,
+                "exact_max_m": self.exact_max_m, "seed": self.seed}
+
+    def fit(self, X, ranks) -> MallowsLearner:
         _, ranks = _check_xy(X, ranks)
         n, self.m = ranks.shape
         m = self.m
         before = (ranks[:, :, None] < ranks[:, None, :]).sum(axis=0)  # N[a, b]: rankings with a before b
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(self.seed)
         center = np.lexsort((rng.random(m), ranks.mean(axis=0)))
         t_idx, u_idx = np.triu_indices(m, 1)
 
@@ -321,9 +329,10 @@ class MallowsLearner(_Learner):
             center, current = cands[best], int(costs[best])
             self.n_moves_ += 1
         self.center = center
-        self.seed_ = int(seed)
         self.mean_distance_ = current / n
         self.theta = self.mle_theta(self.mean_distance_, m, self.theta_max)
+        self.fit_summary = {"train_rows": n, "theta": self.theta, "mean_distance": self.mean_distance_,
+                            "local_search_moves": self.n_moves_}
         return self
 
     @staticmethod
@@ -337,11 +346,28 @@ class MallowsLearner(_Learner):
 
     def predict_distribution(self, X) -> Mallows:
         self._require_fit()
-        return Mallows(self.center, self.theta, n=len(X), mc_samples=self.mc_samples, mc_seed=self.seed_,
+        return Mallows(self.center, self.theta, n=len(X), mc_samples=self.mc_samples, mc_seed=self.seed,
                        exact_max_m=self.exact_max_m)
+
+    def fitted_arrays(self) -> dict[str, np.ndarray]:
+        return {"center": self.center}
+
+    def fitted_values(self) -> dict:
+        return {**super().fitted_values(), "theta": self.theta, "mean_distance": self.mean_distance_}
+
+    def load_fitted(self, arrays, values) -> None:
+        super().load_fitted(arrays, values)
+        self.center, self.theta, self.mean_distance_ = arrays["center"], float(values["theta"]), values["mean_distance"]
 
 
 # ---------------------------------------------------------------------------------------------------- RPC
+# What an RPC model file may hold besides plain containers and numpy arrays: the fitted calibrated trees. skops
+# refuses any other type on load, so reading a model file never runs code it names (unlike a pickle).
+RPC_TRUSTED_TYPES = ["sklearn.calibration._CalibratedClassifier", "sklearn.calibration._SigmoidCalibration",
+                     "sklearn.tree._tree.Tree"]
+RPC_MODELS_FILE = "pairs.skops"
+
+
 def _fit_pair(X: np.ndarray, y: np.ndarray, seed: int, cv: int, eps: float):
     """A calibrated tree for one pair, or the clipped base rate where a class has fewer than ``cv`` rows (a stratified
     ``cv``-fold Platt scaling needs at least one row of each class per fold)."""
@@ -352,26 +378,35 @@ def _fit_pair(X: np.ndarray, y: np.ndarray, seed: int, cv: int, eps: float):
     return clf.fit(X, y)
 
 
-class RPCLearner(_Learner):
+class RPCLearner(LabelRankingMethod):
     """RPC: for each item pair a < b, a binary classifier for "a is ranked before b".
 
     The classifier is ``CalibratedClassifierCV(DecisionTreeClassifier(random_state=seed), cv=2, method="sigmoid")``
     (Platt scaling, ensemble of the per-fold calibrated trees). A pair whose training labels have a single class (or
     fewer than ``cv`` rows of one class) predicts its training frequency as a constant instead (the reference code
     appended an artificial training row instead). Probabilities are clipped to [eps, 1 - eps]. ``n_jobs`` fits pairs
-    in parallel (joblib); results do not depend on it.
+    in parallel (joblib); results do not depend on it. The fitted trees are saved with skops (``pairs.skops``), which
+    loads only the types in ``RPC_TRUSTED_TYPES``.
     """
 
-    def __init__(self, cv: int = 2, eps: float = 1e-6, n_jobs: int | None = 1):
+    name = "rpc"
+
+    def __init__(self, cv: int = 2, eps: float = 1e-6, n_jobs: int | None = 1, **common):
+        super().__init__(**common)
         self.cv, self.eps, self.n_jobs = int(cv), float(eps), n_jobs
 
-    def fit(self, X, ranks, seed: int = 0) -> RPCLearner:
+    def hyperparameters(self) -> dict:
+        return {"cv": self.cv, "eps": self.eps, "seed": self.seed}
+
+    def fit(self, X, ranks) -> RPCLearner:
         X, ranks = _check_xy(X, ranks)
         self.m = ranks.shape[1]
         self.pairs = np.stack(np.triu_indices(self.m, 1), axis=1)
         labels = [(ranks[:, a] < ranks[:, b]).astype(np.int64) for a, b in self.pairs]
         self.models = Parallel(n_jobs=self.n_jobs)(
-            delayed(_fit_pair)(X, y, seed, self.cv, self.eps) for y in labels)
+            delayed(_fit_pair)(X, y, self.seed, self.cv, self.eps) for y in labels)
+        self.fit_summary = {"train_rows": len(X), "pairs": len(self.pairs),
+                            "constant_pairs": sum(isinstance(model, float) for model in self.models)}
         return self
 
     def predict_pairwise(self, X) -> np.ndarray:
@@ -390,6 +425,31 @@ class RPCLearner(_Learner):
 
     def predict_distribution(self, X) -> PairwiseOnly:
         return PairwiseOnly(self.predict_pairwise(X))
+
+    def fitted_arrays(self) -> dict[str, np.ndarray]:
+        return {"pairs": self.pairs}
+
+    def save(self, directory) -> None:
+        import skops.io
+
+        super().save(directory)
+        write_atomic(Path(directory) / RPC_MODELS_FILE, skops.io.dumps(list(self.models)))
+
+    def load_fitted(self, arrays, values) -> None:
+        super().load_fitted(arrays, values)
+        self.pairs = arrays["pairs"]
+
+    def load(self, directory) -> RPCLearner:
+        import skops.io
+
+        super().load(directory)
+        path = Path(directory) / RPC_MODELS_FILE
+        data = path.read_bytes()
+        untrusted = sorted(set(skops.io.get_untrusted_types(data=data)) - set(RPC_TRUSTED_TYPES))
+        if untrusted:
+            raise UserError(f"{path} holds types an RPC model never has ({', '.join(untrusted)}); not loading it")
+        self.models = skops.io.load(io.BytesIO(data), trusted=RPC_TRUSTED_TYPES)
+        return self
 
 
 def zermelo_log_weights(P: np.ndarray, n_iter: int = 100, tol: float = 0.0) -> np.ndarray:
@@ -423,18 +483,17 @@ class PLRPCLearner(RPCLearner):
     """PL-RPC: RPC's pairwise probabilities per sample, read as Bradley-Terry probabilities and turned into
     Plackett-Luce weights by ``zermelo_log_weights`` (``n_iter`` iterations, 100 as in the paper)."""
 
-    def __init__(self, cv: int = 2, eps: float = 1e-6, n_jobs: int | None = 1, n_iter: int = 100):
-        super().__init__(cv=cv, eps=eps, n_jobs=n_jobs)
+    name = "pl_rpc"
+
+    def __init__(self, n_iter: int = 100, **settings):
+        super().__init__(**settings)
         self.n_iter = int(n_iter)
+
+    def hyperparameters(self) -> dict:
+        return {**super().hyperparameters(), "n_iter": self.n_iter}
 
     def predict_distribution(self, X) -> PlackettLuce:
         return PlackettLuce(zermelo_log_weights(self.predict_pairwise(X), self.n_iter))
 
 
-LEARNERS = {
-    "plackett_luce": PlackettLuceNet,
-    "mallows": MallowsLearner,
-    "rank_classifier": RankClassifierNet,
-    "rpc": RPCLearner,
-    "pl_rpc": PLRPCLearner,
-}
+LEARNERS = {cls.name: cls for cls in (PlackettLuceNet, MallowsLearner, RankClassifierNet, RPCLearner, PLRPCLearner)}
