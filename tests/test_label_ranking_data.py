@@ -3,6 +3,7 @@ with preprocessing fitted on the training fold only, one-line errors for bad fil
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,9 @@ import pytest
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.label_ranking import available_datasets, load_label_ranking
 
-DATA_DIR = Path("/work/shared/data/label_ranking")
+# The small CSVs of the paper ship with the tests (iris, wine, glass, political); where REWARDUQ_LABEL_RANKING_DIR holds
+# all 13, every one is checked.
+DATA_DIR = Path(os.environ.get("REWARDUQ_LABEL_RANKING_DIR") or Path(__file__).parent / "fixtures" / "label_ranking")
 
 # notes section 1.2: rows, feature columns, items, distinct rankings
 EXPECTED = {
@@ -126,10 +129,12 @@ def test_missing_files_and_names(tmp_path):
         load_label_ranking(tmp_path / "nolabels.csv")
 
 
-@pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"{DATA_DIR} is not available")
 def test_every_shipped_csv_loads():
-    assert set(available_datasets(DATA_DIR)) >= set(EXPECTED)
+    present = set(available_datasets(DATA_DIR))
+    assert present >= {"iris", "wine", "glass", "political"}
     for name, (rows, feature_cols, m, distinct) in EXPECTED.items():
+        if name not in present:
+            continue
         data = load_label_ranking(name, DATA_DIR)
         assert data.ranks.shape == (rows, m), name
         assert len(data.feature_names) + len(data.dropped_columns) == feature_cols, name
