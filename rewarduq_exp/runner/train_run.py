@@ -157,7 +157,7 @@ class RewardModelTask:
         if method.uses_eval_set:
             first_eval = next((f for f in eval_frames.values() if data_kind(f) == "pairs"), None)
         fit_summary = method.fit(train_frame, first_eval).fit_summary
-        log.info("trained %s: %s", method.name, fit_summary)
+        log.info("trained %s: %s", type(method).__name__, fit_summary)
         if folder.writer:
             method.save(folder.model_dir)
             write_json(self.out / "train_history.json", method.history)
