@@ -8,50 +8,101 @@
 Every method gives bounds ``reward +- beta * u`` (paper eq. 9); ``uncertainty`` is that u (the ensemble's std, the
 Laplace posterior's sqrt(z^T H^-1 z), the spread over dropout masks), recovered as (upper - reward) / beta. The
 conservative reward ``reward - k u`` and the optimistic ``reward + k u`` are the usual ways to use it: rank or filter
-by what the model is sure of, or explore where it is not.
+by what the model is sure of, or explore where it is not. ``k`` is in units of u, so ``k = beta`` gives exactly the
+lower (upper) bound.
+
+Scoring is local to the calling process: under torchrun / accelerate (TRL's GRPO on several GPUs) each process scores
+its own texts and never waits for the others. Features of scored texts stay in a bounded in-memory store (an RL loop
+running for days writes nothing to disk); a completion's score depends on that completion alone (MC-dropout masks
+are seeded per sequence), never on the rest of the batch.
 """
 
 from __future__ import annotations
 
+import numbers
 import os
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.data.contract import as_messages
+from rewarduq_exp.data.contract import as_messages, render, token_lengths
 from rewarduq_exp.methods.base import Scores
+from rewarduq_exp.models.feature_cache import MemoryFeatures
 from rewarduq_exp.runner.trained_run import load_trained_method
 
 REWARD_KINDS = ("conservative", "optimistic", "mean")
+SIGN = {"conservative": -1.0, "optimistic": 1.0, "mean": 0.0}
 
 
-def check_reward_kind(kind: str, k: float) -> None:
+def check_reward_kind(kind: str, k) -> float:
+    """``k`` as a float (numpy scalars are fine, booleans are not) once ``kind`` and ``k`` are valid."""
     if kind not in REWARD_KINDS:
         raise UserError(f"kind={kind!r} is invalid: allowed values are {', '.join(REWARD_KINDS)}")
-    if not isinstance(k, (int, float)) or not np.isfinite(k) or k < 0:
-        raise UserError(f"k={k!r} is invalid: must be a number >= 0")
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Real) or not np.isfinite(k) or k < 0:
+        raise UserError(f"k={k!r} is invalid: must be a number >= 0 (in units of the uncertainty u)")
+    return float(k)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free logistic
 
 
+def _is_one_conversation(value) -> bool:
+    """A single prompt or completion: a string or one list of {role, content} messages."""
+    return isinstance(value, str) or (isinstance(value, (list, tuple)) and len(value) > 0
+                                      and all(isinstance(m, dict) for m in value))
+
+
 def _messages(values, role: str, what: str) -> list[list[dict]]:
     """Strings or lists of {role, content} messages (TRL's conversational format) as message lists."""
-    if isinstance(values, (str, dict)):
-        raise UserError(f"{what} must be a list (one entry per text), got a single {type(values).__name__}")
+    if values is None or isinstance(values, (str, dict)):
+        got = "None" if values is None else f"a single {type(values).__name__}"
+        raise UserError(f"{what} must be a list with one entry per text (strings or lists of chat messages), "
+                        f"got {got}")
     return [as_messages(v, role, source="score", column=what) for v in values]
+
+
+def fit_to_length(tokenizer, prompts: list, completions: list, max_length: int, truncate: bool) -> list:
+    """The completions, with those whose conversation renders to more than ``max_length`` tokens cut at the end of
+    their last message's text (``truncate``) or refused in one line. The chat template's closing tokens stay: the
+    model scores a complete, shorter turn, as it saw them in training."""
+    lengths = token_lengths(tokenizer, [render(tokenizer, p, c) for p, c in zip(prompts, completions)])
+    over = np.flatnonzero(lengths > max_length)
+    if len(over) and not truncate:
+        raise UserError(f"{len(over)} of {len(prompts)} conversations render to more than max_length={max_length} "
+                        f"tokens (longest {int(lengths.max())}); pass load_run(..., truncation=True) to cut the "
+                        "completions or a larger max_length")
+    completions = list(completions)
+    for i in over:  # only the over-long rows: re-rendering is per row
+        messages = [dict(m) for m in completions[i]]
+        ids = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
+        excess = int(lengths[i]) - max_length
+        while excess > 0:
+            keep = len(ids) - excess
+            if keep < 0:
+                raise UserError(f"conversation {i}: its prompt and template alone exceed max_length={max_length} "
+                                "tokens; truncation cuts completions only, so shorten the prompt or raise max_length")
+            ids = ids[:keep]
+            messages[-1]["content"] = tokenizer.decode(ids)
+            # Decoding and re-encoding can merge tokens differently at the cut: measure again.
+            excess = int(token_lengths(tokenizer, [render(tokenizer, prompts[i], messages)])[0]) - max_length
+        completions[i] = messages
+    return completions
 
 
 class RewardModel:
     """A trained uncertainty-aware reward model (any of the four methods), as rebuilt from its run folder."""
 
-    def __init__(self, method, run_dir: Path, config):
+    def __init__(self, method, run_dir, config, tokenizer=None, max_length: int | None = None,
+                 truncation: bool = False):
         self.method = method
         self.run_dir = run_dir
         self.config = config
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.truncation = truncation
 
     @property
     def name(self) -> str:
@@ -71,11 +122,14 @@ class RewardModel:
             raise UserError(f"prompts and completions differ in length ({len(prompts)} vs {len(completions)})")
         if not prompts:
             return Scores(np.empty(0), np.empty(0), np.empty(0))
+        if self.tokenizer is not None and self.max_length:
+            completions = fit_to_length(self.tokenizer, prompts, completions, self.max_length, self.truncation)
         return self.method.score(prompts, completions)
 
     def score(self, prompts, completions) -> pd.DataFrame:
         """One row per (prompt, completion): ``reward``, ``lower``, ``upper`` and ``uncertainty`` (u, with bounds
-        reward +- beta u). Prompts and completions are strings or lists of chat messages."""
+        reward +- beta u). Prompts and completions are strings, lists of chat messages, or messages whose content is
+        a list of ``{"type": "text", "text": ...}`` parts (OpenAI style)."""
         s = self._scores(prompts, completions)
         return pd.DataFrame({"reward": s.reward, "lower": s.lower, "upper": s.upper,
                              "uncertainty": (s.upper - s.reward) / self.beta})
@@ -83,7 +137,7 @@ class RewardModel:
     def score_pairs(self, prompts, chosen, rejected) -> pd.DataFrame:
         """P(chosen > rejected) = sigmoid(r_c - r_r) per pair, with the interval the bounds give:
         [sigmoid(lower_c - upper_r), sigmoid(upper_c - lower_r)] (the bound probabilities of the paper's ELCE/EUCE)."""
-        prompts = list(prompts)
+        prompts = _messages(prompts, "user", "prompts")
         c = self.score(prompts, chosen)
         r = self.score(prompts, rejected)
         return pd.DataFrame({
@@ -94,29 +148,56 @@ class RewardModel:
         })
 
     def reward(self, prompts, completions, kind: str = "conservative", k: float = 1.0) -> np.ndarray:
-        """``conservative``: reward - k u; ``optimistic``: reward + k u; ``mean``: the reward itself."""
-        check_reward_kind(kind, k)
+        """``conservative``: reward - k u; ``optimistic``: reward + k u; ``mean``: the reward itself. ``k`` is in units
+        of u: ``k = beta`` gives the lower (upper) bound of the run's intervals."""
+        k = check_reward_kind(kind, k)
         table = self.score(prompts, completions)
-        sign = {"conservative": -1.0, "optimistic": 1.0, "mean": 0.0}[kind]
-        return (table.reward + sign * k * table.uncertainty).to_numpy()
+        return (table.reward + SIGN[kind] * k * table.uncertainty).to_numpy()
 
-    def best_of_n(self, prompt, candidates, k: float = 1.0) -> dict:
-        """The candidate with the highest conservative reward (reward - k u), with its score and interval: a sample
-        the model is sure is good beats one it merely guesses is better."""
-        candidates = list(candidates)
-        if not candidates:
-            raise UserError("best_of_n needs at least one candidate")
-        table = self.score([prompt] * len(candidates), candidates)
-        conservative = (table.reward - k * table.uncertainty).to_numpy()
-        i = int(np.argmax(conservative))
-        return {"index": i, "completion": candidates[i], "conservative_reward": float(conservative[i]),
-                **{col: float(table[col].iloc[i]) for col in table.columns}, "table": table.assign(
-                    conservative_reward=conservative)}
+    def best_of_n(self, prompts, candidates, k: float = 1.0, kind: str = "conservative"):
+        """The candidate with the highest ``kind`` reward (default conservative: reward - k u, a sample the model is
+        sure is good beats one it merely guesses is better), with its score and interval.
+
+        One prompt (a string or a list of messages) and its candidates give one dict; a list of prompts and a list
+        of candidate lists (``best_of_n(prompts, candidates_per_prompt)``, any number per prompt) give one dict per
+        prompt, all candidates scored in one batched call."""
+        k = check_reward_kind(kind, k)
+        if _is_one_conversation(prompts):
+            return self._best_of_n_batch([prompts], [candidates], k, kind)[0]
+        if prompts is None or isinstance(prompts, dict):
+            raise UserError("best_of_n needs a prompt (a string or a list of messages) or a list of prompts")
+        prompts, candidates = list(prompts), list(candidates)
+        if len(prompts) != len(candidates):
+            raise UserError(f"best_of_n: {len(prompts)} prompts but {len(candidates)} candidate lists (one list of "
+                            "candidates per prompt)")
+        return self._best_of_n_batch(prompts, candidates, k, kind)
+
+    def _best_of_n_batch(self, prompts: list, candidates: list, k: float, kind: str) -> list[dict]:
+        groups = []
+        for i, group in enumerate(candidates):
+            if _is_one_conversation(group) or group is None:
+                raise UserError(f"best_of_n: the candidates of prompt {i} must be a list of completions")
+            group = list(group)
+            if not group:
+                raise UserError(f"best_of_n needs at least one candidate (prompt {i} has none)")
+            groups.append(group)
+        sizes = np.array([len(g) for g in groups])
+        flat_prompts = [p for p, n in zip(prompts, sizes) for _ in range(n)]
+        table = self.score(flat_prompts, [c for g in groups for c in g])
+        value = (table.reward + SIGN[kind] * k * table.uncertainty).to_numpy()
+        out, start = [], 0
+        for group, n in zip(groups, sizes):
+            chosen_by = value[start:start + n]
+            part = table.iloc[start:start + n].reset_index(drop=True).assign(**{f"{kind}_reward": chosen_by})
+            i = int(np.argmax(chosen_by))
+            out.append({"index": i, "completion": group[i], f"{kind}_reward": float(chosen_by[i]),
+                        **{col: float(part[col].iloc[i]) for col in table.columns}, "table": part})
+            start += n
+        return out
 
     def reward_function(self, kind: str = "conservative", k: float = 1.0) -> TRLRewardFunction:
         """A reward function for TRL's GRPOTrainer / RLOOTrainer (``reward_funcs=model.reward_function()``)."""
-        check_reward_kind(kind, k)  # now, not at the first training step
-        return TRLRewardFunction(self, kind, k)
+        return TRLRewardFunction(self, kind, check_reward_kind(kind, k))  # checked now, not at the first step
 
 
 class TRLRewardFunction:
@@ -132,13 +213,31 @@ class TRLRewardFunction:
         return [float(v) for v in self.model.reward(prompts, completions, kind=self.kind, k=self.k)]
 
 
-def load_run(path: str | os.PathLike, *, device: str = "auto", cache_dir: str | os.PathLike | None = None,
-             progress: bool = True) -> RewardModel:
+def load_run(path: str | os.PathLike, *, device: str = "auto", dtype: str | None = None,
+             batch_size: int | None = None, max_length: int | None = None, truncation: bool = False,
+             backbone_path: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None,
+             feature_memory_mb: float = 256, progress: bool = True) -> RewardModel:
     """A completed run folder (``outputs/runs/<run>`` or a multirun job folder) as a :class:`RewardModel`.
 
     The method is rebuilt from the run's config and ``model/``; the backbone is loaded from the run's model config
-    (hub id, ``model.path`` or the tiny builder). ``cache_dir`` (default: the run's ``paths.cache_dir``) holds
-    downloaded or built models and, for ENS-MLP and BAY-LIN, the features of what is scored.
+    (hub id, ``model.path`` or the tiny builder), or from ``backbone_path`` when the checkpoint has moved.
+
+    * ``device``: auto, cpu, cuda or cuda:N; ``dtype``: float32, bfloat16 or float16 (default: the run's).
+    * ``batch_size``: sequences per forward pass when scoring (default: the run's).
+    * ``max_length``: the longest conversation in tokens (default: the run's ``max_length``). A longer one is an
+      error, unless ``truncation=True``: then its completion is cut to fit (an RL policy's runaway sample must not
+      abort the training step).
+    * ``cache_dir`` (default: the run's ``paths.cache_dir``) holds downloaded or built models. Features of scored
+      texts are kept in memory, at most ``feature_memory_mb`` (least recently used rows leave first), never on disk.
     """
-    run = load_trained_method(path, device=device, cache_dir=cache_dir, progress=progress)
-    return RewardModel(run.method, run.folder.root, run.config)
+    if not isinstance(truncation, bool):
+        raise UserError(f"truncation={truncation!r} is invalid: must be True or False")
+    if max_length is not None:
+        check_positive(max_length, "max_length", integer=True)
+    check_positive(feature_memory_mb, "feature_memory_mb", inclusive=True)
+    run = load_trained_method(path, device=device, cache_dir=cache_dir, progress=progress, max_length=max_length,
+                              dtype=dtype, batch_size=batch_size, backbone_path=backbone_path,
+                              feature_store=MemoryFeatures(int(feature_memory_mb * 2**20)))
+    limit = int(max_length or run.config.max_length)
+    return RewardModel(run.method, run.folder.root, run.config, tokenizer=run.backbone.tokenizer, max_length=limit,
+                       truncation=truncation)

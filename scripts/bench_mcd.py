@@ -33,11 +33,10 @@ def naive(model, ids, attn, comp, K, p):
 
 
 def shared(model, ids, attn, comp, K, p, chunk):
-    from rewarduq_exp.methods.mcd_dpo import mc_completion_logps
+    from rewarduq_exp.methods.mcd_dpo import mc_completion_logps, row_generators
 
     h = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
-    return mc_completion_logps(h, model.lm_head, ids, comp, K, p, torch.Generator(device=h.device).manual_seed(0),
-                               chunk)
+    return mc_completion_logps(h, model.lm_head, ids, comp, K, p, row_generators(range(len(ids)), h.device), chunk)
 
 
 def timed(fn, repeats, device):

@@ -84,6 +84,21 @@ def test_masks_give_different_logps(trained, data):
     assert len(np.unique(samples[0].round(8))) == method.num_samples
 
 
+def test_a_completions_score_does_not_depend_on_the_other_texts_of_the_call(trained, data):
+    # Masks seeded per sequence: a completion scored alone, in a batch, or in reversed order gets the same samples
+    # (before: one generator per call, so alone vs in a batch of 16 differed by ~1e-2).
+    method, _, _ = trained
+    _, ev = data
+    prompts, completions = list(ev["prompt"]), list(ev["chosen"])
+    together = method.sample_rewards(prompts, completions)
+    alone = np.stack([method.sample_rewards([p], [c])[0] for p, c in zip(prompts[:3], completions[:3])])
+    reversed_order = method.sample_rewards(prompts[::-1], completions[::-1])[::-1]
+    np.testing.assert_allclose(alone, together[:3], atol=1e-4)   # padding changes float sums at ~1e-6 only
+    np.testing.assert_allclose(reversed_order, together, atol=1e-4)
+    # ... and different sequences still get different masks (not one shared mask set)
+    assert not np.allclose(together[0] - together[0].mean(), together[1] - together[1].mean(), atol=1e-3)
+
+
 def test_backbone_runs_once_per_batch(trained, data):
     method, _, _ = trained
     _, ev = data
@@ -105,19 +120,19 @@ def test_chunked_mc_logps_equal_naive_full_logits(trained, data, tokenizer):
     method, _, _ = trained
     _, ev = data
     batch = next(method._batches(list(ev["prompt"][:5]), list(ev["chosen"][:5])))
-    _, ids, attn, comp = batch
+    _, ids, attn, comp, seeds = batch
     K, p = 4, 0.2
     policy = method.policy
     with torch.no_grad():
         hidden = policy.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
         chunked = mod.mc_completion_logps(hidden, policy.lm_head, ids, comp, K, p,
-                                          torch.Generator().manual_seed(3), chunk=7)
-        # naive: one draw of all masks, full (K, B, L, V) logits, log_softmax, gather, sum over completion tokens
-        rows, cols = comp[:, 1:].bool().nonzero(as_tuple=True)
-        masks = mod.draw_masks(torch.Generator().manual_seed(3), len(rows), K, hidden.shape[-1], p, "cpu",
-                               hidden.dtype)
+                                          mod.row_generators(seeds, "cpu"), chunk=7)
+        # naive: one draw of each row's masks, full (K, B, L, V) logits, log_softmax, gather, sum over completion
         full_masks = torch.ones(K, *hidden.shape)
-        full_masks[:, rows, cols] = masks
+        for b, seed in enumerate(seeds):
+            cols = comp[b, 1:].bool().nonzero(as_tuple=True)[0]
+            full_masks[:, b, cols] = mod.draw_masks(torch.Generator().manual_seed(seed), len(cols), K,
+                                                    hidden.shape[-1], p, "cpu", hidden.dtype)
         logits = policy.lm_head(hidden.unsqueeze(0) * full_masks)              # (K, B, L, V)
         logp = torch.log_softmax(logits[:, :, :-1], -1).gather(-1, ids[:, 1:].expand(K, -1, -1).unsqueeze(-1))
         naive = (logp.squeeze(-1) * comp[:, 1:]).sum(-1)

@@ -67,6 +67,28 @@ def data_kind(frame: pd.DataFrame) -> str:
     return "pairs"
 
 
+def message_text(content, source: str, column: str) -> str:
+    """A message's content as text: a string, or the OpenAI / transformers list of parts
+    (``[{"type": "text", "text": ...}, ...]``), whose text parts are concatenated in order, as chat templates that
+    accept parts render them. Other parts (images, audio) are refused: a text reward model cannot score them, and
+    printing the list (what happened before) would score its Python repr."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, np.ndarray):
+        content = content.tolist()
+    if isinstance(content, (list, tuple)) and all(isinstance(part, dict) for part in content):
+        kinds = [part.get("type") for part in content]
+        if all(kind == "text" and isinstance(part.get("text"), str) for kind, part in zip(kinds, content)):
+            return "".join(part["text"] for part in content)
+        raise UserError(f"{source}: column '{column}' holds content parts of type {sorted(set(map(str, kinds)))}; "
+                        "only text parts ({'type': 'text', 'text': ...}) can be scored")
+    if isinstance(content, (list, tuple, dict)):
+        raise UserError(f"{source}: column '{column}' holds a message whose content is a {type(content).__name__} "
+                        "that is not a list of content parts; allowed: a string or a list of "
+                        "{'type': 'text', 'text': ...} parts")
+    return str(content)  # numbers and other scalars: their text, as before
+
+
 def as_messages(value, default_role: str, *, source: str, column: str) -> list[dict]:
     """Normalise a plain string, one message dict or a list of messages into a list of messages."""
     if isinstance(value, str):
@@ -83,7 +105,7 @@ def as_messages(value, default_role: str, *, source: str, column: str) -> list[d
                     f"{source}: column '{column}' holds a message without a valid role/content "
                     f"(got keys {sorted(m)}; roles allowed: {', '.join(ROLES)})"
                 )
-            out.append({"role": str(m["role"]), "content": str(m["content"])})
+            out.append({"role": str(m["role"]), "content": message_text(m["content"], source, column)})
         return out
     raise UserError(
         f"{source}: column '{column}' must hold a string or a list of {{role, content}} messages, "

@@ -176,6 +176,7 @@ class EnsLoRA(RewardMethod):
         from transformers import AutoModel, AutoModelForSequenceClassification
 
         bb = self._backbone()
+        bb.require_decoder("ens_lora")  # last-token rewards need a causal body (an encoder's last token sees all)
         if with_score_head:
             seq = bb.from_pretrained(AutoModelForSequenceClassification, dtype=bb.dtype)
             score = getattr(seq, "score", None)

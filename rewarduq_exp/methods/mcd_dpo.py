@@ -27,6 +27,7 @@ Performance:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shutil
@@ -143,23 +144,46 @@ def draw_masks(generator: torch.Generator, n_tokens: int, num_samples: int, hidd
     return (keep.to(dtype) / (1.0 - p)).transpose(0, 1)
 
 
+def row_seed(seed: int, token_ids) -> int:
+    """The dropout-mask seed of one scored sequence: the method's seed and a hash of the sequence's token ids.
+
+    Seeding per sequence (not once per call) makes a completion's MC-dropout score a function of that completion
+    alone: the same under any batch, order or company of other texts (an RL loop scores each sample once, in
+    whatever batch the trainer forms)."""
+    digest = hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8,
+                             key=int(seed).to_bytes(8, "little", signed=True)).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def row_generators(seeds, device) -> list[torch.Generator]:
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+
 @torch.no_grad()
 def mc_completion_logps(hidden: torch.Tensor, lm_head, input_ids: torch.Tensor, completion_mask: torch.Tensor,
-                        num_samples: int, p: float, generator: torch.Generator, chunk: int) -> torch.Tensor:
+                        num_samples: int, p: float, generators: list[torch.Generator], chunk: int) -> torch.Tensor:
     """(K, B) summed completion log-probs under K dropout masks on the final hidden states.
 
     ``hidden`` comes from ONE forward of the transformer body. Per chunk of ``chunk`` completion positions the K
-    masked copies go through the LM head at once: (K, chunk, V) logits at most, never (K, B, L, V).
+    masked copies go through the LM head at once: (K, chunk, V) logits at most, never (K, B, L, V). Row b's masks are
+    consecutive draws of ``generators[b]`` (see :func:`row_seed`), so they do not depend on the chunking nor on the
+    other rows of the batch.
     """
+    if len(generators) != hidden.shape[0]:
+        raise ValueError(f"{len(generators)} generators for {hidden.shape[0]} rows")
     rows, cols = _target_positions(completion_mask)
     h = hidden[rows, cols]
     targets = input_ids[rows, cols + 1]
     out = torch.zeros(num_samples, hidden.shape[0], dtype=torch.float32, device=hidden.device)
     for s in range(0, len(h), chunk):
-        hc, tc = h[s:s + chunk], targets[s:s + chunk]
-        masks = draw_masks(generator, len(hc), num_samples, hidden.shape[-1], p, hidden.device, hidden.dtype)
+        hc, tc, rc = h[s:s + chunk], targets[s:s + chunk], rows[s:s + chunk]
+        # Positions come row-major (nonzero), so a chunk holds a few runs of rows; each run draws from its row's
+        # generator. The loop is over the rows of a chunk, the K masks of a run are one draw.
+        row_ids, counts = torch.unique_consecutive(rc, return_counts=True)
+        masks = torch.cat([draw_masks(generators[int(r)], int(c), num_samples, hidden.shape[-1], p, hidden.device,
+                                      hidden.dtype) for r, c in zip(row_ids.tolist(), counts.tolist())], dim=1)
         lp = _token_logps(hc.unsqueeze(0) * masks, lm_head, tc.unsqueeze(0).expand(num_samples, -1))  # (K, c)
-        out.index_add_(1, rows[s:s + chunk], lp)
+        out.index_add_(1, rc, lp)
     return out
 
 
@@ -174,6 +198,7 @@ def load_causal_lm(backbone, dtype=None):
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    backbone.require_decoder("mcd_dpo")
     config = backbone.from_pretrained(AutoConfig, "config")
     classifier = any("ForSequenceClassification" in a for a in (getattr(config, "architectures", None) or []))
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -535,6 +560,7 @@ class McdDpo(RewardMethod):
 
     # ------------------------------------------------------------------ scoring
     def _batches(self, prompts, completions):
+        """(indices, ids, attention, completion mask, mask seeds) per batch of ``score_batch_size`` sequences."""
         tok = self.tokenizer
         encoded = [tokenize_completion(tok, _messages(p), _messages(c)) for p, c in zip(prompts, completions)]
         order = np.argsort([len(ids) for ids, _ in encoded], kind="stable")   # little padding
@@ -550,7 +576,8 @@ class McdDpo(RewardMethod):
                 ids[row, :len(seq)] = torch.tensor(seq)
                 attn[row, :len(seq)] = 1
                 comp[row, start:len(seq)] = 1
-            yield idx, ids.to(self.device), attn.to(self.device), comp.to(self.device)
+            seeds = [row_seed(self.seed, encoded[i][0]) for i in idx]
+            yield idx, ids.to(self.device), attn.to(self.device), comp.to(self.device), seeds
 
     def _autocast(self):
         # The same bf16 autocast as training (accelerate's, see _make_trainer), on the model's device type: CPU
@@ -561,18 +588,19 @@ class McdDpo(RewardMethod):
 
     @torch.no_grad()
     def sample_rewards(self, prompts, completions) -> np.ndarray:
-        """(n, K) implicit rewards, one column per dropout mask (masks seeded: the same call gives the same numbers)."""
+        """(n, K) implicit rewards, one column per dropout mask. The masks of a sequence are seeded from the method's
+        seed and the sequence's tokens, so its rewards do not depend on the other texts of the call."""
         policy, reference = self._ensure_policy().eval(), self._ensure_reference()
         prompts, completions = list(prompts), list(completions)
         out = np.zeros((len(prompts), self.num_samples))
-        generator = torch.Generator(device=self.device).manual_seed(self.seed)
         n_batches = math.ceil(len(prompts) / self.score_batch_size)
-        for idx, ids, attn, comp in tqdm(self._batches(prompts, completions), total=n_batches, desc="mcd_dpo score",
-                                         disable=not self.show_progress, leave=False):
+        batches = tqdm(self._batches(prompts, completions), total=n_batches, desc="mcd_dpo score",
+                       disable=not self.show_progress, leave=False)
+        for idx, ids, attn, comp, seeds in batches:
             with self._autocast():
                 hidden = policy.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
                 logps = mc_completion_logps(hidden, policy.lm_head, ids, comp, self.num_samples, self.dropout,
-                                            generator, self.logprob_chunk)                          # (K, B)
+                                            row_generators(seeds, self.device), self.logprob_chunk)  # (K, B)
                 ref_hidden = reference.get_decoder()(input_ids=ids, attention_mask=attn,
                                                      use_cache=False).last_hidden_state
                 ref = completion_logps(ref_hidden, reference.lm_head, ids, comp, self.logprob_chunk)  # (B,)

@@ -23,8 +23,12 @@ def resolve_device(device: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except RuntimeError as err:
+    except (RuntimeError, TypeError) as err:
         raise UserError(f"device={device!r} is invalid: use auto, cpu, cuda or cuda:N ({err})") from None
+    if dev.type not in ("cpu", "cuda"):
+        # mps / xpu / ...: the methods' bf16 autocast, dropout-mask generators and distributed backends are only
+        # written and tested for these two.
+        raise UserError(f"device={device!r} is not supported: use auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device={device!r} was asked for but no CUDA GPU is visible; use device=auto or cpu")
     return dev
@@ -54,7 +58,12 @@ class Backbone:
 
             return str(ensure_tiny_qwen3(self.cache_dir, **dict(self.cfg.get("build", {}))))
         if self.cfg.get("path"):
-            return str(self.cfg.path)
+            path = Path(str(self.cfg.path)).expanduser()
+            if not path.exists():
+                # Not a hub id to download: a local checkpoint that was moved or lives on another machine.
+                raise UserError(f"the backbone of model '{self.name}' is not at {path} (model.path); point "
+                                f"model.path (or load_run(..., backbone_path=...)) at where it is now")
+            return str(path)
         if not self.cfg.get("hub_id"):
             raise UserError(f"model '{self.name}' has neither hub_id nor path; set model.path=<local checkpoint>")
         hub_reachable()  # once per process: without network, go offline at once instead of retrying for a minute
@@ -78,6 +87,24 @@ class Backbone:
         error that says what to do when the files cannot be had. Methods that load their own variant of the model
         (a causal LM for MCD-DPO, a sequence classifier for ENS-LoRA) go through here."""
         return self._load(what, lambda: auto_class.from_pretrained(self.source, **self._pretrained_kwargs(), **kwargs))
+
+    def require_decoder(self, method: str) -> None:
+        """Refuse an encoder-only or encoder-decoder checkpoint (BERT, T5, ...) for a method that reads a causal
+        LM's next-token log-probs or last-token state, with one line instead of an error deep inside the model."""
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        )
+
+        config = self.from_pretrained(AutoConfig, "config")
+        kind = config.model_type
+        decoder_only = (kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+                        and not getattr(config, "is_encoder_decoder", False))
+        if not decoder_only:
+            raise UserError(f"method={method} needs a decoder-only (causal) language model, but model '{self.name}' is "
+                            f"a {kind} checkpoint; use a causal LM (Qwen3, Llama, ...) or method=ens_mlp / bay_lin, "
+                            "which read features from any encoder")
 
     def _pretrained_kwargs(self) -> dict:
         kw = {"trust_remote_code": bool(self.cfg.get("trust_remote_code", False))}

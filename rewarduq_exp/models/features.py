@@ -15,7 +15,6 @@ import torch
 from tqdm.auto import tqdm
 
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.core.hashing import stable_hash, texts_fingerprint
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.feature_cache import FeatureCache
@@ -43,7 +42,9 @@ class FeatureEncoder:
     the same backbone and data did no backbone work at all.
     """
 
-    def __init__(self, backbone: Backbone, probe, cache_dir, max_length: int, show_progress: bool = True):
+    def __init__(self, backbone: Backbone, probe, store, max_length: int, show_progress: bool = True):
+        """``store``: a folder (the disk :class:`FeatureCache` of runs) or a store object such as
+        :class:`MemoryFeatures` (the Python API's)."""
         self.backbone = backbone
         self.probe_cfg = probe  # methods that read the backbone their own way (BoRP's contrastive probe) read it
         self.layer = int(probe.layer)
@@ -54,7 +55,7 @@ class FeatureEncoder:
         if self.batch_size < 1:
             raise UserError(f"probe.batch_size={self.batch_size} is invalid: must be an integer >= 1")
         self.max_length = int(max_length)
-        self.cache = FeatureCache(cache_dir)
+        self.store = store if hasattr(store, "lookup") else FeatureCache(store)
         self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
         self._model = None
         self.stats = {"backbone_forward_passes": 0, "cache_hits": 0, "cache_misses": 0}
@@ -72,14 +73,13 @@ class FeatureEncoder:
         return self.cached(self.probe_identity(), texts, lambda rows: self._extract([texts[i] for i in rows], desc))
 
     def cached(self, what: dict, texts: list[str], compute_rows) -> torch.Tensor:
-        """Features of ``texts`` through the shared cache, keyed by the backbone, ``what`` (how they are read: the
-        probe's identity) and the texts; ``compute_rows(indices)`` computes the rows of a miss (it adds its forward
-        passes to ``stats``). Methods that read the backbone their own way (BoRP) share the cache through this."""
-        meta = {"backbone": self.backbone.identity(), "probe": what, "texts": texts_fingerprint(texts),
-                "n": len(texts)}
-        key = stable_hash(meta, n=24)
-        # Under torchrun / accelerate each process computes a block of the rows (one process: all of them).
-        feats, hit = self.cache.get_or_compute_sharded(key, len(texts), compute_rows, meta)
+        """Features of ``texts`` through the store, keyed by the backbone, ``what`` (how they are read: the probe's
+        identity) and the texts; ``compute_rows(indices)`` computes the rows of a miss (it adds its forward passes to
+        ``stats``). Methods that read the backbone their own way (BoRP) share the store through this. With the disk
+        store of a run under torchrun / accelerate each process computes a block of the rows (collective); the
+        memory store computes only the calling process's own texts."""
+        meta = {"backbone": self.backbone.identity(), "probe": what}
+        feats, hit = self.store.lookup(meta, texts, compute_rows)
         self.stats["cache_hits" if hit else "cache_misses"] += 1
         return feats.float()
 
