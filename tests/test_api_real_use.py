@@ -266,3 +266,31 @@ def test_a_single_prompt_as_chat_messages_is_one_prompt(model, texts):
     best = model.best_of_n([{"role": "user", "content": prompts[0]}], [chosen[0], rejected[0]])
     assert isinstance(best, dict)
     assert best["index"] == model.best_of_n(prompts[0], [chosen[0], rejected[0]])["index"]
+
+
+def test_trl_grpo_trains_on_the_conservative_reward_with_over_long_samples(run_dirs, tmp_path):
+    # Two GRPO steps of TRL 1.16 on the tiny policy, rewarded by the API; its random samples all run to 64 tokens,
+    # more than max_length=48 with the prompt, so they are truncated instead of aborting the step.
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = r.load_run(run_dirs["bay_lin"], device="cpu", progress=False, max_length=48, truncation=True)
+    source = model.method.encoder.backbone.source
+    tok = AutoTokenizer.from_pretrained(source)
+    prompts = [[{"role": "user", "content": f"Topic {w}: write a reply."}] for w in ("vokefe", "bababa")]
+    config = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                        max_completion_length=64, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                        disable_tqdm=True)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(source), args=config, processing_class=tok,
+                          reward_funcs=model.reward_function(k=1.0), train_dataset=Dataset.from_list(
+                              [{"prompt": p} for p in prompts * 2]))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "rewards/rewarduq_conservative_reward/mean" in h]
+    assert len(logged) == 2 and all(np.isfinite(h["rewards/rewarduq_conservative_reward/mean"]) for h in logged)
+    prompt_tokens = len(tok.apply_chat_template(prompts[0], add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+    assert max(h["completions/max_length"] for h in logged) + prompt_tokens > 48  # samples did exceed max_length
+    with pytest.raises(r.UserError, match="truncation=True"):
+        r.load_run(run_dirs["bay_lin"], max_length=48, progress=False).reward_function()(
+            prompts=prompts[:1], completions=[[{"role": "assistant", "content": "tiba " * 80}]])
