@@ -15,6 +15,7 @@ from rewarduq_exp.methods.borp import (
     MeanPoolRidge,
     ProbeTemplate,
     check_layers,
+    cv_splits,
     design_matrix,
     geometric_features,
     geometric_resample,
@@ -137,8 +138,65 @@ def test_resampling_flattens_the_distance_histogram():
     assert not np.array_equal(rows, geometric_resample(dist, power=0.5, seed=1))
     np.testing.assert_array_equal(np.sort(geometric_resample(dist, power=0.0, seed=3)), np.arange(len(dist)))
     flat = geometric_resample(dist, n_bins=10, power=1.0, max_upsample=1e9, seed=0)
-    per_bin = np.histogram(dist[flat], bins=np.linspace(dist.min(), dist.max(), 11))[0]
-    assert per_bin[per_bin > 0].std() <= 1.0  # power=1: every occupied bin gets the same count
+    edges = np.linspace(dist.min(), dist.max(), 11)
+    before, after = np.histogram(dist, bins=edges)[0], np.histogram(dist[flat], bins=edges)[0]
+    falling = before == np.maximum.accumulate(before[::-1])[::-1]  # bins where the histogram is its own envelope
+    assert after[falling & (before > 0)].std() <= 1.0  # power=1: those bins all get the same count
+
+
+def test_resampling_thins_low_distances_even_where_the_distance_histogram_is_sparse():
+    # Distances of many-dimensional difference vectors to their centroid concentrate away from 0 (chi-like): the
+    # lowest distances are rare in the histogram, yet they are the samples closest to the centre, which the paper
+    # down-samples. Weighting by the inverse histogram up-sampled this lowest decile x1.4-1.7.
+    rng = np.random.default_rng(0)
+    for dist in (np.sqrt(rng.chisquare(40, size=3000)),                 # chi, 40 dimensions
+                 rng.lognormal(mean=1.0, sigma=0.35, size=3000),        # skewed, mode away from 0
+                 np.abs(rng.normal(size=(3000, 64))).sum(1)):           # L1 distance of 64-d Gaussian noise
+        rows = geometric_resample(dist, n_bins=10, power=0.5, max_upsample=5.0, seed=0)
+        copies = np.bincount(rows, minlength=len(dist))
+        low, high = dist <= np.quantile(dist, 0.1), dist >= np.quantile(dist, 0.9)
+        assert copies[low].mean() < 0.9       # the lowest-distance decile is down-sampled
+        assert copies[high].mean() > 1.2      # the far tail is up-sampled
+        order = np.argsort(dist)
+        per_decile = [copies[chunk].mean() for chunk in np.array_split(order, 10)]
+        assert per_decile[-1] == max(per_decile) and per_decile[0] <= np.median(per_decile)
+
+
+def _siblings_share_their_prompt(n_prompts=60, per_prompt=3, dim=120, seed=0):
+    """Responses of one prompt share a prompt vector in their features and a prompt level in their score, and the
+    two are unrelated across prompts: nothing generalises to a new prompt, but a sibling gives the answer away."""
+    rng = np.random.default_rng(seed)
+    groups = np.repeat(np.arange(n_prompts), per_prompt)
+    x = rng.normal(size=(n_prompts, dim))[groups] + 0.05 * rng.normal(size=(len(groups), dim))
+    y = np.clip(3 + rng.normal(size=n_prompts)[groups] + 0.05 * rng.normal(size=len(groups)), 1, 5)
+    return x, y, groups
+
+
+def test_cross_validation_folds_never_split_a_prompt():
+    _, _, groups = _siblings_share_their_prompt()
+    splits = cv_splits(len(groups), 5, groups, seed=0)
+    assert len(splits) == 5
+    for train, test in splits:
+        assert not set(groups[train]) & set(groups[test])
+    assert sorted(np.concatenate([t for _, t in splits])) == list(range(len(groups)))
+    assert len(cv_splits(6, 5, [0, 0, 1, 1, 2, 2])) == 3  # fewer prompts than folds: one fold per prompt
+    with pytest.raises(UserError, match=">= 2 distinct prompts"):
+        cv_splits(4, 5, [7, 7, 7, 7])
+
+
+def test_ridge_and_component_search_are_grouped_by_prompt():
+    # Ungrouped CV (leave-one-out for the ridge, KFold for PLS) sees the sibling and rewards memorising it: small
+    # penalty, many components. Grouped by prompt it sees that nothing carries over to a new prompt.
+    x, y, groups = _siblings_share_their_prompt()
+    leaky, grouped = MeanPoolRidge().fit(x, y), MeanPoolRidge().fit(x, y, groups=groups)
+    assert leaky.alpha_ <= 10 and grouped.alpha_ == max(grouped.alphas)
+    probe = dict(final_layer=FINAL, resample=False, component_grid=(1, 2, 4, 8, 16, 32))
+    leaky = BorpProbe(**probe).fit({FINAL: x}, y).cv_[FINAL]
+    grouped = BorpProbe(**probe).fit({FINAL: x}, y, groups=groups).cv_[FINAL]
+    # the leaky search rewards components that memorise siblings (error falls with k, far below the variance);
+    # grouped, no k predicts a new prompt (every k's error is about the variance of y)
+    assert leaky.cv_mse.iloc[-1] < 0.25 * y.var() and leaky.cv_mse.is_monotonic_decreasing
+    assert grouped.cv_mse.min() > 0.9 * y.var()
 
 
 def test_polarization_index_pushes_extremes_to_both_tails():

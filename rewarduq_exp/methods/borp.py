@@ -25,16 +25,26 @@ figures' captions:
   the dense centre (``D`` small, ``z(N)`` near 0) stays near 0. A sum of z-scores would not: a low-score sample's
   large distance cancels its low norm. The sum (mean of the two z-scores) is available as ``fusion="mean_z"``.
 * **Geometric resampling (section 3.3).** "Down-sampling high-density regions (low distance D) and up-sampling
-  low-density tails": the density is a histogram of ``D`` over the training split with ``resample_bins``
-  equal-width bins; a bin holding ``n_b`` samples is resampled to ``t_b ∝ n_b^(1 - power)`` samples (total ``n``),
-  capped at ``max_upsample * n_b``: ``power=1`` flattens the histogram of ``D``, ``power=0`` changes nothing, the
-  default 0.5 is in between. A bin that shrinks is sub-sampled without replacement; one that grows repeats each of
-  its samples ``t_b // n_b`` times plus a random ``t_b % n_b`` of them once more (so no sample gets more than
-  ``ceil(max_upsample)`` copies). Seeded. The indices come from the final layer's ``D`` and are shared by both
-  heads, so the two layers are fitted on the same samples and ``u`` reflects the layers, not resampling noise.
+  low-density tails": the paper equates low D with high density, i.e. it takes the density of the difference
+  vectors to fall with the distance to their centroid, and the aim is to weight samples up as D grows (the median
+  scores sit near the centroid, the extremes far from it, fig. 2b). The histogram of D itself is NOT that density:
+  in many dimensions D concentrates away from 0 (a chi-like shape), so its lowest bins are sparse although they hold
+  the samples closest to the centre; weighting by the inverse of the histogram (our first reading) up-sampled the
+  lowest-distance decile x1.4-1.7, the opposite of the paper. Our reading: ``resample_bins`` equal-width bins of
+  ``D`` over the training split; the density at bin ``b`` is the non-increasing envelope of the histogram,
+  ``rho_b = max(n_b' for b' >= b)`` (the core, and everything closer to the centroid than the histogram's mode,
+  counts as dense; beyond the mode it is the histogram); a sample of bin ``b`` gets weight ``rho_b^(-power)``, bin
+  ``b`` is resampled to ``t_b ∝ n_b * rho_b^(-power)`` samples (total ``n``), capped at ``max_upsample * n_b``.
+  ``power=1`` flattens the histogram beyond its mode, ``power=0`` changes nothing, the default 0.5 is in between.
+  A bin that shrinks is sub-sampled without replacement; one that grows repeats each of its samples ``t_b // n_b``
+  times plus a random ``t_b % n_b`` of them once more (so no sample gets more than ``ceil(max_upsample)`` copies).
+  Seeded. The indices come from the final layer's ``D`` and are shared by both heads, so the two layers are fitted
+  on the same samples and ``u`` reflects the layers, not resampling noise.
 * **Regressor (section 3.3, appendix E).** ``PLSRegression(n_components, scale=True)``; the paper's component count
   was lost, so it is chosen by K-fold cross-validation on the training split (MSE of the clipped predictions) unless
-  given. The folds are built on the original samples and each fold's training part is resampled on its own
+  given, with folds grouped by prompt when the prompts are known (``groups``: HelpSteer2 has ~2 responses per
+  prompt, and a sibling response in the training folds leaks the prompt into validation). The folds are built on
+  the original samples and each fold's training part is resampled on its own
   (resampling before splitting would put copies of a held-out sample into the training folds), which is why a small
   loop over ``sklearn.model_selection.KFold`` is used instead of ``GridSearchCV``. ``regressor="pca"`` is the
   ablation of table 4: standardise, PCA to ``n_components``, ordinary least squares.
@@ -228,7 +238,9 @@ def design_matrix(diff, centroid, extra_features: bool = True) -> np.ndarray:
 def geometric_resample(distance, *, n_bins: int = 10, power: float = 0.5, max_upsample: float = 5.0,
                        seed: int = 0) -> np.ndarray:
     """Indices of the resampled training set (module docstring): equal-width bins of ``distance``, bin ``b`` with
-    ``n_b`` samples resampled to ``t_b ∝ n_b^(1 - power)`` (sum ``n``, at most ``max_upsample * n_b``, at least 1)."""
+    ``n_b`` samples resampled to ``t_b ∝ n_b * rho_b^(-power)``, ``rho_b`` the histogram's non-increasing envelope
+    ``max(n_b' for b' >= b)`` (sum ``n``, at most ``max_upsample * n_b``, at least 1): low distances are thinned,
+    the far tail is repeated."""
     dist = np.asarray(distance, dtype=np.float64).ravel()
     n = len(dist)
     if int(n_bins) < 1 or not 0 <= float(power) <= 1 or float(max_upsample) < 1:
@@ -240,8 +252,10 @@ def geometric_resample(distance, *, n_bins: int = 10, power: float = 0.5, max_up
     which = np.clip(np.searchsorted(edges, dist, side="right") - 1, 0, len(edges) - 2)
     counts = np.bincount(which, minlength=len(edges) - 1)
     full = counts > 0
+    # Density seen from the centroid outwards: never rising with the distance (see the module docstring).
+    density = np.maximum.accumulate(counts[::-1])[::-1]
     weight = np.zeros(len(counts))
-    weight[full] = counts[full] ** (1.0 - float(power))
+    weight[full] = counts[full] * density[full] ** (-float(power))
     target = np.minimum(weight / weight.sum() * n, float(max_upsample) * counts)
     target = np.where(full, np.maximum(1, np.rint(target)), 0).astype(np.int64)
     chosen = []
@@ -253,6 +267,25 @@ def geometric_resample(distance, *, n_bins: int = 10, power: float = 0.5, max_up
         repeats, rest = divmod(t, len(members))
         chosen.append(np.concatenate([np.tile(members, repeats), rng.choice(members, size=rest, replace=False)]))
     return rng.permutation(np.concatenate(chosen))
+
+
+def cv_splits(n: int, folds: int, groups=None, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(train, validation) index pairs for ``folds``-fold cross-validation, grouped when ``groups`` is given: rows of
+    one group (the responses to one prompt) never sit on both sides, else a response's sibling in the training folds
+    leaks its prompt's level into validation and the search picks too little regularisation. With fewer groups than
+    folds, one fold per group."""
+    from sklearn.model_selection import GroupKFold, KFold
+
+    if groups is None:
+        return list(KFold(int(folds), shuffle=True, random_state=seed).split(np.zeros((n, 1))))
+    groups = np.asarray(groups)
+    if len(groups) != n:
+        raise UserError(f"groups must hold one entry per sample ({n}), got {len(groups)}")
+    n_groups = len(np.unique(groups))
+    if n_groups < 2:
+        raise UserError("cross-validation grouped by prompt needs >= 2 distinct prompts; all samples share one")
+    splitter = GroupKFold(min(int(folds), n_groups), shuffle=True, random_state=seed)
+    return list(splitter.split(np.zeros((n, 1)), groups=groups))
 
 
 # ---------------------------------------------------------------------------------------------------- polarization
@@ -479,12 +512,12 @@ class BorpProbe:
         if k > n_features:
             raise UserError(f"n_components={k} exceeds the {n_features} input features; allowed 1..{n_features}")
 
-    def _candidates(self, n: int, n_features: int) -> list[int]:
+    def _candidates(self, n: int, n_features: int, splits=None) -> list[int]:
         folds = int(self.cv_folds)
         if n < 2 * folds:
             raise UserError(f"too few training samples ({n}) to choose n_components by {folds}-fold "
                             f"cross-validation (needs >= {2 * folds}); set n_components or add samples")
-        fold_train = n - -(-n // folds)
+        fold_train = min(len(t) for t, _ in splits) if splits else n - -(-n // folds)
         grid = sorted({int(k) for k in self.component_grid if 1 <= int(k) <= min(fold_train - 1, n_features)})
         if not grid:
             top = min(fold_train - 1, n_features)
@@ -492,16 +525,17 @@ class BorpProbe:
                             f"training samples per fold and {n_features} features; allowed 1..{top}")
         return grid
 
-    def cross_validate(self, diff, y) -> pd.DataFrame:
-        """Mean held-out MSE (clipped predictions) per candidate ``n_components``; resampling inside each fold."""
-        from sklearn.model_selection import KFold
-
+    def cross_validate(self, diff, y, groups=None) -> pd.DataFrame:
+        """Mean held-out MSE (clipped predictions) per candidate ``n_components``; resampling inside each fold; folds
+        grouped by ``groups`` (e.g. the prompt) when given."""
         x = _as_matrix(diff)
         y = np.asarray(y, dtype=np.float64).ravel()
         p = x.shape[1] + (2 if self.extra_features else 0)
-        grid = self._candidates(len(x), p)
+        self._candidates(len(x), p)  # too few samples: say so before splitting
+        splits = cv_splits(len(x), int(self.cv_folds), groups, self.seed)
+        grid = self._candidates(len(x), p, splits)
         errors = {k: [] for k in grid}
-        for train, test in KFold(int(self.cv_folds), shuffle=True, random_state=self.seed).split(x):
+        for train, test in splits:
             centroid = x[train].mean(0)
             rows = train[self.resample_rows(x[train], centroid)]
             for k in grid:
@@ -510,7 +544,8 @@ class BorpProbe:
                 errors[k].append(np.mean((self.clip(head.predict(x[test])) - y[test]) ** 2))
         return pd.DataFrame({"n_components": grid, "cv_mse": [float(np.mean(errors[k])) for k in grid]})
 
-    def fit(self, features: Mapping, y) -> BorpProbe:
+    def fit(self, features: Mapping, y, groups=None) -> BorpProbe:
+        """Fit the head(s); ``groups`` (one per sample, e.g. the prompt) groups the folds of the component search."""
         views = self._views(features)
         y = np.asarray(y, dtype=np.float64).ravel()
         final = views[int(self.final_layer)]
@@ -527,7 +562,7 @@ class BorpProbe:
         for layer, x in views.items():
             k = self.n_components
             if k is None:
-                table = self.cross_validate(x, y)
+                table = self.cross_validate(x, y, groups)
                 self.cv_[layer] = table
                 k = int(table.loc[table["cv_mse"].idxmin(), "n_components"])  # ties: the smaller k (listed first)
             self.heads_[layer], self.estimators_[layer] = fit_head(
@@ -645,17 +680,21 @@ def mean_pooled_prefixes(tokenizer, model, prefixes: Sequence[str], layer: int =
 
 @dataclass(eq=False)
 class MeanPoolRidge:
-    """Baseline: standardised mean-pooled hidden states -> ridge regression, the penalty chosen by efficient
-    leave-one-out CV over ``alphas`` (``RidgeCV``); predictions clipped to ``score_range``. Like the probe's heads,
+    """Baseline: standardised mean-pooled hidden states -> ridge regression, the penalty chosen over ``alphas`` by
+    ``RidgeCV``: ``cv_folds``-fold CV grouped by prompt when ``fit`` gets ``groups`` (leave-one-out, the efficient
+    default, lets a response's sibling of the same prompt inform its prediction and picks too small a penalty), else
+    efficient leave-one-out; predictions clipped to ``score_range``. Like the probe's heads,
     the fitted pipeline is reduced to its linear map ``y = x · w + b`` (standardising then ridge is linear in x)."""
 
     alphas: Sequence[float] = (0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
     score_range: tuple[float, float] = (1.0, 5.0)
+    cv_folds: int = 5
+    seed: int = 0
     coef_: np.ndarray | None = field(default=None, repr=False)
     intercept_: float = 0.0
     alpha_: float | None = None
 
-    def fit(self, x, y) -> MeanPoolRidge:
+    def fit(self, x, y, groups=None) -> MeanPoolRidge:
         from sklearn.linear_model import RidgeCV
         from sklearn.pipeline import make_pipeline
         from sklearn.preprocessing import StandardScaler
@@ -664,7 +703,8 @@ class MeanPoolRidge:
         y = np.asarray(y, dtype=np.float64).ravel()
         if len(y) != len(x) or len(y) < 3:
             raise UserError(f"the ridge baseline needs >= 3 samples with one score each (got {len(x)} and {len(y)})")
-        scaler, ridge = StandardScaler(), RidgeCV(alphas=list(self.alphas))
+        cv = None if groups is None else cv_splits(len(y), int(self.cv_folds), groups, self.seed)
+        scaler, ridge = StandardScaler(), RidgeCV(alphas=list(self.alphas), cv=cv)
         make_pipeline(scaler, ridge).fit(x, y)
         self.coef_ = np.ravel(ridge.coef_) / scaler.scale_
         self.intercept_ = float(ridge.intercept_ - scaler.mean_ @ self.coef_)

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.hashing import stable_hash
 from rewarduq_exp.methods.base import RewardMethod, Scores, read_method_info, write_method_info
 from rewarduq_exp.methods.borp import (
     BorpPrediction,
@@ -46,6 +47,12 @@ RIDGE_FILE = "mean_pool_ridge.npz"
 
 def _messages(values) -> list:
     return [list(v) for v in values]
+
+
+def prompt_groups(prompts) -> np.ndarray:
+    """One integer per row, equal for rows whose prompt (the whole message list) is the same."""
+    keys = [stable_hash([dict(m) for m in p]) for p in prompts]
+    return pd.factorize(pd.Series(keys))[0]
 
 
 class BorpMethod(RewardMethod):
@@ -191,14 +198,18 @@ class BorpMethod(RewardMethod):
         features = self.features(train["prompt"], train["response"])
         t_features = time.perf_counter() - t0
         self.probe = BorpProbe(final_layer=final, intermediate_layer=intermediate, **self.settings)
-        self.probe.fit(features, train["score"].to_numpy(dtype=float))
-        self.fit_summary = {"train_responses": len(train), "layers": [final, intermediate],
+        # Folds grouped by prompt: responses to one prompt share its level (HelpSteer2: ~2 per prompt).
+        groups = prompt_groups(train["prompt"])
+        self.probe.fit(features, train["score"].to_numpy(dtype=float), groups=groups)
+        self.fit_summary = {"train_responses": len(train), "cv_groups": int(groups.max()) + 1,
+                            "layers": [final, intermediate],
                             "feature_dim": int(features[final].shape[1]), "seconds_features": round(t_features, 3),
                             "seconds_regression": round(time.perf_counter() - t0 - t_features, 3)}
         if self.use_baselines:
             x = self.mean_pooled(train["prompt"], train["response"])
-            self._ridge = MeanPoolRidge(score_range=self.settings["score_range"]).fit(
-                x, train["score"].to_numpy(dtype=float))
+            self._ridge = MeanPoolRidge(score_range=self.settings["score_range"], cv_folds=self.settings["cv_folds"],
+                                        seed=self.settings["seed"]).fit(x, train["score"].to_numpy(dtype=float),
+                                                                         groups=groups)
         return self
 
     def predict(self, prompts, responses) -> BorpPrediction:
