@@ -279,6 +279,39 @@ def test_bad_input_one_line_errors(data):
         assert "\n" not in str(err.value)
 
 
+def test_a_probe_file_read_as_the_ridge_or_the_reverse_is_one_line(tmp_path, fitted):
+    rng = np.random.default_rng(0)
+    ridge = MeanPoolRidge().fit(rng.normal(size=(30, 4)), rng.uniform(1, 5, size=30))
+    probe_file, ridge_file = fitted.save(tmp_path / "probe.npz"), ridge.save(tmp_path / "mean_pool_ridge.npz")
+    with pytest.raises(UserError, match=r"probe.npz holds a BoRP probe, not a mean-pooled ridge baseline; read it "
+                                        r"with BorpProbe.load") as error:
+        MeanPoolRidge.load(probe_file)
+    assert "\n" not in str(error.value)
+    with pytest.raises(UserError, match=r"mean_pool_ridge.npz holds a mean-pooled ridge baseline, not a BoRP probe"):
+        BorpProbe.load(ridge_file)
+    assert BorpProbe.load(probe_file).layers == fitted.layers  # the right way round still loads
+
+
+def test_layers_read_the_model_config_once(monkeypatch, deep_backbone):
+    import transformers
+
+    from rewarduq_exp.methods.borp_method import BorpMethod
+
+    probe_cfg = OmegaConf.load(ROOT / "conf" / "probe" / "borp_contrastive.yaml")
+    encoder = type("Encoder", (), {"backbone": deep_backbone, "probe_cfg": probe_cfg})()
+    method = BorpMethod(encoder=encoder, show_progress=False)
+    calls = []
+    original = transformers.AutoConfig.from_pretrained
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *a, **k: calls.append(a) or original(*a, **k))
+    first = method.layers()
+    for _ in range(5):
+        assert method.layers() == first
+        method.probe_layers()
+        method.identity(method.probe_layers())
+    assert len(calls) == 1 and first[1] is not None
+
+
 def test_ridge_baseline_on_mean_pooled_features():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(300, 20))

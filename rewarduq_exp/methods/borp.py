@@ -80,6 +80,8 @@ DEFAULT_COMPONENT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 POLARITY = "{polarity}"
 SAVE_FORMAT = "borp-probe"
 SAVE_VERSION = 2  # 2: .npz + JSON (1 was a joblib pickle)
+PROBE_KIND, RIDGE_KIND = "borp_probe", "mean_pool_ridge"
+SAVED_KINDS = {PROBE_KIND: "BoRP probe", RIDGE_KIND: "mean-pooled ridge baseline"}
 
 # The generic ("blind") probe of phase 1; our own wording of the idea in section 3.2 ("Performance is
 # Excellent/Terrible"), not the paper's figure 4, which was lost.
@@ -613,13 +615,14 @@ class BorpProbe:
             heads[str(layer)] = {"intercept": float(head.intercept), "n_components": int(head.n_components),
                                  "extra_features": bool(head.extra_features)}
         polarization = {k: v for k, v in self.polarization_.as_dict().items() if k != "centroid"}
-        meta = {"format": SAVE_FORMAT, "version": SAVE_VERSION, "config": self.config(), "heads": heads,
+        meta = {"format": SAVE_FORMAT, "version": SAVE_VERSION, "kind": PROBE_KIND, "config": self.config(),
+                "heads": heads,
                 "polarization": polarization, "cv": {str(k): t.to_dict("list") for k, t in self.cv_.items()}}
         return save_arrays(path, meta, arrays)
 
     @classmethod
     def load(cls, path: str | Path) -> BorpProbe:
-        meta, arrays = load_arrays(path, "BoRP probe")
+        meta, arrays = load_arrays(path, PROBE_KIND)
         probe = cls(**{**meta["config"], "score_range": tuple(meta["config"]["score_range"])})
         probe.heads_ = {int(k): LinearHead(centroid=arrays[f"head/{k}/centroid"], coef=arrays[f"head/{k}/coef"], **h)
                         for k, h in meta["heads"].items()}
@@ -640,11 +643,13 @@ def save_arrays(path: str | Path, meta: dict, arrays: Mapping[str, np.ndarray]) 
     return path
 
 
-def load_arrays(path: str | Path, what: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """(meta, arrays) of a file written by :func:`save_arrays`, after checking its format and version."""
+def load_arrays(path: str | Path, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta, arrays) of a file written by :func:`save_arrays`, after checking its format, version and kind (a probe
+    file read as the ridge, or the reverse, is one line naming both, not a KeyError on a missing array)."""
     import json
     import zipfile
 
+    what = SAVED_KINDS[kind]
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no saved {what} there")
@@ -659,6 +664,11 @@ def load_arrays(path: str | Path, what: str) -> tuple[dict, dict[str, np.ndarray
     if meta.get("version") != SAVE_VERSION:
         raise UserError(f"{path}: {what} format version {meta.get('version')}; this code reads version "
                         f"{SAVE_VERSION}; retrain the run")
+    # Files from before the kind was stored: a probe is the one with heads.
+    found = meta.get("kind") or (PROBE_KIND if "heads" in meta else RIDGE_KIND)
+    if found != kind:
+        loader = {PROBE_KIND: "BorpProbe.load", RIDGE_KIND: "MeanPoolRidge.load"}[found]
+        raise UserError(f"{path} holds a {SAVED_KINDS.get(found, found)}, not a {what}; read it with {loader}")
     return meta, arrays
 
 
@@ -717,13 +727,13 @@ class MeanPoolRidge:
         return np.clip(_as_matrix(x, "mean-pooled features") @ self.coef_ + self.intercept_, *self.score_range)
 
     def save(self, path: str | Path) -> Path:
-        meta = {"format": SAVE_FORMAT, "version": SAVE_VERSION, "kind": "mean_pool_ridge",
+        meta = {"format": SAVE_FORMAT, "version": SAVE_VERSION, "kind": RIDGE_KIND,
                 "intercept": self.intercept_, "alpha": self.alpha_, "alphas": [float(a) for a in self.alphas],
                 "score_range": list(self.score_range)}
         return save_arrays(path, meta, {"coef": self.coef_})
 
     @classmethod
     def load(cls, path: str | Path) -> MeanPoolRidge:
-        meta, arrays = load_arrays(path, "ridge baseline")
+        meta, arrays = load_arrays(path, RIDGE_KIND)
         return cls(alphas=tuple(meta["alphas"]), score_range=tuple(meta["score_range"]), coef_=arrays["coef"],
                    intercept_=float(meta["intercept"]), alpha_=meta["alpha"])

@@ -79,6 +79,7 @@ class BorpMethod(RewardMethod):
         self.use_baselines = bool(baselines)
         self.device, self.show_progress = device, show_progress and not os.environ.get("TQDM_DISABLE")
         self.probe: BorpProbe | None = None
+        self._num_layers: int | None = None
         self.history: list[dict] = []
         self.fit_summary: dict = {}
         self._extractor = None
@@ -112,13 +113,19 @@ class BorpMethod(RewardMethod):
         final = int(cfg.layer)
         intermediate = cfg.get("intermediate_layer")
         if intermediate is None:
-            from transformers import AutoConfig
-
-            depth = int(self.encoder.backbone.from_pretrained(AutoConfig, "config").num_hidden_layers)
+            depth = self._depth()
             if depth < 2:  # a one-layer model has no intermediate layer (0 is the embeddings): no uncertainty
                 return final, None
             intermediate = min(max(1, round(depth * 15 / 40)), depth - 1)
         return final, (None if intermediate == "none" else int(intermediate))
+
+    def _depth(self) -> int:
+        """The backbone's number of layers, read from its config once (layers() is asked for every scoring call)."""
+        if self._num_layers is None:
+            from transformers import AutoConfig
+
+            self._num_layers = int(self.encoder.backbone.from_pretrained(AutoConfig, "config").num_hidden_layers)
+        return self._num_layers
 
     def templates(self) -> list[ProbeTemplate]:
         """The generic probe (``probe.instruction``), or, for a refined probe (phase 3), one template per rubric in
