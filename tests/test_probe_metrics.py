@@ -46,15 +46,87 @@ def test_krippendorff_alpha():
         krippendorff_alpha(Y, P, "ratio")
 
 
-def test_closed_form_interval_alpha_equals_the_package():
-    import krippendorff
+def brute_force_alpha(data, level: str, domain=None) -> float:
+    """Krippendorff's alpha from its definition (Krippendorff 2011), one pair of values at a time: rows are coders,
+    columns units, NaN a missing value. Coincidences o_ck = sum over units with m_u >= 2 values of (ordered c-k
+    pairs of values from different coders) / (m_u - 1); alpha = 1 - (n - 1) sum o_ck d_ck / sum n_c n_k d_ck, with
+    d_ck = (c - k)^2 (interval) or (sum_{g between c and k} n_g - (n_c + n_k) / 2)^2 (ordinal, g over the value
+    domain ordered)."""
+    data = np.asarray(data, dtype=float)
+    values = sorted(set(np.unique(data[~np.isnan(data)])) | set(domain if domain is not None else []))
+    index = {v: i for i, v in enumerate(values)}
+    o = np.zeros((len(values), len(values)))
+    for unit in data.T:
+        present = [v for v in unit if not np.isnan(v)]
+        m = len(present)
+        if m < 2:
+            continue
+        for i in range(m):
+            for j in range(m):
+                if i != j:
+                    o[index[present[i]], index[present[j]]] += 1.0 / (m - 1)
+    n_c = o.sum(1)
+    n = n_c.sum()
+    d = np.zeros_like(o)
+    for c in range(len(values)):
+        for k in range(len(values)):
+            if level == "interval":
+                d[c, k] = (values[c] - values[k]) ** 2
+            else:
+                lo, hi = min(c, k), max(c, k)
+                d[c, k] = (n_c[lo:hi + 1].sum() - (n_c[c] + n_c[k]) / 2) ** 2
+    return 1.0 - (n - 1) * (o * d).sum() / (np.outer(n_c, n_c) * d).sum()
 
+
+def test_krippendorff_alpha_by_hand_for_both_levels():
+    # Units 1..4 rated (1,1), (2,3), (3,3), (3,2): coincidences o_11 = 2, o_23 = o_32 = 2, o_33 = 2, so n_1 = 2,
+    # n_2 = 2, n_3 = 4, n = 8.
+    # interval: d_12 = 1, d_13 = 4, d_23 = 1; observed sum o d = 4, expected sum n_c n_k d = 2 (4 + 32 + 8) = 88;
+    #   alpha = 1 - 7 * 4 / 88 = 15 / 22.
+    # ordinal: d_12 = (2 + 2 - 2)^2 = 4, d_13 = (8 - 3)^2 = 25, d_23 = (6 - 3)^2 = 9; observed 2 * 9 + 2 * 9 = 36,
+    #   expected 2 (16 + 200 + 72) = 576; alpha = 1 - 7 * 36 / 576 = 0.5625.
+    human, probe = [1, 2, 3, 3], [1, 3, 3, 2]
+    assert krippendorff_alpha(human, probe, "interval") == pytest.approx(15 / 22)
+    assert interval_alpha_two_raters(np.array(human, float), np.array(probe, float)) == pytest.approx(15 / 22)
+    assert krippendorff_alpha(human, probe, "ordinal") == pytest.approx(0.5625)
+    assert brute_force_alpha([human, probe], "interval") == pytest.approx(15 / 22)
+    assert brute_force_alpha([human, probe], "ordinal", domain=range(1, 6)) == pytest.approx(0.5625)
+    # the ordinal level reads ranks, not distances: spreading the top value changes interval, not ordinal
+    assert krippendorff_alpha([1, 2, 5, 5], [1, 5, 5, 2], "ordinal") == pytest.approx(
+        brute_force_alpha([[1, 2, 5, 5], [1, 5, 5, 2]], "ordinal", domain=range(1, 6)))
+
+
+@pytest.mark.parametrize("level", ["interval", "ordinal"])
+def test_krippendorff_alpha_equals_the_brute_force_definition(level):
     rng = np.random.default_rng(1)
     y = rng.integers(1, 6, 120).astype(float)
     p = y + rng.normal(0, 0.8, 120)
-    ref = krippendorff.alpha(reliability_data=np.vstack([y, p]), level_of_measurement="interval")
-    assert interval_alpha_two_raters(y, p) == pytest.approx(ref, abs=1e-10)
-    assert krippendorff_alpha(y, p) == pytest.approx(ref, abs=1e-10)
+    # the probe's metric: humans and the probe as two coders of the same 120 units (ordinal: rounded to 1..5)
+    reference = p if level == "interval" else np.clip(np.rint(p), 1, 5)
+    expected = brute_force_alpha([y, reference], level, domain=range(1, 6))
+    assert krippendorff_alpha(y, p, level) == pytest.approx(expected, abs=1e-10)
+    # swapping the coders changes nothing; the units' order changes nothing
+    order = rng.permutation(120)
+    assert krippendorff_alpha(p[order], y[order], level) == pytest.approx(expected, abs=1e-10)
+
+
+def test_closed_form_and_package_agree_with_the_definition_where_each_is_used(monkeypatch):
+    import krippendorff
+
+    from rewarduq_exp.metrics import probe as module
+
+    rng = np.random.default_rng(2)
+    y = rng.integers(1, 6, 60).astype(float)
+    p = np.round(y + rng.normal(0, 1.0, 60), 1)
+    expected = brute_force_alpha([y, p], "interval")
+    assert interval_alpha_two_raters(y, p) == pytest.approx(expected, abs=1e-10)
+    monkeypatch.setattr(module, "_KRIPPENDORFF_MAX_CELLS", 0)  # the closed-form path of large inputs
+    assert krippendorff_alpha(y, p) == pytest.approx(expected, abs=1e-10)
+    # with missing values (more than two coders) the package still matches the definition
+    data = rng.integers(1, 6, (3, 40)).astype(float)
+    data[rng.random((3, 40)) < 0.2] = np.nan
+    assert krippendorff.alpha(reliability_data=data, level_of_measurement="interval") == pytest.approx(
+        brute_force_alpha(data, "interval"), abs=1e-10)
 
 
 def test_rmse_by_uncertainty_bins():
