@@ -391,3 +391,43 @@ def test_score_only_judge_on_the_tiny_model(deep_backbone):
     np.testing.assert_allclose(res.probs[1], torch.softmax(logits, -1).numpy(), atol=1e-5)
     with pytest.raises(UserError, match="must be one token"):
         ScoreOnlyJudge(tok, judge.lm, scores=("1", "10"))
+
+
+def _borp_method(backbone, **probe_overrides):
+    from rewarduq_exp.methods.borp_method import BorpMethod
+
+    probe_cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "probe" / "borp_contrastive.yaml"), probe_overrides)
+    encoder = type("Encoder", (), {"backbone": backbone, "probe_cfg": probe_cfg, "tokenizer": backbone.tokenizer})()
+    return BorpMethod(encoder=encoder, show_progress=False)
+
+
+def test_the_judge_is_asked_the_probes_question_on_the_probes_scale(deep_backbone):
+    generic = _borp_method(deep_backbone).judge_instruction()
+    assert "How satisfied is the user with the assistant's replies?" in generic  # the probe's own question
+    assert "one word" not in generic  # the probe's answer format is not the judge's
+    assert "on a scale from 1 (Terrible) to 5 (Excellent). Answer with a single digit" in generic
+    rubric = "Verbosity: 5 means far too long for what was asked; 1 means terse."
+    refined = _borp_method(deep_backbone, rubrics=[rubric]).judge_instruction()
+    assert rubric in refined and "Under this rubric" in refined and "single digit" in refined
+    # and that is the text the judge's suffix carries (after the conversation, as a further user turn)
+    method = _borp_method(deep_backbone, rubrics=[rubric])
+    judge = ScoreOnlyJudge.from_backbone(deep_backbone, method.judge_instruction())
+    assert rubric in judge.suffix and "Rate the assistant's performance on a scale from 1" in judge.suffix
+
+
+def test_the_judge_scores_the_decoded_digit_by_default():
+    from rewarduq_exp.methods.score_judge import JudgeResult
+
+    # p(1) = 0.4, p(5) = 0.6: greedy decoding says 5, the expectation 3.4 (which rounds to 3)
+    probs = np.array([[0.4, 0.0, 0.0, 0.0, 0.6], [0.0, 0.1, 0.8, 0.1, 0.0]])
+    result = JudgeResult(expected=probs @ np.arange(1, 6), argmax=np.arange(1, 6)[probs.argmax(1)].astype(float),
+                         probs=probs, mass=np.ones(2))
+    np.testing.assert_allclose(result.scores(), [5.0, 3.0])
+    np.testing.assert_allclose(result.scores("expected"), [3.4, 3.0])
+    with pytest.raises(UserError, match="allowed: digit, expected"):
+        result.scores("mode")
+    from rewarduq_exp.methods.borp_method import BorpMethod
+
+    assert BorpMethod().judge_scoring == "digit"
+    with pytest.raises(UserError, match=r"method.judge_scoring='mean' is invalid: allowed values are digit, expected"):
+        BorpMethod(judge_scoring="mean")

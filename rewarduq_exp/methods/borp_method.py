@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from rewarduq_exp.core.checks import check_choice
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.hashing import stable_hash
 from rewarduq_exp.methods.base import RewardMethod, Scores, read_method_info, write_method_info
@@ -31,6 +32,7 @@ from rewarduq_exp.methods.borp import (
     mean_pooled_prefixes,
     render_prefixes,
 )
+from rewarduq_exp.methods.score_judge import JUDGE_SCORINGS, ScoreOnlyJudge, judge_instruction
 
 PROBE_KIND = "borp_contrastive"
 RUBRIC = "{rubric}"
@@ -65,7 +67,8 @@ class BorpMethod(RewardMethod):
 
     def __init__(self, encoder=None, regressor: str = "pls", n_components: int | None = None, cv_folds: int = 5,
                  extra_features: bool = True, resample: bool = True, resample_power: float = 0.5,
-                 score_range=(1.0, 5.0), beta: float = 1.0, baselines: bool = True, seed: int = 0,
+                 score_range=(1.0, 5.0), beta: float = 1.0, baselines: bool = True, judge_scoring: str = "digit",
+                 seed: int = 0,
                  device: str = "auto", show_progress: bool = True):
         self.encoder = encoder
         self.settings = {"regressor": regressor, "n_components": n_components, "cv_folds": int(cv_folds),
@@ -77,6 +80,7 @@ class BorpMethod(RewardMethod):
             raise UserError(f"method.beta={beta} is invalid: must be a number > 0")
         self.beta = float(beta)
         self.use_baselines = bool(baselines)
+        self.judge_scoring = check_choice("method.judge_scoring", judge_scoring, JUDGE_SCORINGS)
         self.device, self.show_progress = device, show_progress and not os.environ.get("TQDM_DISABLE")
         self.probe: BorpProbe | None = None
         self._num_layers: int | None = None
@@ -88,7 +92,7 @@ class BorpMethod(RewardMethod):
 
     def hyperparameters(self) -> dict:
         return {**self.settings, "score_range": list(self.settings["score_range"]), "beta": self.beta,
-                "baselines": self.use_baselines}
+                "baselines": self.use_baselines, "judge_scoring": self.judge_scoring}
 
     # ------------------------------------------------------------------ the probe config and the backbone
     def _probe_cfg(self):
@@ -235,19 +239,30 @@ class BorpMethod(RewardMethod):
         cut = slice(0, n), slice(n, 2 * n)
         return tuple(Scores(both.reward[c], both.lower[c], both.upper[c]) for c in cut)
 
+    def judge_instruction(self) -> str:
+        """The score-only judge's request: the probe's own question (generic probe) or rubrics (refined probe) on the
+        probe's score scale (see :func:`~rewarduq_exp.methods.score_judge.judge_instruction`)."""
+        cfg = self._probe_cfg()
+        rubrics = [str(r).strip() for r in (cfg.get("rubrics") or [])]
+        basis = (str(cfg.rubric_instruction).replace(RUBRIC, "\n\n".join(rubrics)) if rubrics
+                 else str(cfg.instruction))
+        low, high = (int(round(v)) for v in self.settings["score_range"])
+        return judge_instruction(basis, low=low, high=high, negative=str(cfg.negative), positive=str(cfg.positive))
+
     def baselines(self, frame: pd.DataFrame) -> dict[str, np.ndarray]:
-        """Scores of the two baselines on a pointwise frame: the generative score-only judge (expected score of the
-        next-token distribution over the score digits) and the mean-pooled ridge fitted on the training split."""
+        """Scores of the two baselines on a pointwise frame: the generative score-only judge, asked the probe's own
+        question (the decoded digit; ``judge_scoring=expected``: the mean of its distribution over the digits), and
+        the mean-pooled ridge fitted on the training split."""
         if not self.use_baselines:
             return {}
-        from rewarduq_exp.methods.score_judge import ScoreOnlyJudge
-
         if self._judge is None:  # the causal LM is loaded once per run, and only if a judgment is not cached
-            self._judge = ScoreOnlyJudge.from_backbone(self.encoder.backbone,
-                                                       batch_size=int(self._probe_cfg().batch_size))
+            low, high = (int(round(v)) for v in self.settings["score_range"])
+            self._judge = ScoreOnlyJudge.from_backbone(
+                self.encoder.backbone, self.judge_instruction(), scores=[str(v) for v in range(low, high + 1)],
+                batch_size=int(self._probe_cfg().batch_size), think=str(self._probe_cfg().think))
         prefixes = render_prefixes(self.encoder.tokenizer, _messages(frame["prompt"]), _messages(frame["response"]))
         raw = self._cached(self._judge.identity(), prefixes, self._judge.raw)
-        out = {"score_judge": np.asarray(self._judge.result(raw).expected, dtype=float)}
+        out = {"score_judge": self._judge.result(raw).scores(self.judge_scoring)}
         if self._ridge is not None:
             out["mean_pool_ridge"] = self._ridge.predict(self.mean_pooled(frame["prompt"], frame["response"]))
         return out

@@ -1,20 +1,26 @@
 """The generative "Score-Only" judge baseline of BoRP (appendix B, figure 8; Tables 1, 2, 5), read from one forward.
 
-The judge prompt is appended to the conversation as a further user turn (the same suffix construction as the probe,
-:func:`~rewarduq_exp.models.prefix_cache.render_suffix`, with Qwen3's empty think block), and instead of decoding we
-read the next-token distribution restricted to the score tokens "1".."5":
+The judge is asked about the same target as the probe it is compared with: :func:`judge_instruction` turns the
+probe's instruction (the generic question, or the refined probe's rubrics) into a rating request on the probe's score
+scale, so the comparison measures the reading method (a probe on hidden states vs a decoded score), not two
+different questions. The judge prompt is appended to the conversation as a further user turn (the same suffix
+construction as the probe, :func:`~rewarduq_exp.models.prefix_cache.render_suffix`, with Qwen3's empty think block),
+and instead of decoding we read the next-token distribution restricted to the score tokens "1".."5":
 
     p_k = softmax_k(logit(score_k)),  expected = sum_k p_k * k,  argmax = argmax_k p_k
 
 (the restricted softmax renormalises over the score tokens; ``mass`` is the probability the unrestricted softmax puts
 on them, a check that the model follows the "answer with one digit" instruction). ``argmax`` is what greedy decoding
-of a single score token gives; ``expected`` is the judgment-distribution mean (Zhu et al. 2025, cited by the paper).
+of a single score token gives, the paper's score-only judge (it parses the decoded digit): the default score
+(``JUDGE_SCORINGS``: ``digit``); ``expected``, the judgment-distribution mean (Zhu et al. 2025, cited by the paper), is
+the option ``expected``.
 The conversation runs once and its KV cache is reused for the judge suffix (with one suffix this saves nothing
 within a call, but it is the same code path as the probe and the prefix batching applies).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +33,17 @@ from rewarduq_exp.models import prefix_cache
 SCORE_ONLY_INSTRUCTION = (
     "Rate the assistant's replies in the conversation above on a scale from 1 (very poor) to 5 (excellent). "
     "Answer with a single digit and nothing else.")
+JUDGE_SCORINGS = ("digit", "expected")  # the decoded digit (the paper) | the probability-weighted mean
+
+
+def judge_instruction(probe_instruction: str, *, low: int = 1, high: int = 5, negative: str = "very poor",
+                      positive: str = "excellent") -> str:
+    """The judge's request for the probe's target: the probe's instruction (its question or rubric) without "in one
+    word" (the probe reads a polarity word; the judge answers with a digit), then the rating scale of the probe's
+    scores, anchored by the probe's polarity words."""
+    kept = re.sub(r"\s*\bin one word\b", "", probe_instruction.strip(), flags=re.IGNORECASE)
+    return (f"{kept}\nRate the assistant's performance on a scale from {low} ({negative}) to {high} ({positive}). "
+            "Answer with a single digit and nothing else.").strip()
 
 
 @dataclass
@@ -35,6 +52,12 @@ class JudgeResult:
     argmax: np.ndarray      # (n,) the most probable score
     probs: np.ndarray       # (n, K) over the score tokens, rows sum to 1
     mass: np.ndarray        # (n,) probability of the score tokens under the full next-token softmax
+
+    def scores(self, scoring: str = "digit") -> np.ndarray:
+        """The judge's score: the decoded digit (``digit``, default) or the probability-weighted mean."""
+        if scoring not in JUDGE_SCORINGS:
+            raise UserError(f"judge scoring={scoring!r} is invalid; allowed: {', '.join(JUDGE_SCORINGS)}")
+        return np.asarray(self.argmax if scoring == "digit" else self.expected, dtype=float)
 
 
 class ScoreOnlyJudge:
