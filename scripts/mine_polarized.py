@@ -1,17 +1,24 @@
-"""Polarization mining (BoRP phase 2): rank unlabeled samples by the polarization index of a trained probe and write
-the most positive and most negative ones, the material a teacher model turns into a rubric.
+"""Polarization mining (BoRP phase 2): rank an unlabeled pool by the polarization index and write the most positive
+and most negative samples, the material a teacher model turns into a rubric.
 
-    python scripts/mine_polarized.py run=outputs/runs/<borp run> data=pool.jsonl --top 20 --out mined/
+    python scripts/mine_polarized.py data=pool.jsonl model=qwen3-4b --top 20 --out mined/        # cold start
+    python scripts/mine_polarized.py run=outputs/runs/<borp run> data=pool.jsonl --top 20        # with a trained probe
     python scripts/mine_polarized.py run=<borp run> dataset=helpsteer2_validation --top 50
+
+Cold start (no ``run=``, the paper's use: no labels exist yet): the generic probe's difference vectors of the pool
+are read from the backbone (``model=`` and any ``model.*`` / ``probe.*`` override, as for train.py; default
+``model=tiny-qwen3``) and the index uses the POOL's own statistics (its centroid, the z-score of the norms within the
+pool, its mean distance). With ``run=`` the run's backbone, probe template and training-split statistics are used,
+and the probe's score and u are written beside the index.
 
 ``data`` is a JSONL/CSV/parquet file with ``prompt`` and ``response`` columns (strings or chat messages);
 ``dataset=<name>_<split>`` reads a configured dataset instead (its pointwise rows, or the chosen completions of a
 preference set). The index is eq. 2 as we read it (rewarduq_exp/methods/borp.py): PI = z(||d||) * D / mean(D) with
-the training split's statistics. Writes ``polarized.csv`` (every sample with its PI and the probe's score and u)
-and ``polarized_top.md`` / ``polarized_bottom.md`` into ``--out`` (default: <run>/polarized), and
-``teacher_prompt.md``: phase 3's request to a teacher model, with both tails in it, to reverse-engineer a
-behaviour-oriented rubric (our wording; the paper's meta-prompt, figure 5, was lost). The rubric it returns goes
-into ``probe.rubrics`` of a refined probe (README, BoRP).
+the pool's statistics (cold start) or the run's training split's. Writes ``polarized.csv`` (every sample with its
+PI, and with a run the probe's score and u) and ``polarized_top.md`` / ``polarized_bottom.md`` into ``--out``
+(default: <run>/polarized, or ./polarized), and ``teacher_prompt.md``: phase 3's request to a teacher model, with both
+tails in it, to reverse-engineer a behaviour-oriented rubric (our wording; the paper's meta-prompt, figure 5, was
+lost). The rubric it returns goes into ``probe.rubrics`` of a refined probe (README, BoRP).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import pandas as pd
 from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import as_messages
-from rewarduq_exp.methods.borp import polarization_index, polarized_samples
+from rewarduq_exp.methods.borp import PolarizationStats, polarization_index, polarized_samples
 from rewarduq_exp.runner.cli import fail
 
 
@@ -76,9 +83,32 @@ def conversation(prompt_text: str, response_text: str) -> str:
     return f"- {prompt_text} / {response_text}"
 
 
+def pool_statistics_features(settings: dict, device: str):
+    """A BoRP method (untrained) on the configured backbone and probe, for features only (cold start)."""
+    from hydra import compose, initialize_config_dir
+
+    from rewarduq_exp.methods.borp_method import BorpMethod
+    from rewarduq_exp.models.backbone import Backbone
+    from rewarduq_exp.models.features import FeatureEncoder
+    from rewarduq_exp.runner.cli import register_resolvers
+
+    register_resolvers()
+    overrides = [f"{k}={v}" for k, v in settings.items() if k not in ("run", "data", "dataset")]
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        try:
+            cfg = compose("train", overrides=["method=borp", "probe=borp_contrastive", *overrides])
+        except Exception as err:  # noqa: BLE001 (Hydra's override errors: one line for the user)
+            raise UserError(f"cannot compose the config: {str(err).splitlines()[0]}") from None
+    backbone = Backbone(cfg.model, cache_dir=cfg.paths.cache_dir, device=device)
+    encoder = FeatureEncoder(backbone, cfg.probe, Path(cfg.paths.cache_dir) / "features", int(cfg.max_length))
+    return BorpMethod(encoder=encoder, device=device), cfg
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("settings", nargs="+", help="run=<borp run folder>, and data=<file> or dataset=<name>")
+    parser.add_argument("settings", nargs="+", help="data=<file> or dataset=<name>; run=<borp run> (optional); "
+                                                    "model=..., model.*=..., probe.*=... (cold start)")
     parser.add_argument("--top", type=int, default=20, help="samples per tail")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--device", default="auto")
@@ -88,32 +118,39 @@ def main(argv=None) -> None:
     settings = dict(s.split("=", 1) for s in args.settings if "=" in s)
     args.run, args.data, args.dataset = settings.get("run"), settings.get("data"), settings.get("dataset")
     try:
-        if not args.run:
-            raise UserError("pass run=<folder of a method=borp run>")
-        from rewarduq_exp.runner.trained_run import load_trained_method
+        if args.run:
+            from rewarduq_exp.runner.trained_run import load_trained_method
 
-        run = load_trained_method(args.run, device=args.device, progress=True)
-        method = run.method
-        if getattr(method, "name", "") != "borp":
-            raise UserError(f"run={args.run} is a {method.name} run; polarization mining needs a method=borp run")
-        pool = read_pool(args, run.config)
+            run = load_trained_method(args.run, device=args.device, progress=True)
+            method, config = run.method, run.config
+            if getattr(method, "name", "") != "borp":
+                raise UserError(f"run={args.run} is a {method.name} run; polarization mining needs a method=borp "
+                                "run (or no run= for a cold start from the pool's own statistics)")
+        else:
+            method, config = pool_statistics_features(settings, args.device)
+        pool = read_pool(args, config)
         final, _ = method.layers()
         features = method.features(pool["prompt"], pool["response"])
-        pi = polarization_index(features[final], method.probe.polarization_)
-        prediction = method.probe.predict(features)
+        # No run: the pool is its own reference (centroid, norm z-scores, mean distance), as at a cold start.
+        stats = method.probe.polarization_ if args.run else PolarizationStats.from_reference(features[final])
+        pi = polarization_index(features[final], stats)
+        prediction = method.probe.predict(features) if args.run else None
         top, bottom = polarized_samples(pi, args.top)
     except UserError as err:
         fail(str(err), err.exit_code)
-    out = args.out or Path(args.run) / "polarized"
-    table = pd.DataFrame({"index": np.arange(len(pool)), "polarization": pi, "score": prediction.score,
-                          "u": prediction.u if prediction.u is not None else np.zeros(len(pi)),
+    nan = np.full(len(pi), np.nan)
+    score = prediction.score if prediction is not None else nan
+    u = prediction.u if prediction is not None and prediction.u is not None else nan
+    out = args.out or (Path(args.run) / "polarized" if args.run else Path("polarized"))
+    table = pd.DataFrame({"index": np.arange(len(pool)), "polarization": pi, "score": score, "u": u,
                           "prompt": [text(p) for p in pool["prompt"]],
                           "response": [text(r) for r in pool["response"]]})
     write_atomic(out / "polarized.csv", table.sort_values("polarization", ascending=False).to_csv(index=False))
     for name, rows in (("top", top), ("bottom", bottom)):
-        lines = [f"# {name} {len(rows)} by polarization index (run {args.run})", "",
+        source = f"run {args.run}" if args.run else "cold start: the pool's own statistics"
+        lines = [f"# {name} {len(rows)} by polarization index ({source})", "",
                  "| PI | score | u | prompt | response |", "|---|---|---|---|---|"]
-        lines += [f"| {pi[i]:.3f} | {prediction.score[i]:.2f} | {table.u[i]:.2f} | {table.prompt[i]} | "
+        lines += [f"| {pi[i]:.3f} | {score[i]:.2f} | {u[i]:.2f} | {table.prompt[i]} | "
                   f"{table.response[i]} |" for i in rows]
         write_atomic(out / f"polarized_{name}.md", "\n".join(lines) + "\n")
     tails = {name: "\n".join(conversation(table.prompt[i], table.response[i]) for i in rows)

@@ -195,3 +195,40 @@ def test_polarization_mining_writes_both_tails(borp_run, shared_cache):
     assert teacher.count("\n- ") == 6 and "## Most negative (3)" in teacher
     proc = run_entry_point(ROOT / "scripts" / "mine_polarized.py", [f"run={folder}"], cwd)
     assert proc.returncode == 2 and "nothing to mine" in proc.stderr
+
+
+def test_cold_start_mining_ranks_an_unlabeled_pool_by_its_own_statistics(tmp_path, shared_cache):
+    # The paper's phase 2 has no labels and no trained probe yet: the pool's own centroid, norm z-scores and mean
+    # distance define the index.
+    from omegaconf import OmegaConf
+
+    from rewarduq_exp.methods.borp import PolarizationStats, polarization_index
+    from rewarduq_exp.methods.borp_method import BorpMethod
+    from rewarduq_exp.models.backbone import Backbone
+    from rewarduq_exp.models.features import FeatureEncoder
+
+    words = ["vobe", "mada", "gobo", "tiba", "kodi", "nede"]
+    rows = [{"prompt": f"Topic {words[i % 6]}: write a reply.", "response": " ".join(words[: 1 + i % 6])}
+            for i in range(14)]
+    pool = tmp_path / "pool.jsonl"
+    pd.DataFrame(rows).to_json(pool, orient="records", lines=True)
+    proc = run_entry_point(ROOT / "scripts" / "mine_polarized.py",
+                           [f"data={pool}", "model=tiny-qwen3", "model.build.num_layers=4", "device=cpu",
+                            f"paths.cache_dir={shared_cache}", "--top", "3", "--out", tmp_path / "mined"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = pd.read_csv(tmp_path / "mined" / "polarized.csv")
+    assert len(table) == 14 and table["score"].isna().all()  # no probe: the index alone
+    assert "cold start" in (tmp_path / "mined" / "polarized_top.md").read_text()
+
+    model_cfg = OmegaConf.load(ROOT / "conf" / "model" / "tiny-qwen3.yaml")
+    model_cfg.build.num_layers = 4
+    backbone = Backbone(model_cfg, cache_dir=shared_cache, device="cpu")
+    encoder = FeatureEncoder(backbone, OmegaConf.load(ROOT / "conf" / "probe" / "borp_contrastive.yaml"),
+                             tmp_path / "features", 2048, show_progress=False)
+    method = BorpMethod(encoder=encoder, show_progress=False)
+    prompts = [[{"role": "user", "content": r["prompt"]}] for r in rows]
+    responses = [[{"role": "assistant", "content": r["response"]}] for r in rows]
+    final = method.features(prompts, responses)[method.layers()[0]]
+    pi = polarization_index(final, PolarizationStats.from_reference(final))
+    np.testing.assert_allclose(table.sort_values("index")["polarization"], pi, rtol=1e-4, atol=1e-6)
+    assert table["index"].head(3).tolist() == np.argsort(-pi)[:3].tolist()  # the top rows: the largest pool PI
