@@ -6,9 +6,12 @@ scratch, in one run, for N = 2, 4, 8.
     python scripts/bench_probe.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --conversations 64
     python scripts/bench_probe.py --threads 1            # on a shared CPU: stable timings
     python scripts/bench_probe.py --smoke                # a few seconds: CI checks that it runs
+    python scripts/bench_probe.py --model-path DIR       # any local causal LM (e.g. SmolLM2-135M-Instruct)
 
 The backbone is the offline tiny Qwen3 built with a larger config (random weights: the timing does not depend on
-them), so that long prefixes dominate the cost as real conversations do. Prefixes are random token ids of lengths
+them), so that long prefixes dominate the cost as real conversations do, or, with ``--model-path``, any local causal
+LM checkpoint (transformers format; its chat template may add a default system prompt, which the suffix leaves out).
+Prefixes are random token ids of lengths
 drawn uniformly from [--min-prefix, --max-prefix]; the N suffixes are a short BoRP probe rendered with N different
 polarity words (a user turn + generation prefix + answer, ~30-40 tokens, about what the generic probe is with the
 Qwen3 tokenizer). Both paths use the same batching (the same
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -32,12 +36,19 @@ from omegaconf import OmegaConf
 from rewarduq_exp.methods.borp import ProbeTemplate
 from rewarduq_exp.models import prefix_cache
 from rewarduq_exp.models.backbone import Backbone
+from rewarduq_exp.runner.cli import fail
 
 POLARITY_WORDS = ["Excellent", "Terrible", "Good", "Bad", "Great", "Poor", "Fine", "Awful", "Superb", "Weak",
                   "Perfect", "Useless", "Solid", "Mediocre", "Brilliant", "Broken"]
 
 
 def build_backbone(args) -> Backbone:
+    if args.model_path:
+        if not Path(args.model_path).is_dir():
+            fail(f"--model-path {args.model_path} is not a folder with a checkpoint (config.json, weights, tokenizer)")
+        cfg = OmegaConf.create({"name": Path(args.model_path).name, "hub_id": None, "revision": None,
+                                "path": str(args.model_path), "dtype": args.dtype, "trust_remote_code": False})
+        return Backbone(cfg, cache_dir=args.cache_dir, device=args.device)
     cfg = OmegaConf.create({
         "name": "bench-qwen3", "builder": "tiny-qwen3", "hub_id": None, "revision": None, "path": None,
         "dtype": args.dtype, "hidden_size": args.hidden, "trust_remote_code": False, "keep_dtype_on_cpu": False,
@@ -77,6 +88,7 @@ def main(argv=None) -> None:
                         "gives stable timings, as other processes' load makes spinning OpenMP threads wait)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (CI)")
+    parser.add_argument("--model-path", type=Path, help="a local causal LM checkpoint instead of the built model")
     args = parser.parse_args(argv)
     if args.smoke:
         args.hidden, args.layers, args.heads, args.conversations = 64, 2, 4, 4
@@ -102,7 +114,11 @@ def main(argv=None) -> None:
     layers = [max(1, args.layers // 2), -1]
     pad = tok.pad_token_id
     threads = f", torch threads {torch.get_num_threads()}" if device.type == "cpu" else ""
-    print(f"device: {device}{threads}; model: hidden {args.hidden}, {args.layers} layers, {backbone.dtype}; "
+    if args.model_path:
+        args.hidden, args.layers = int(model.config.hidden_size), prefix_cache.num_layers_of(model)
+        layers = [max(1, args.layers // 2), -1]
+    print(f"device: {device}{threads}; model: {backbone.name}, hidden {args.hidden}, {args.layers} layers, "
+          f"{backbone.dtype}; "
           f"{args.conversations} conversations, prefix L {min(lengths)}-{max(lengths)} (mean "
           f"{statistics.mean(lengths):.0f}); layers {layers}; batch {args.batch_size} rows; median of {args.repeats}")
     header = (f"{'N':>3} {'s':>4} {'full tok/s':>10} {'repeat tok/s':>12} {'packed tok/s':>12} {'repeat':>7} "

@@ -431,3 +431,53 @@ def test_the_judge_scores_the_decoded_digit_by_default():
     assert BorpMethod().judge_scoring == "digit"
     with pytest.raises(UserError, match=r"method.judge_scoring='mean' is invalid: allowed values are digit, expected"):
         BorpMethod(judge_scoring="mean")
+
+
+DEFAULT_SYSTEM_TEMPLATE = (  # ChatML with a default system prompt when none is given, as SmolLM2's and Qwen2.5's
+    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful AI assistant.<|im_end|>\\n' }}"
+    "{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def default_system_model(tmp_path_factory, deep_backbone):
+    """The deep tiny model saved with a chat template that adds a default system prompt."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("default-system")
+    AutoModelForCausalLM.from_pretrained(deep_backbone.source).save_pretrained(folder)
+    tok = deep_backbone.from_pretrained(__import__("transformers").AutoTokenizer, "tokenizer")
+    tok.chat_template = DEFAULT_SYSTEM_TEMPLATE
+    tok.save_pretrained(folder)
+    return folder, tok
+
+
+def test_templates_with_a_default_system_prompt_are_handled(default_system_model):
+    from rewarduq_exp.models import prefix_cache
+
+    _, tok = default_system_model
+    # the probe turn is cut after the template's own text: no system prompt in the middle of the conversation
+    suffix = prefix_cache.render_suffix(tok, "Judge the assistant in one word.", "It is {polarity}")
+    assert suffix.startswith("<|im_start|>user\nJudge the assistant") and "helpful AI" not in suffix
+    prompt, response = [{"role": "user", "content": "Hi"}], [{"role": "assistant", "content": "Hello."}]
+    kept = prefix_cache.render_prefix(tok, prompt, response)
+    dropped = prefix_cache.render_prefix(tok, prompt, response, system_prompt="drop")
+    assert kept == "<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n" + dropped
+    assert dropped == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+    own = [{"role": "system", "content": "Be brief."}, *prompt]  # a conversation's own system turn always stays
+    assert prefix_cache.render_prefix(tok, own, response, "drop").startswith("<|im_start|>system\nBe brief.")
+    with pytest.raises(UserError, match="default_system_prompt='remove' is invalid; allowed: keep, drop"):
+        prefix_cache.render_prefix(tok, prompt, response, system_prompt="remove")
+
+
+def test_bench_probe_takes_any_local_causal_lm(default_system_model, tmp_path):
+    from entry_points import run_entry_point
+
+    folder, _ = default_system_model
+    proc = run_entry_point(ROOT / "scripts" / "bench_probe.py",
+                           ["--model-path", folder, "--smoke", "--device", "cpu"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"model: {folder.name}, hidden 256, 3 layers" in proc.stdout and "fraction of ideal" in proc.stdout
+    proc = run_entry_point(ROOT / "scripts" / "bench_probe.py", ["--model-path", tmp_path / "nowhere", "--smoke"],
+                           tmp_path)
+    assert proc.returncode != 0 and "is not a folder with a checkpoint" in proc.stderr

@@ -201,9 +201,10 @@ class ContrastiveExtractor:
         return by_layer(self.differences(render_prefixes(self.tokenizer, prompts, responses)), self.layers)
 
 
-def render_prefixes(tokenizer, prompts, responses) -> list[str]:
-    """The conversations as the shared prefixes of the probe suffixes."""
-    return [prefix_cache.render_prefix(tokenizer, p, r) for p, r in zip(prompts, responses)]
+def render_prefixes(tokenizer, prompts, responses, system_prompt: str = "keep") -> list[str]:
+    """The conversations as the shared prefixes of the probe suffixes (``system_prompt``: keep or drop a template's
+    default system prompt, :func:`~rewarduq_exp.models.prefix_cache.render_prefix`)."""
+    return [prefix_cache.render_prefix(tokenizer, p, r, system_prompt) for p, r in zip(prompts, responses)]
 
 
 def by_layer(diff, layers: Sequence[int]) -> dict[int, np.ndarray]:

@@ -184,16 +184,20 @@ class BorpMethod(RewardMethod):
     def _forward_passes(self) -> int:
         return sum(part.stats.get("forward_passes", 0) for part in (self._extractor, self._judge) if part is not None)
 
+    def _prefixes(self, prompts, responses) -> list[str]:
+        system_prompt = str(self._probe_cfg().get("default_system_prompt", "keep"))
+        return render_prefixes(self.encoder.tokenizer, _messages(prompts), _messages(responses), system_prompt)
+
     def features(self, prompts, responses) -> dict[int, np.ndarray]:
         layers = self.probe_layers()
         what = self.identity(layers)
-        prefixes = render_prefixes(self.encoder.tokenizer, _messages(prompts), _messages(responses))
+        prefixes = self._prefixes(prompts, responses)
         return by_layer(self._cached(what, prefixes, lambda texts: self.extractor().differences(texts)), layers)
 
     def mean_pooled(self, prompts, responses) -> np.ndarray:
         """The ridge baseline's input: mean-pooled final-layer states of the conversations (cached)."""
         final, _ = self.layers()
-        prefixes = render_prefixes(self.encoder.tokenizer, _messages(prompts), _messages(responses))
+        prefixes = self._prefixes(prompts, responses)
         what = {"kind": "mean_pooled_conversation", "layer": final}
         return self._cached(what, prefixes, lambda texts: mean_pooled_prefixes(
             self.encoder.tokenizer, self.extractor().model, texts, final, int(self._probe_cfg().batch_size),
@@ -260,7 +264,7 @@ class BorpMethod(RewardMethod):
             self._judge = ScoreOnlyJudge.from_backbone(
                 self.encoder.backbone, self.judge_instruction(), scores=[str(v) for v in range(low, high + 1)],
                 batch_size=int(self._probe_cfg().batch_size), think=str(self._probe_cfg().think))
-        prefixes = render_prefixes(self.encoder.tokenizer, _messages(frame["prompt"]), _messages(frame["response"]))
+        prefixes = self._prefixes(frame["prompt"], frame["response"])
         raw = self._cached(self._judge.identity(), prefixes, self._judge.raw)
         out = {"score_judge": self._judge.result(raw).scores(self.judge_scoring)}
         if self._ridge is not None:

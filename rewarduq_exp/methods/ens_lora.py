@@ -26,7 +26,7 @@ independent run (the authors trained each member in its own run); gradients are 
 job trains the whole ensemble).
 
 One forward can serve all members: the batch is replicated K times and each row is routed to its member's adapter with
-PEFT's ``adapter_names=`` (mixed-adapter batch; notes/ecosystem.md 3.1). PEFT refuses ``adapter_names`` in train
+PEFT's ``adapter_names=`` (mixed-adapter batch). PEFT refuses ``adapter_names`` in train
 mode, so training runs the model in eval mode with only ``nn.Dropout`` modules switched back to train. Gradient
 checkpointing recomputes the forward during backward without PEFT's routing hooks, so with it on, training falls back
 to one pass per member (``set_adapter``). Scoring can use the same mixed batch (``mixed_adapter_scoring``), checked in

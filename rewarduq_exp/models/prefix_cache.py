@@ -5,7 +5,7 @@ the negative probe of eq. 1, rubrics, a judge prompt). The conversation (the *pr
 same for every suffix, so it is run once and its KV cache is reused by every suffix: the cost drops from
 ``N (L + s)`` token positions to ``L + N s`` for ``N`` suffixes of ``s`` tokens after a prefix of ``L`` tokens.
 
-How (transformers 5.x, ``DynamicCache``; notes/ecosystem.md 4.4):
+How (transformers 5.x, ``DynamicCache``):
 
 1. A batch of prefixes runs once with ``use_cache=True``. Prefixes of different lengths are **right**-padded in one
    batch; pad positions are excluded by the attention mask and never read.
@@ -18,7 +18,7 @@ How (transformers 5.x, ``DynamicCache``; notes/ecosystem.md 4.4):
      tokens and itself (causally), never the other suffixes; each suffix restarts at position ``L_b``. The prefix
      cache is used as it is: nothing is copied per suffix, so the work really is ``L + N s`` (plus the attention
      of the ``N s`` suffix queries over ``L + N s`` keys). The same layout as SGLang's multi-item scoring
-     (``Engine.score`` with ``enable_mis``; notes/ecosystem.md 6).
+     (``Engine.score`` with ``enable_mis``).
    * ``repeat`` (any attention; the notes' recipe): the cache is repeated ``N`` times along the batch
      (``batch_repeat_interleave``) so that row ``b * N + j`` holds prefix ``b`` for suffix ``j``; the suffixes are
      right-padded rows; the mask covers ``[prefix mask | suffix mask]``. Costs ``N`` copies of the prefix's KV cache
@@ -55,10 +55,23 @@ THINK_MODES = ("auto", "always", "never")
 SUFFIX_MODES = ("auto", "packed", "repeat")
 PACKED_ATTENTION = ("sdpa", "eager")
 EMPTY_THINK = "<think>\n\n</think>\n\n"
+SYSTEM_PROMPT_MODES = ("keep", "drop")  # a template's default system prompt: as the template renders it | without
+_PROBE_SYSTEM = {"role": "system", "content": "S"}  # a stand-in system turn, to find where the template's own text ends
+
+
+def _without_system_block(tokenizer, messages: list[dict], **kwargs) -> str:
+    """``messages`` rendered with no system block at all: rendered after a stand-in system turn (which replaces any
+    default system prompt), minus what that turn alone renders to."""
+    alone = tokenizer.apply_chat_template([_PROBE_SYSTEM], tokenize=False)
+    full = tokenizer.apply_chat_template([_PROBE_SYSTEM, *messages], tokenize=False, **kwargs)
+    if not full.startswith(alone):
+        raise UserError("the chat template renders a system turn differently when more turns follow, so its "
+                        "default system prompt cannot be separated; use probe.default_system_prompt=keep")
+    return full[len(alone):]
 
 
 # ---------------------------------------------------------------------------------------------------- rendering
-def render_prefix(tokenizer, prompt: list[dict], response: list[dict]) -> str:
+def render_prefix(tokenizer, prompt: list[dict], response: list[dict], system_prompt: str = "keep") -> str:
     """The conversation (prompt + response) as the backbone's chat template renders a finished conversation: the
     same text every other method scores (:func:`rewarduq_exp.data.contract.render`).
 
@@ -66,7 +79,16 @@ def render_prefix(tokenizer, prompt: list[dict], response: list[dict]) -> str:
     what makes it a shareable, cacheable prefix. (Qwen3's template renders the *last* assistant turn with the empty
     ``<think>`` tags and drops them from earlier turns, so "history + new user turn" would re-render the response;
     here the response keeps the form it has as a finished conversation.)
+
+    ``system_prompt``: a template that adds a default system prompt when the conversation has none (SmolLM2,
+    Qwen2.5) keeps it (``keep``: the model sees its usual input) or renders the conversation without it (``drop``).
     """
+    if system_prompt not in SYSTEM_PROMPT_MODES:
+        raise UserError(f"probe.default_system_prompt={system_prompt!r} is invalid; allowed: "
+                        f"{', '.join(SYSTEM_PROMPT_MODES)}")
+    messages = [*prompt, *response]
+    if system_prompt == "drop" and not any(m["role"] == "system" for m in messages):
+        return _without_system_block(tokenizer, messages)
     return render(tokenizer, prompt, response)
 
 
@@ -79,8 +101,9 @@ def render_suffix(tokenizer, user_text: str, answer: str = "", think: str = "aut
     without thinking ignore it); ``always`` appends that block when the template did not; ``never`` renders the
     plain generation prefix (``enable_thinking=True`` for Qwen3).
 
-    The template must render a lone user turn without adding text before it (e.g. a default system prompt, as
-    Qwen2.5's does): such text would land in the middle of the conversation. That is checked, with a one-line error.
+    A template that puts a default system prompt before a lone user turn (SmolLM2, Qwen2.5) is handled: the turn is
+    rendered after a stand-in system turn and cut after it, so no system text lands in the middle of the
+    conversation.
     """
     if think not in THINK_MODES:
         raise UserError(f"probe think={think!r} is invalid; allowed: {', '.join(THINK_MODES)}")
@@ -88,12 +111,7 @@ def render_suffix(tokenizer, user_text: str, answer: str = "", think: str = "aut
         raise UserError("the probe prompt (user turn) is empty; give the instruction text of the probe template")
     turn = [{"role": "user", "content": str(user_text)}]
     kwargs = {"enable_thinking": think == "never"}
-    text = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False, **kwargs)
-    with_system = tokenizer.apply_chat_template([{"role": "system", "content": "S"}] + turn,
-                                                add_generation_prompt=True, tokenize=False, **kwargs)
-    if not with_system.endswith(text):
-        raise UserError("the chat template adds text before a lone user turn (a default system prompt?), so the "
-                        "probe turn cannot be appended to a conversation; use a template without one")
+    text = _without_system_block(tokenizer, turn, add_generation_prompt=True, **kwargs)
     if think == "always" and not text.endswith(EMPTY_THINK):
         text += EMPTY_THINK
     return text + str(answer)

@@ -2,7 +2,7 @@
 
 Nothing is downloaded. The tokenizer is a byte-level BPE trained on a fixed corpus (the synthetic world's words plus
 a little English) with a ChatML template; pad (``<|endoftext|>``) is distinct from eos (``<|im_end|>``) because
-last-token pooling must never mistake the final ``<|im_end|>`` for padding (notes/ecosystem.md 4.3). The weights come
+last-token pooling must never mistake the final ``<|im_end|>`` for padding. The weights come
 from a seeded init, so every machine builds the identical model. The result is saved once, like a hub checkpoint,
 under the cache folder and loaded with the same ``from_pretrained`` code path as real backbones.
 """
