@@ -40,6 +40,7 @@ LONGEST_FIRST = ["test_borp_run.py",         # ~60
                  "test_sweep_multitask.py",  # ~20
                  "test_sweep.py",            # ~18
                  "test_mcd_dpo.py",          # ~18
+                 "test_api_real_use.py",     # ~18
                  "test_distributed.py",      # ~15
                  "test_acceptance.py",       # ~15
                  "test_cli_finetune.py",     # ~13

@@ -124,9 +124,14 @@ def test_think_modes(deep_backbone):
 
 def test_bad_input_is_one_line(deep_backbone, encoder, pieces):
     tok = copy.deepcopy(deep_backbone.tokenizer)
-    tok.chat_template = DEFAULT_SYSTEM
-    with pytest.raises(UserError, match="adds text before a lone user turn"):
+    # A template whose system turn changes when more turns follow: its default system prompt cannot be cut off.
+    tok.chat_template = DEFAULT_SYSTEM.replace("{{ m['content'] }}<|im_end|>", "{{ m['content'] }}{% if not loop.last "
+                                               "%}<|sep|>{% endif %}<|im_end|>")
+    with pytest.raises(UserError, match="renders a system turn differently .*probe.default_system_prompt=keep"):
         prefix_cache.render_suffix(tok, "Rate it.")
+    tok.chat_template = DEFAULT_SYSTEM  # the usual kind (SmolLM2, Qwen2.5) is handled, not refused
+    turn = "<|im_start|>user\nRate it.<|im_end|>\n<|im_start|>assistant\n"
+    assert prefix_cache.render_suffix(tok, "Rate it.") == turn
     with pytest.raises(UserError, match="probe prompt .* is empty"):
         prefix_cache.render_suffix(deep_backbone.tokenizer, "  ")
     with pytest.raises(UserError, match="think='maybe' is invalid; allowed: auto, always, never"):
