@@ -19,6 +19,7 @@ LAYERS = [
     {"analysis"},                                # selection, tables, figures over run folders
     {"runner"},                                  # what train.py / evaluate.py execute
     {"api"},                                     # the public Python API
+    {"downstream"},                              # downstream uses of uncertainty (best-of-n, active learning)
     {"__init__"},                                # the package root re-exports the API
 ]
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}

@@ -14,6 +14,8 @@ epistemic uncertainty should be larger. Everything is a pure function of the see
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 from scipy.special import expit  # overflow-free sigmoid
@@ -23,6 +25,16 @@ from rewarduq_exp.data.contract import make_pointwise_frame, make_preference_fra
 from rewarduq_exp.data.vocabulary import TOPIC_WORDS, WORDS
 
 SPLITS = ("train", "eval", "ood")
+
+
+@dataclass
+class Candidates:
+    """Completions sampled for best-of-n: ``texts[p][i]`` answers ``prompts[p]`` and has true reward ``gold[p, i]``."""
+
+    topic: np.ndarray          # (P,)
+    prompts: list[list[dict]]  # P conversations
+    texts: list[list[str]]     # P lists of N completion texts
+    gold: np.ndarray           # (P, N) true rewards
 # Fixed offsets so that the splits use independent random streams of the same world.
 _SPLIT_STREAM = {"train": 1, "eval": 2, "ood": 3}
 
@@ -129,6 +141,25 @@ class SyntheticWorld:
     def _text(self, tokens: np.ndarray, length: int) -> str:
         return " ".join(self.words[t] for t in tokens[:length])
 
+    def prompt(self, topic: int) -> list[dict]:
+        return [{"role": "user", "content": f"Topic {self.topics[topic]}: write a reply."}]
+
+    def candidates(self, split: str, n_prompts: int, n_candidates: int, seed: int = 0) -> Candidates:
+        """``n_candidates`` completions for each of ``n_prompts`` prompts, drawn from the world's generator for
+        ``split`` (the training word distribution for train/eval, the rare-word mixture for ood), with their true
+        (gold) rewards: the raw material of best-of-n sampling. Topics are spread evenly over the prompts."""
+        if split not in SPLITS:
+            raise UserError(f"synthetic split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
+        rng = np.random.default_rng([self.seed, _SPLIT_STREAM[split], 2, int(seed)])
+        probs = self.ood_word_probs if split == "ood" else self.train_word_probs
+        topic = (np.arange(n_prompts) + rng.integers(self.num_topics)) % self.num_topics
+        tokens, lengths = self._completions(rng, n_prompts * n_candidates, probs)
+        gold = self.true_reward(np.repeat(topic, n_candidates), tokens, lengths)
+        texts = [self._text(tokens[i], lengths[i]) for i in range(len(tokens))]
+        return Candidates(topic=topic, prompts=[self.prompt(t) for t in topic],
+                          texts=[texts[i * n_candidates:(i + 1) * n_candidates] for i in range(n_prompts)],
+                          gold=gold.reshape(n_prompts, n_candidates))
+
     def load(self, split: str) -> pd.DataFrame:
         if split not in SPLITS:
             raise UserError(f"synthetic split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
@@ -145,7 +176,7 @@ class SyntheticWorld:
         for i in range(n):
             text_a, text_b = self._text(tok_a[i], len_a[i]), self._text(tok_b[i], len_b[i])
             winner, loser = (text_a, text_b) if a_wins[i] else (text_b, text_a)
-            prompts.append([{"role": "user", "content": f"Topic {self.topics[topic[i]]}: write a reply."}])
+            prompts.append(self.prompt(topic[i]))
             chosen.append([{"role": "assistant", "content": winner}])
             rejected.append([{"role": "assistant", "content": loser}])
         true_margin = np.where(a_wins, margin_ab, -margin_ab)
@@ -202,7 +233,7 @@ class SyntheticRatings(SyntheticWorld):
         reward = self.true_reward(topic, tokens, lengths)
         noisy = reward + rng.normal(scale=self.rating_noise * self.reward_std, size=n)
         rating = 1.0 + np.searchsorted(self.cuts, noisy)
-        prompts = [[{"role": "user", "content": f"Topic {self.topics[t]}: write a reply."}] for t in topic]
+        prompts = [self.prompt(t) for t in topic]
         responses = [[{"role": "assistant", "content": self._text(tokens[i], lengths[i])}] for i in range(n)]
         return make_pointwise_frame([f"synthetic-ratings-{self.seed}-{split}-{i}" for i in range(n)], prompts,
                                     responses, {"rating": rating, "true_reward": reward}, target="rating",

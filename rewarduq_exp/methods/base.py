@@ -379,6 +379,22 @@ class FeatureHeadMethod(RewardMethod):
     def score(self, prompts, completions) -> Scores:
         return self.score_features(self._require_encoder().encode(prompts, completions, desc="features (score)"))
 
+    def _sample_features(self, z: torch.Tensor) -> torch.Tensor | None:
+        """(S, B) rewards of features ``z`` under S draws of the model (ensemble members, posterior samples), the
+        same S draws for every row; None where the method has no such draws."""
+        return None
+
+    @torch.no_grad()
+    def pair_reward_samples(self, frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
+        """(S, n) rewards of the chosen and the rejected completions under the same S draws of the model, so that
+        ``chosen[s] - rejected[s]`` are samples of each pair's margin (what disagreement-based acquisition such as
+        BALD needs); None where the method has no draws."""
+        zc, zr = self._require_encoder().encode_pairs(frame, desc="features (score)")
+        if self._sample_features(zc[:1].to(self.device)) is None:
+            return None
+        return (self._sample_features(zc.to(self.device)).double().cpu().numpy(),
+                self._sample_features(zr.to(self.device)).double().cpu().numpy())
+
     def score_pairs(self, frame: pd.DataFrame) -> tuple[Scores, Scores]:
         """Chosen and rejected scores of a preference frame (one feature-cache entry for both)."""
         zc, zr = self._require_encoder().encode_pairs(frame, desc="features (score)")

@@ -58,6 +58,7 @@ def quadratic_form_sqrt(cholesky_lower: torch.Tensor, z: torch.Tensor) -> torch.
 
 class BayLin(FeatureHeadMethod):
     name = "bay_lin"
+    POSTERIOR_SAMPLES = 64  # Laplace posterior draws for disagreement-based acquisition (BALD)
 
     def __init__(self, learning_rate: float = 1e-2, reg_lambda: float = 1e-2, beta: float = 0.5,
                  hessian: str = "unweighted", center_features: bool = False, batch_size: int = 64,
@@ -116,6 +117,15 @@ class BayLin(FeatureHeadMethod):
     def _score_features(self, z):
         reward = self.head(z).squeeze(-1)
         return reward, quadratic_form_sqrt(self.cholesky, z - self.feature_mean).to(reward.dtype)
+
+    def _sample_features(self, z: torch.Tensor) -> torch.Tensor:
+        """Rewards under weights drawn from the Laplace posterior N(theta, H^-1): theta + L^-T eps with H = L L^T,
+        so z^T w = r(z) + (L^-1 z)^T eps. The draws are seeded (the same eps for every call), so chosen and
+        rejected, and repeated calls, share them."""
+        v = torch.linalg.solve_triangular(self.cholesky, (z - self.feature_mean).double().T, upper=False)  # (d, B)
+        gen = torch.Generator(device="cpu").manual_seed(self.seed)
+        eps = torch.randn(self.POSTERIOR_SAMPLES, v.shape[0], generator=gen, dtype=torch.float64).to(v.device)
+        return self.head(z).squeeze(-1).double()[None, :] + eps @ v
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"head.weight": self.head.weight, "precision": self.precision, "feature_mean": self.feature_mean}

@@ -130,6 +130,9 @@ class EnsMLP(FeatureHeadMethod):
         rewards = self.heads(z)  # (K, B)
         return rewards.mean(0), rewards.std(0, unbiased=True)
 
+    def _sample_features(self, z: torch.Tensor) -> torch.Tensor:
+        return self.heads(z)  # the K members are the draws
+
     def member_rewards(self, z: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self.heads(z.to(self.device)).cpu()

@@ -62,14 +62,14 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("run_identity", run_identity)
 
 
-def _choices(arg: str) -> tuple[str, list[str]] | None:
+def _choices(arg: str, groups=GROUPS) -> tuple[str, list[str]] | None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
         override = OverridesParser.create().parse_override(arg)
     except Exception:
         return None  # not ours to judge: Hydra reports malformed overrides itself
-    if override.is_delete() or override.key_or_group not in GROUPS or override.package:
+    if override.is_delete() or override.key_or_group not in groups or override.package:
         return None
     if override.is_sweep_override():
         return override.key_or_group, list(override.sweep_string_iterator())
@@ -95,8 +95,8 @@ def check_group_choices(args: list[str], conf_dir: Path = CONF_DIR, groups=GROUP
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
-        parsed = _choices(arg)
-        if parsed is None or parsed[0] not in groups:
+        parsed = _choices(arg, groups)
+        if parsed is None:
             continue
         group, values = parsed
         allowed = sorted({*available(group, conf_dir), *(name for d in extra for name in available(group, d))})

@@ -1,0 +1,209 @@
+"""Downstream tasks against the synthetic world's true reward (downstream.py): the best-of-n estimator against
+enumerating every subset, the curve summary by hand, BALD by hand, posterior draws that agree with the reported u,
+and both tasks end to end on two small runs (files, figure, summary, bad input in one line)."""
+
+import itertools
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import ROOT
+from test_cli import NO_FIGURES, run
+
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.data.synthetic import SyntheticWorld
+from rewarduq_exp.downstream.active_learning import acquisition_scores, bald_scores
+from rewarduq_exp.downstream.best_of_n import (
+    best_of_n_curves,
+    curve_summary,
+    expected_best_of_n,
+    kl_best_of_n,
+    powers_of_two,
+    selection_weights,
+)
+
+
+def test_best_of_n_estimator_equals_enumerating_every_subset():
+    rng = np.random.default_rng(0)
+    m = 7
+    proxy, gold = rng.normal(size=(3, m)), rng.normal(size=(3, m))
+    ns = list(range(1, m + 1))
+    got = expected_best_of_n(proxy, gold, ns)
+    for p in range(3):
+        for j, n in enumerate(ns):
+            picks = [gold[p, max(s, key=lambda i: proxy[p, i])] for s in itertools.combinations(range(m), n)]
+            assert got[p, j] == pytest.approx(np.mean(picks), abs=1e-12)
+
+
+def test_selection_weights_are_distributions_from_the_mean_to_the_argmax():
+    w = selection_weights(1024, powers_of_two(1024))
+    np.testing.assert_allclose(w.sum(1), 1.0, atol=1e-9)  # no overflow at C(1023, 511)
+    np.testing.assert_allclose(w[0], 1 / 1024)            # n = 1: a uniform draw
+    assert w[-1, -1] == pytest.approx(1.0) and w[-1, :-1].sum() == pytest.approx(0.0)  # n = M: the proxy's best
+    assert powers_of_two(1000) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000]
+
+
+def test_kl_of_best_of_n():
+    assert kl_best_of_n(1) == 0.0
+    assert kl_best_of_n(2) == pytest.approx(math.log(2) - 0.5)
+    assert kl_best_of_n(1024) == pytest.approx(math.log(1024) - 1023 / 1024)
+
+
+def test_curve_summary_by_hand():
+    # 3 prompts, 4 candidates: the proxy loves candidate 3, whose gold is bad; u marks it as uncertain.
+    gold = np.tile([0.0, 1.0, 2.0, -1.0], (3, 1))
+    reward = np.tile([0.0, 1.0, 2.0, 3.0], (3, 1))
+    u = np.tile([0.0, 0.0, 0.0, 5.0], (3, 1))
+    curves = best_of_n_curves(reward, u, gold, [1.0], [1, 2, 4])
+    s = curve_summary(curves, 1.0)
+    # mean selection: n=1 -> mean gold 0.5; n=4 -> candidate 3 (gold -1). n=2: pairs by C(i-1,1)/C(4,2) over
+    # proxy order 0,1,2,3 -> (0*0 + 1*1 + 2*2 + 3*(-1)) / 6 = 1/3.
+    mean = curves[curves.selection == "mean"].set_index("n").gold
+    assert mean[1] == pytest.approx(0.5) and mean[2] == pytest.approx(1 / 3) and mean[4] == pytest.approx(-1.0)
+    assert s["gold_best"] == pytest.approx(0.5) and s["best_n"] == 1
+    assert s["overopt_gap"] == pytest.approx(1.5)
+    # conservative r - u ranks candidate 3 last (3 - 5 = -2): n=4 picks candidate 2 (gold 2).
+    assert s["conservative_gain_nmax"] == pytest.approx(3.0)
+    assert s["conservative_gain"] > 0 > s["optimistic_gain"] - 1e-12
+    assert s["oracle_nmax"] == pytest.approx(2.0)
+
+
+def test_bald_by_hand_and_symmetric():
+    agree = np.full((4, 2), 1.5)
+    assert bald_scores(agree, np.zeros((4, 2))) == pytest.approx([0.0, 0.0])
+    split = np.array([[50.0], [-50.0]])  # two members, each certain, of opposite opinions
+    assert bald_scores(split, np.zeros((2, 1)))[0] == pytest.approx(math.log(2), abs=1e-9)
+    rng = np.random.default_rng(1)
+    c, r = rng.normal(size=(8, 5)), rng.normal(size=(8, 5))
+    np.testing.assert_allclose(bald_scores(c, r), bald_scores(r, c), atol=1e-12)
+
+
+def test_candidates_are_drawn_from_the_split_and_carry_their_true_reward():
+    world = SyntheticWorld(n_train=8, n_eval=8, n_ood=8)
+    cand = world.candidates("ood", 3, 50)
+    assert cand.gold.shape == (3, 50) and len(cand.texts) == 3 and len(cand.texts[0]) == 50
+    vocab = {w: i for i, w in enumerate(world.words)}
+    tokens = [[vocab[w] for w in t.split()] for t in cand.texts[1]]
+    width = max(map(len, tokens))
+    padded = np.array([t + [0] * (width - len(t)) for t in tokens])
+    lengths = np.array([len(t) for t in tokens])
+    np.testing.assert_allclose(world.true_reward(np.full(50, cand.topic[1]), padded, lengths), cand.gold[1])
+    rare = np.isin(padded, world.rare_words) & (np.arange(width)[None] < lengths[:, None])
+    assert rare.sum() / lengths.sum() > 0.5  # ood candidates are mostly rare words
+    with pytest.raises(UserError, match="split 'test' does not exist; allowed: train, eval, ood"):
+        world.candidates("test", 1, 1)
+
+
+SMALL = ["dataset.n_train=300", "dataset.n_eval=60", "dataset.n_ood=40", "progress=false", *NO_FIGURES]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, shared_cache):
+    """An ENS-MLP and a BAY-LIN run of one small sweep, as after `python train.py -m method=ens_mlp,bay_lin`."""
+    cwd = tmp_path_factory.mktemp("downstream")
+    run("train.py", ["method=ens_mlp,bay_lin", "sweep_name=s", *SMALL], cwd, shared_cache, flags=("-m",))
+    return cwd, cwd / "outputs" / "multirun" / "s"
+
+
+def downstream(cwd, cache, *args, check=True):
+    return run("downstream.py", ["progress=false", f"hydra.run.dir={cwd / 'outputs' / 'ds'}", *args], cwd, cache,
+               check=check)
+
+
+def test_posterior_draws_agree_with_the_reported_uncertainty(sweep):
+    import rewarduq_exp as r
+
+    world = SyntheticWorld(n_train=300, n_eval=60, n_ood=40)
+    frame = world.load("eval").head(30)
+    for name in ("ens_mlp", "bay_lin"):
+        (folder,) = [p for p in sweep[1].iterdir() if f"method={name}," in p.name]
+        method = r.load_run(folder, progress=False).method
+        chosen, rejected = method.score_pairs(frame)
+        sc, sr = method.pair_reward_samples(frame)
+        u = (chosen.upper - chosen.reward) / method.beta
+        if name == "ens_mlp":  # the members themselves: mean and unbiased std are the reward and u exactly
+            np.testing.assert_allclose(sc.mean(0), chosen.reward, atol=1e-5)
+            np.testing.assert_allclose(sc.std(0, ddof=1), u, rtol=1e-4)
+        else:  # 64 Laplace posterior draws: centred on the MAP reward, spread u (sampling error ~9%)
+            assert np.median(np.abs(sc.std(0) / u - 1)) < 0.2
+            assert np.median(np.abs(sc.mean(0) - chosen.reward) / u) < 0.35
+        again_c, again_r = method.pair_reward_samples(frame)
+        np.testing.assert_array_equal(again_c, sc)  # seeded: the same draws every call
+        # Acquisition is symmetric in the two completions (the pool's order is the unseen label).
+        flipped = frame.rename(columns={"chosen": "rejected", "rejected": "chosen"})
+        for strategy in ("uncertainty", "bald", "ranking_score"):
+            np.testing.assert_allclose(acquisition_scores(strategy, method, frame, None),
+                                       acquisition_scores(strategy, method, flipped, None), atol=1e-9)
+
+
+def test_best_of_n_end_to_end_on_a_sweep(sweep, shared_cache):
+    cwd, folder = sweep
+    proc = downstream(cwd, shared_cache, "task=best_of_n", f"run={folder}", "task.prompts=4", "task.n_max=32")
+    out = cwd / "outputs" / "ds"
+    curves, summary = pd.read_csv(out / "curves.csv"), pd.read_csv(out / "summary.csv")
+    assert set(curves.run) == {"ens_mlp", "bay_lin"} and set(curves.split) == {"eval", "ood"}
+    assert set(curves.selection) == {"mean", "conservative", "optimistic", "oracle"}
+    assert sorted(set(curves.n)) == [1, 2, 4, 8, 16, 32]
+    # n = 1 is a uniform draw whatever the rule; the oracle is a ceiling for every rule.
+    for (_, _), part in curves.groupby(["run", "split"]):
+        assert np.ptp(part[part.n == 1].gold) < 1e-9
+        top = part[part.n == 32]
+        assert (top.gold <= top[top.selection == "oracle"].gold.iloc[0] + 1e-9).all()
+    assert len(summary) == 4 and (summary.overopt_gap >= 0).all()
+    assert {"rs_0.2", "ece"} <= set(summary.columns) and summary["rs_0.2"].notna().all()
+    assert (out / "best_of_n.png").stat().st_size > 10_000
+    assert "the selection rule picks" in proc.stdout and "overopt_gap" in proc.stdout
+    assert set(pd.read_csv(out / "correlation.csv").run_metric) >= {"rs_0.2", "ece"}
+
+
+def test_active_learning_end_to_end(sweep, shared_cache):
+    cwd, folder = sweep
+    downstream(cwd, shared_cache, "task=active_learning", f"run={folder}", "task.pool=120", "task.initial=20",
+               "task.batch=20", "task.rounds=2", "task.repeats=1", "task.method.num_epochs=2")
+    out = cwd / "outputs" / "ds"
+    curves = pd.read_csv(out / "curves.csv")
+    assert set(curves.strategy) == {"random", "uncertainty", "bald", "ranking_score"}
+    assert sorted(set(curves.labels)) == [20, 40, 60]
+    assert curves.win_rate.between(0, 1).all() and curves["truth/ece"].between(0, 1).all()
+    # Every strategy starts from the same labelled set, so the first round is the same model for all of them.
+    first = curves[curves["round"] == 0].groupby("run").win_rate.nunique()
+    assert (first == 1).all()
+    summary = pd.read_csv(out / "summary.csv")
+    assert (summary[summary.strategy == "random"].win_rate_final_vs_random == 0).all()
+    assert (out / "active_learning.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "run= is missing; give a run folder or a sweep folder"),
+    (["run=RUNS", "task=best_of_n", "task.ks=[-1]"], r"task.ks=\[-1\] is invalid: must be a non-empty list"),
+    (["run=RUNS", "task=best_of_n", "task.n_max=0"], "task.n_max=0 is invalid: must be an integer >= 1"),
+    (["run=RUNS", "task=best_of_n", "task.splits=[test]"], r"task.splits=\['test'\] is invalid; allowed: train, eval"),
+    (["run=RUNS", "task=active_learning", "task.strategies=[greedy]"],
+     r"task.strategies=\['greedy'\] is invalid; allowed: random, uncertainty, bald, ranking_score"),
+    (["run=RUNS", "task=active_learning", "task.pool=100", "task.initial=50"],
+     "task.initial \\+ task.rounds \\* task.batch = 650 exceeds task.pool=100"),
+    (["run=RUNS", "task=greedy"], "unknown task 'greedy'; allowed: active_learning, best_of_n"),
+    (["run=RUNS", "task.prompt=3"], "task.prompt is not a setting"),
+    (["run=NOWHERE"], "not a folder: .*nowhere"),
+])
+def test_bad_input_is_one_line(sweep, shared_cache, args, message):
+    cwd, folder = sweep
+    args = [a.replace("RUNS", str(folder)).replace("NOWHERE", str(cwd / "nowhere")) for a in args]
+    proc = downstream(cwd, shared_cache, *args, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    import re
+
+    assert re.search(message, lines[0]), lines[0]
+
+
+def test_a_run_from_another_dataset_is_refused_in_one_line(tmp_path):
+    from omegaconf import OmegaConf
+
+    from rewarduq_exp.downstream.world_runs import world_of
+
+    cfg = OmegaConf.load(ROOT / "conf" / "dataset" / "synthetic_ratings.yaml")
+    with pytest.raises(UserError, match="need runs trained on dataset=synthetic .* 'synthetic_ratings'"):
+        world_of(OmegaConf.create({"dataset": cfg}))
