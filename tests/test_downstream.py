@@ -207,3 +207,18 @@ def test_a_run_from_another_dataset_is_refused_in_one_line(tmp_path):
     cfg = OmegaConf.load(ROOT / "conf" / "dataset" / "synthetic_ratings.yaml")
     with pytest.raises(UserError, match="need runs trained on dataset=synthetic .* 'synthetic_ratings'"):
         world_of(OmegaConf.create({"dataset": cfg}))
+
+
+def test_learners_that_cannot_be_retrained_cheaply_or_lack_draws_are_refused_in_one_line():
+    from rewarduq_exp.downstream.active_learning import check_learner
+    from rewarduq_exp.methods.base import FeatureHeadMethod
+
+    with pytest.raises(UserError, match="supports frozen-backbone methods .*; mcd_dpo/x is not one"):
+        check_learner(object(), "mcd_dpo/x", ["random"])
+
+    class NoDraws(FeatureHeadMethod):  # a frozen-backbone learner without model draws
+        hyperparameters = _build = _fit_features = _score_features = state_tensors = load_state_tensors = None
+
+    with pytest.raises(UserError, match="bald, which needs draws of the model; h has none"):
+        check_learner(NoDraws.__new__(NoDraws), "h", ["random", "bald"])
+    check_learner(NoDraws.__new__(NoDraws), "h", ["random", "uncertainty"])

@@ -122,7 +122,6 @@ def _learner(run: WorldRun, cfg):
 def learning_curves(run: WorldRun, cfg, strategies: list[str]) -> pd.DataFrame:
     task = cfg.task
     make = _learner(run, cfg)
-    check_learner(make(0), run.label, strategies)
     world = world_of(run.config)
     pool = world.load("train").iloc[: int(task.pool)].reset_index(drop=True)
     evaluation = world.load(str(task.eval_split))
@@ -175,6 +174,18 @@ def summary_rows(curves: pd.DataFrame) -> pd.DataFrame:
 def active_learning(cfg, out_dir: Path) -> dict:
     strategies = check_settings(cfg.task)
     runs = completed_world_runs(cfg.run)
+    # A sweep folder may hold fine-tuning runs too: they are left out (said in the log), not an error, as long as
+    # some run remains; a learner that lacks what a strategy needs is an error before any work.
+    learners = [r for r in runs if isinstance(_learner(r, cfg)(0), FeatureHeadMethod)]
+    for r in runs:
+        if r not in learners:
+            log.warning("skipping %s: active learning retrains frozen-backbone methods (ens_mlp, bay_lin) only",
+                        r.label)
+    if not learners:
+        check_learner(_learner(runs[0], cfg)(0), runs[0].label, strategies)
+    for r in learners:
+        check_learner(_learner(r, cfg)(0), r.label, strategies)
+    runs = learners
     curves = pd.concat([learning_curves(r, cfg, strategies) for r in runs], ignore_index=True)
     summary = summary_rows(curves)
     write_atomic(out_dir / "curves.csv", curves.to_csv(index=False))
