@@ -119,9 +119,9 @@ def _learner(run: WorldRun, cfg):
     return make
 
 
-def learning_curves(run: WorldRun, cfg, strategies: list[str]) -> pd.DataFrame:
+def learning_curves(run: WorldRun, cfg, strategies: list[str], make) -> pd.DataFrame:
+    """The learning curves of ``make`` (seed -> fresh method built from the run) under every strategy."""
     task = cfg.task
-    make = _learner(run, cfg)
     world = world_of(run.config)
     pool = world.load("train").iloc[: int(task.pool)].reset_index(drop=True)
     evaluation = world.load(str(task.eval_split))
@@ -176,17 +176,15 @@ def active_learning(cfg, out_dir: Path) -> dict:
     runs = completed_world_runs(cfg.run)
     # A sweep folder may hold fine-tuning runs too: they are left out (said in the log), not an error, as long as
     # some run remains; a learner that lacks what a strategy needs is an error before any work.
-    learners = [r for r in runs if isinstance(_learner(r, cfg)(0), FeatureHeadMethod)]
+    makers = {r.label: _learner(r, cfg) for r in runs}
+    learners = [r for r in runs if isinstance(makers[r.label](0), FeatureHeadMethod)]
     for r in runs:
         if r not in learners:
             log.warning("skipping %s: active learning retrains frozen-backbone methods (ens_mlp, bay_lin) only",
                         r.label)
-    if not learners:
-        check_learner(_learner(runs[0], cfg)(0), runs[0].label, strategies)
-    for r in learners:
-        check_learner(_learner(r, cfg)(0), r.label, strategies)
-    runs = learners
-    curves = pd.concat([learning_curves(r, cfg, strategies) for r in runs], ignore_index=True)
+    for r in learners or runs[:1]:  # none left: the first run's refusal says why
+        check_learner(makers[r.label](0), r.label, strategies)
+    curves = pd.concat([learning_curves(r, cfg, strategies, makers[r.label]) for r in learners], ignore_index=True)
     summary = summary_rows(curves)
     write_atomic(out_dir / "curves.csv", curves.to_csv(index=False))
     write_atomic(out_dir / "summary.csv", summary.to_csv(index=False))

@@ -34,7 +34,7 @@ class WorldRun:
 
 
 def run_paths(run) -> list[str]:
-    if run is None or run == "???" or (isinstance(run, str) and not run.strip()):
+    if run is None or (isinstance(run, str) and not run.strip()):
         raise UserError("run= is missing; give a run folder or a sweep folder trained on dataset=synthetic "
                         "(e.g. run=outputs/multirun/<sweep>)")
     return [str(r) for r in run] if isinstance(run, (list, tuple, ListConfig)) else [str(run)]
