@@ -35,7 +35,8 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 class Backbone:
-    """The configured model: ``name``, ``hub_id`` (or a local ``path``), ``revision``, ``dtype``, ``hidden_size``."""
+    """The configured model: ``name``, ``hub_id`` (or a local ``path``, or a GGUF file ``gguf_file``), ``revision``,
+    ``dtype``, ``hidden_size``."""
 
     def __init__(self, model_cfg, cache_dir: str | Path = "outputs/cache", device: str = "auto"):
         self.cfg = model_cfg
@@ -64,8 +65,14 @@ class Backbone:
                 raise UserError(f"the backbone of model '{self.name}' is not at {path} (model.path); point "
                                 f"model.path (or load_run(..., backbone_path=...)) at where it is now")
             return str(path)
+        if self.cfg.get("gguf_file"):
+            # Dequantised once into a folder under the cache; hub_id, if any, only says where the model came from.
+            from rewarduq_exp.models.gguf_checkpoint import ensure_gguf_checkpoint
+
+            return str(ensure_gguf_checkpoint(str(self.cfg.gguf_file), self.cache_dir, self.name))
         if not self.cfg.get("hub_id"):
-            raise UserError(f"model '{self.name}' has neither hub_id nor path; set model.path=<local checkpoint>")
+            raise UserError(f"model '{self.name}' has neither hub_id nor path; set model.path=<local checkpoint> "
+                            "(or model.gguf_file=<file.gguf>)")
         hub_reachable()  # once per process: without network, go offline at once instead of retrying for a minute
         return str(self.cfg.hub_id)
 
@@ -80,6 +87,11 @@ class Backbone:
         if self.cfg.get("builder") == "tiny-qwen3":
             spec = Path(self.source) / "build_spec.json"
             ident["build"] = json.loads(spec.read_text())
+        elif self.cfg.get("gguf_file") and not self.cfg.get("path"):
+            from rewarduq_exp.models.gguf_checkpoint import read_identity
+
+            # The file's content hash, not its name: the same file elsewhere shares features, a changed one does not.
+            ident["gguf"] = read_identity(self.source)
         return ident
 
     def from_pretrained(self, auto_class, what: str = "weights", **kwargs):
