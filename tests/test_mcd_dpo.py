@@ -283,6 +283,20 @@ def test_max_grad_norm_reaches_the_dpo_config(tiny_backbone, data, tmp_path, val
     assert trainer.args.max_grad_norm == expected
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_checkpointing_reaches_the_dpo_config_under_the_installed_releases_name(tiny_backbone, data, tmp_path, value):
+    """transformers 5.24 renamed the training argument gradient_checkpointing to activation_checkpointing (the old
+    name warns on every run); the setting goes in under whichever name the installed DPOConfig declares."""
+    import warnings
+
+    method = _method(tiny_backbone, gradient_checkpointing=value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = method._make_trainer(data[0][:8], str(tmp_path))
+    assert not [w for w in caught if "gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]
+    assert trainer.args.gradient_checkpointing is value  # the old name mirrors the new one where both exist
+
+
 def test_gradients_are_clipped_at_the_optimizer_step(tiny_backbone, data):
     """The total gradient norm the optimizer sees is at most max_grad_norm; without clipping it is larger."""
     from transformers import TrainerCallback

@@ -81,6 +81,22 @@ def test_prefix_reuse_equals_full_recompute(encoder, pieces, deep_backbone, batc
     assert stats["prefix_tokens"] <= max(len(p) for p in pre) * len(pre)
 
 
+@pytest.mark.parametrize("mode", ["packed", "repeat"])
+def test_the_cache_goes_in_under_the_installed_releases_keyword(encoder, pieces, mode):
+    """transformers 5.24 renamed forward's ``past_key_values`` to ``cache``: the old name warns on every batch (and
+    is removed in 5.40); the prefix reuse passes whichever name the installed model's forward declares."""
+    import inspect
+    import warnings
+
+    pre, suf = pieces
+    declared = inspect.signature(type(encoder).forward).parameters
+    assert prefix_cache._cache_keyword(type(encoder)) in declared
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prefix_cache.suffix_states(encoder, pre, suf, [1, -1], mode=mode)
+    assert not [w for w in caught if "past_key_values" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_packed_mode_with_eager_attention(deep_backbone, pieces):
     from transformers import AutoModel
 

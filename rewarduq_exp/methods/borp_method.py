@@ -32,7 +32,7 @@ from rewarduq_exp.methods.borp import (
     mean_pooled_prefixes,
     render_prefixes,
 )
-from rewarduq_exp.methods.score_judge import JUDGE_SCORINGS, ScoreOnlyJudge, judge_instruction
+from rewarduq_exp.methods.score_judge import JUDGE_SCALE, JUDGE_SCORINGS, ScoreOnlyJudge, judge_instruction
 
 PROBE_KIND = "borp_contrastive"
 RUBRIC = "{rubric}"
@@ -49,6 +49,10 @@ RIDGE_FILE = "mean_pool_ridge.npz"
 
 def _messages(values) -> list:
     return [list(v) for v in values]
+
+
+# A column of pointwise data naming the cross-validation group of each row, where the prompt does not.
+CV_GROUP = "cv_group"
 
 
 def prompt_groups(prompts) -> np.ndarray:
@@ -213,8 +217,10 @@ class BorpMethod(RewardMethod):
         features = self.features(train["prompt"], train["response"])
         t_features = time.perf_counter() - t0
         self.probe = BorpProbe(final_layer=final, intermediate_layer=intermediate, **self.settings)
-        # Folds grouped by prompt: responses to one prompt share its level (HelpSteer2: ~2 per prompt).
-        groups = prompt_groups(train["prompt"])
+        # Folds grouped by prompt: responses to one prompt share its level (HelpSteer2: ~2 per prompt). Data whose
+        # prompt is a template says what belongs together itself (vader_ratings: the sentences of one article).
+        groups = (pd.factorize(train[CV_GROUP].astype(str))[0] if CV_GROUP in train.columns
+                  else prompt_groups(train["prompt"]))
         self.probe.fit(features, train["score"].to_numpy(dtype=float), groups=groups)
         self.fit_summary = {"train_responses": len(train), "cv_groups": int(groups.max()) + 1,
                             "layers": [final, intermediate],
@@ -251,7 +257,8 @@ class BorpMethod(RewardMethod):
         basis = (str(cfg.rubric_instruction).replace(RUBRIC, "\n\n".join(rubrics)) if rubrics
                  else str(cfg.instruction))
         low, high = (int(round(v)) for v in self.settings["score_range"])
-        return judge_instruction(basis, low=low, high=high, negative=str(cfg.negative), positive=str(cfg.positive))
+        return judge_instruction(basis, low=low, high=high, negative=str(cfg.negative), positive=str(cfg.positive),
+                                 scale=str(cfg.get("judge_scale") or JUDGE_SCALE))
 
     def baselines(self, frame: pd.DataFrame) -> dict[str, np.ndarray]:
         """Scores of the two baselines on a pointwise frame: the generative score-only judge, asked the probe's own

@@ -27,6 +27,7 @@ Performance:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -318,6 +319,13 @@ def _make_trainer_class():
 
 
 # ---------------------------------------------------------------------------------------------------- method
+def _checkpointing_key(config_class) -> str:
+    """The training-arguments field that turns activation checkpointing on: transformers 5.24 renamed
+    ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name warns and goes in v6)."""
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
 class McdDpo(RewardMethod):
     """MCD-DPO: DPO full fine-tune + MC dropout on the final hidden states (RewardUQ eq. 13)."""
 
@@ -480,7 +488,8 @@ class McdDpo(RewardMethod):
             # bf16=True -> accelerate's bf16 autocast (CPU autocast under use_cpu=True; transformers 5.23 accepts it)
             bf16=self._bf16(), use_cpu=not cuda,
             # auto: on a GPU only (activation memory); on CPU it only costs time unless asked for explicitly
-            gradient_checkpointing=cuda if self.gradient_checkpointing == "auto" else self.gradient_checkpointing,
+            **{_checkpointing_key(DPOConfig): cuda if self.gradient_checkpointing == "auto"
+               else self.gradient_checkpointing},
             logging_steps=self.log_every, save_strategy="no", report_to=[], disable_tqdm=not self.show_progress,
             remove_unused_columns=False, dataloader_num_workers=0,
         )

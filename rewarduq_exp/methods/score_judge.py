@@ -36,14 +36,24 @@ SCORE_ONLY_INSTRUCTION = (
 JUDGE_SCORINGS = ("digit", "expected")  # the decoded digit (the paper) | the probability-weighted mean
 
 
+# The judge's rating request after the probe's question; a probe config may word it for its target
+# (probe.judge_scale, e.g. the sentiment probe rates the feeling of the text, not the assistant's performance).
+JUDGE_SCALE = "Rate the assistant's performance on a scale from {low} ({negative}) to {high} ({positive})."
+
+
 def judge_instruction(probe_instruction: str, *, low: int = 1, high: int = 5, negative: str = "very poor",
-                      positive: str = "excellent") -> str:
+                      positive: str = "excellent", scale: str = JUDGE_SCALE) -> str:
     """The judge's request for the probe's target: the probe's instruction (its question or rubric) without "in one
     word" (the probe reads a polarity word; the judge answers with a digit), then the rating scale of the probe's
-    scores, anchored by the probe's polarity words."""
+    scores (``scale``, with ``{low}``, ``{high}``, ``{negative}``, ``{positive}``), anchored by the probe's polarity
+    words."""
     kept = re.sub(r"\s*\bin one word\b", "", probe_instruction.strip(), flags=re.IGNORECASE)
-    return (f"{kept}\nRate the assistant's performance on a scale from {low} ({negative}) to {high} ({positive}). "
-            "Answer with a single digit and nothing else.").strip()
+    try:
+        request = scale.format(low=low, high=high, negative=negative, positive=positive)
+    except (KeyError, IndexError, ValueError):
+        raise UserError(f"probe.judge_scale={scale!r} is invalid: it may use only {{low}}, {{high}}, {{negative}} "
+                        "and {positive}") from None
+    return f"{kept}\n{request} Answer with a single digit and nothing else.".strip()
 
 
 @dataclass

@@ -9,6 +9,9 @@ and uncertainties. Names are flat under ``probe/…``.
 * ``probe/pearson``, ``probe/spearman`` (scipy), ``probe/rmse``, ``probe/mae``.
 * ``probe/u_abs_error_spearman``: Spearman correlation of the uncertainty ``u`` (eq. 3) with the absolute error: the
   paper's claim that ``u`` is a proxy for the error (section 5.2), as one number.
+* ``probe/u_rater_std_spearman`` (only for data with a ``rater_std`` column, e.g. ``dataset=vader_ratings``):
+  Spearman correlation of ``u`` with the human raters' disagreement on each response; computed where the eval set is
+  scored (``rewarduq_exp/runner/evaluation.py``).
 * RMSE by uncertainty bins (figure 3b): :func:`rmse_by_uncertainty` returns the per-bin table; the first and last
   bins' RMSE are reported as ``probe/rmse_low_u`` and ``probe/rmse_high_u``.
 

@@ -44,7 +44,9 @@ on the CPU, in input order.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -57,6 +59,23 @@ PACKED_ATTENTION = ("sdpa", "eager")
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 SYSTEM_PROMPT_MODES = ("keep", "drop")  # a template's default system prompt: as the template renders it | without
 _PROBE_SYSTEM = {"role": "system", "content": "S"}  # a stand-in system turn, to find where the template's own text ends
+
+
+@lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    """The forward keyword that takes a KV cache: transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old
+    name warns on every call and goes in 5.40); earlier 5.x releases know only ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _with_cache(model, cache) -> dict:
+    return {_cache_keyword(type(model)): cache}
+
+
+def _returned_cache(output):
+    """The cache a forward returned, under either release's name."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def _without_system_block(tokenizer, messages: list[dict], **kwargs) -> str:
@@ -202,7 +221,7 @@ def _suffix_forward_packed(model, cache, pre_mask, suffix_ids, layers):
     positions = pre_mask.sum(1)[:, None] + off[None]
     boolean = getattr(model.config, "_attn_implementation", None) == "sdpa"
     mask = _packed_mask(pre_mask, suffix_ids, next(model.parameters()).dtype, boolean)
-    res = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+    res = model(input_ids=ids, attention_mask=mask, position_ids=positions, **_with_cache(model, cache), use_cache=True,
                 output_hidden_states=True)
     ends = torch.cumsum(torch.tensor([len(s) for s in suffix_ids]), 0).to(device) - 1
     return torch.stack([res.hidden_states[k][:, ends] for k in layers], 2).float().cpu(), ids.numel()
@@ -218,7 +237,7 @@ def _suffix_forward_repeat(model, cache, pre_mask, suffix_ids, layers, pad_id):
     s_mask = suf_mask.repeat(b, 1).to(device)
     positions = pre_mask.sum(1).repeat_interleave(n_suf)[:, None] + torch.arange(ids.shape[1], device=device)[None]
     mask = torch.cat([pre_mask.repeat_interleave(n_suf, 0), s_mask], 1)
-    res = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+    res = model(input_ids=ids, attention_mask=mask, position_ids=positions, **_with_cache(model, cache), use_cache=True,
                 output_hidden_states=True)
     h = _gather_last(res.hidden_states, layers, (s_mask.sum(1) - 1))
     return h.view(b, n_suf, len(layers), -1), ids.numel()
@@ -255,7 +274,7 @@ def suffix_states(model, prefix_ids: Sequence[Sequence[int]], suffix_ids: Sequen
         idx = order[start:start + per_batch]
         pre, pre_mask = _right_pad([prefix_ids[i] for i in idx], pad_id)
         pre, pre_mask = pre.to(device), pre_mask.to(device)
-        cache = model(input_ids=pre, attention_mask=pre_mask, use_cache=True).past_key_values
+        cache = _returned_cache(model(input_ids=pre, attention_mask=pre_mask, use_cache=True))
         if packed:
             h, n_tokens = _suffix_forward_packed(model, cache, pre_mask, suffix_ids, layers)
         else:

@@ -123,12 +123,16 @@ def evaluate_method(method, data: pd.DataFrame, name: str, folder: RunFolder, me
     return metrics, figures
 
 
+# The column of pointwise data with the standard deviation of the human ratings behind each score, where known.
+RATER_STD = "rater_std"
+
+
 def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg) -> tuple[dict, list]:
     """A pointwise eval set (rated responses) for a pointwise method (BoRP): its scores against the ratings
     (``probe/...``: Krippendorff's alpha, Pearson, Spearman, RMSE, RMSE by uncertainty bins), the baselines the
     method offers on the same rows (``probe/baseline/<name>/...``), the predictions file (one row per response:
     ``score``, ``prediction``, ``lower``, ``upper``, ``u`` and each baseline's prediction) and the diagnostic figure."""
-    from rewarduq_exp.metrics.probe import plot_probe_diagnostics, probe_metrics
+    from rewarduq_exp.metrics.probe import plot_probe_diagnostics, probe_metrics, spearman
 
     y = data["score"].to_numpy(dtype=float)
     scores = method.score(list(data["prompt"]), list(data["response"]))
@@ -138,6 +142,9 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
     predictions = pd.DataFrame({"id": data["id"].astype(str).to_numpy(), "subset": data["subset"].to_numpy(),
                                 "score": y, "prediction": scores.reward, "lower": scores.lower,
                                 "upper": scores.upper, "u": u})
+    if RATER_STD in data.columns:  # human disagreement per response (e.g. vader_ratings): does u track it?
+        predictions[RATER_STD] = data[RATER_STD].to_numpy(dtype=float)
+        metrics["probe/u_rater_std_spearman"] = spearman(u, predictions[RATER_STD].to_numpy())
     for baseline, values in method.baselines(data).items():
         predictions[f"prediction_{baseline}"] = values
         metrics.update({f"probe/baseline/{baseline}/{k.removeprefix('probe/')}": v

@@ -30,6 +30,7 @@ COLUMNS = (
     ("probe/pearson", "pearson"),
     ("probe/rmse", "rmse"),
     ("probe/u_abs_error_spearman", "rho(u,|err|)"),
+    ("probe/u_rater_std_spearman", "rho(u,rater_sd)"),
     ("probe/baseline/score_judge/alpha_interval", "alpha_judge"),
     ("probe/baseline/mean_pool_ridge/alpha_interval", "alpha_ridge"),
 )
