@@ -165,3 +165,28 @@ def test_figure_is_a_png(tmp_path):
     path = plot_probe_diagnostics(y, pred, u, tmp_path / "figures" / "probe_uncertainty.png", title="tiny")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in path.parent.iterdir()] == ["probe_uncertainty.png"]
+
+
+@pytest.mark.parametrize("continuous", [False, True], ids=["rating-levels", "rater-means"])
+def test_figure_mean_line_has_one_point_per_level_or_per_quantile_bin(tmp_path, monkeypatch, continuous):
+    """Ratings on 1..5 get one mean point per level; scores that are means over raters (hundreds of distinct values)
+    are binned into quantile bins, whose points are the bins' mean score and mean prediction."""
+    from rewarduq_exp.metrics import probe
+
+    rng = np.random.default_rng(3)
+    y = rng.uniform(1, 5, 300) if continuous else rng.integers(1, 6, 300).astype(float)
+    pred = y + rng.normal(0, 0.3, 300)
+    figures = []
+    monkeypatch.setattr(probe, "save_figure", lambda fig, path: figures.append(fig))
+    plot_probe_diagnostics(y, pred, rng.uniform(0, 1, 300), tmp_path / "probe.png")
+    (line,) = [ln for ln in figures[0].axes[0].get_lines() if ln.get_label() == "mean prediction"]
+    x, means = line.get_data()
+    if continuous:
+        order = np.argsort(y, kind="stable")
+        first = order[:30]  # 300 scores in 10 bins of 30
+        assert len(x) == probe.MAX_SCORE_LEVELS
+        assert x[0] == pytest.approx(y[first].mean()) and means[0] == pytest.approx(pred[first].mean())
+        assert np.all(np.diff(x) > 0)
+    else:
+        np.testing.assert_array_equal(x, [1, 2, 3, 4, 5])
+        assert means[2] == pytest.approx(pred[y == 3].mean())

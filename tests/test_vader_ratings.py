@@ -263,7 +263,7 @@ def test_the_sentiment_probe_asks_its_judge_about_the_feeling():
     text = judge_instruction("What feeling does the text express? Answer in one word.", negative="negative",
                              positive="positive", scale="Rate the feeling from {low} (very {negative}) to {high} "
                              "(very {positive}).")
-    assert text == ("What feeling does the text express? Answer.\nRate the feeling from 1 (very negative) to 5 "
+    assert text == ("What feeling does the text express?\nRate the feeling from 1 (very negative) to 5 "
                     "(very positive). Answer with a single digit and nothing else.")
     with pytest.raises(UserError, match=r"probe.judge_scale=.* may use only \{low\}"):
         judge_instruction("Q", scale="from {lowest}")

@@ -47,7 +47,10 @@ def judge_instruction(probe_instruction: str, *, low: int = 1, high: int = 5, ne
     word" (the probe reads a polarity word; the judge answers with a digit), then the rating scale of the probe's
     scores (``scale``, with ``{low}``, ``{high}``, ``{negative}``, ``{positive}``), anchored by the probe's polarity
     words."""
-    kept = re.sub(r"\s*\bin one word\b", "", probe_instruction.strip(), flags=re.IGNORECASE)
+    # A sentence that only asks for the one word goes whole ("... express? Answer in one word." -> "... express?");
+    # elsewhere the phrase alone ("Judge the performance in one word." -> "Judge the performance.").
+    kept = re.sub(r"\s*\bAnswer in one word\s*[.!]?", "", probe_instruction.strip(), flags=re.IGNORECASE)
+    kept = re.sub(r"\s*\bin one word\b", "", kept, flags=re.IGNORECASE)
     try:
         request = scale.format(low=low, high=high, negative=negative, positive=positive)
     except (KeyError, IndexError, ValueError):

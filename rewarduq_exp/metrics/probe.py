@@ -158,6 +158,10 @@ def probe_metrics(y_true, y_pred, u=None, *, score_range: tuple[float, float] = 
     return out
 
 
+# Scores on more distinct values than this (means over raters) are binned in panel (a) instead of one point per value.
+MAX_SCORE_LEVELS = 10
+
+
 def plot_probe_diagnostics(y_true, y_pred, u, path: str | Path, *, n_bins: int = 5, title: str = "",
                            score_range: tuple[float, float] = (1, 5), seed: int = 0) -> Path:
     """Write a PNG with (a) predicted vs human score (jittered points, per-score mean) and (b) RMSE per quantile bin
@@ -167,10 +171,16 @@ def plot_probe_diagnostics(y_true, y_pred, u, path: str | Path, *, n_bins: int =
     path = Path(path)
     fig = Figure(figsize=(10, 4.2))
     ax_a, ax_b = fig.subplots(1, 2)
-    jitter = np.random.default_rng(seed).uniform(-0.15, 0.15, len(y))
-    ax_a.scatter(y + jitter, p, s=6, alpha=0.35, color="tab:blue", label="samples")
     levels = np.unique(y)
-    ax_a.plot(levels, [p[y == v].mean() for v in levels], "o-", color="tab:red", label="mean prediction")
+    if len(levels) <= MAX_SCORE_LEVELS:  # ratings on a few levels: jittered, the mean prediction per level
+        jitter = np.random.default_rng(seed).uniform(-0.15, 0.15, len(y))
+        centres, means = levels, [p[y == v].mean() for v in levels]
+    else:  # continuous scores (a mean over raters): the mean per quantile bin of the score, no jitter
+        jitter = np.zeros(len(y))
+        bins = np.array_split(np.argsort(y, kind="stable"), MAX_SCORE_LEVELS)
+        centres, means = [y[b].mean() for b in bins], [p[b].mean() for b in bins]
+    ax_a.scatter(y + jitter, p, s=6, alpha=0.35, color="tab:blue", label="samples")
+    ax_a.plot(centres, means, "o-", color="tab:red", label="mean prediction")
     lo, hi = score_range
     ax_a.plot([lo, hi], [lo, hi], "--", color="0.4", linewidth=1.0, label="perfect agreement")
     ax_a.set_xlabel("human score")
@@ -184,7 +194,7 @@ def plot_probe_diagnostics(y_true, y_pred, u, path: str | Path, *, n_bins: int =
         ax_b.annotate(f"n={count}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
                       va="bottom", fontsize=7)
     ax_b.set_xticks(np.arange(len(table)), labels, rotation=30, fontsize=7)
-    ax_b.set_xlabel("uncertainty u = |score(final) - score(intermediate)| (quantile bins)")
+    ax_b.set_xlabel("u = |score(final) - score(intermediate)|, quantile bins")
     ax_b.set_ylabel("RMSE")
     ax_b.set_title("(b) RMSE by uncertainty")
     ax_b.grid(alpha=0.3, axis="y")
