@@ -1,7 +1,7 @@
 # Two commands for a fresh machine (Python 3.10+, no GPU and no network needed beyond the package registry):
 #   make demo   set up .venv and run the default experiment (tiny Qwen3 on the synthetic world, about 30 s)
 #   make test   set up .venv, lint, and run the test suite (about 5 min on a fresh clone with 2 cores)
-#   make demo-real   the real SmolLM2-135M-Instruct, offline from a GGUF file on PyPI: ENS-MLP, MCD-DPO, BoRP
+#   make demo-real   optional: the real SmolLM2-135M-Instruct (GGUF from PyPI) on real human ratings: ENS-MLP, BAY-LIN, MCD-DPO, BoRP
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
