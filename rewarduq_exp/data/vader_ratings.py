@@ -257,11 +257,15 @@ class VaderRatings:
         self._table = table.reset_index(drop=True)
         return self._table
 
-    def load(self, split: str) -> pd.DataFrame:
+    def split_rows(self, split: str) -> pd.DataFrame:
+        """The sentences of one split, in the table's seeded order."""
         if split not in SPLITS:
-            raise UserError(f"vader_ratings split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
+            raise UserError(f"{self.name} split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
         rows = self.table()
-        rows = rows[rows["split"] == split]
+        return rows[rows["split"] == split]
+
+    def load(self, split: str) -> pd.DataFrame:
+        rows = self.split_rows(split)
         if self.sizes[split] is not None:
             rows = rows.iloc[: self.sizes[split]]
         if rows.empty:
@@ -296,10 +300,7 @@ class VaderPairs(VaderRatings):
         self.min_gap = float(min_gap)
 
     def load(self, split: str) -> pd.DataFrame:
-        if split not in SPLITS:
-            raise UserError(f"vader_pairs split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
-        rows = self.table()
-        rows = rows[rows["split"] == split]
+        rows = self.split_rows(split)
         firsts, seconds = [], []
         for _, corpus_rows in rows.groupby("corpus", sort=True):
             index = corpus_rows.index.to_numpy()  # already in the table's seeded order
