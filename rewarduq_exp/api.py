@@ -216,7 +216,7 @@ class TRLRewardFunction:
 def load_run(path: str | os.PathLike, *, device: str = "auto", dtype: str | None = None,
              batch_size: int | None = None, max_length: int | None = None, truncation: bool = False,
              backbone_path: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None,
-             feature_memory_mb: float = 256, progress: bool = True) -> RewardModel:
+             feature_memory_mb: float = 256, progress: bool = True, trust_remote_code: bool = False) -> RewardModel:
     """A completed run folder (``outputs/runs/<run>`` or a multirun job folder) as a :class:`RewardModel`.
 
     The method is rebuilt from the run's config and ``model/``; the backbone is loaded from the run's model config
@@ -229,6 +229,9 @@ def load_run(path: str | os.PathLike, *, device: str = "auto", dtype: str | None
       abort the training step).
     * ``cache_dir`` (default: the run's ``paths.cache_dir``) holds downloaded or built models. Features of scored
       texts are kept in memory, at most ``feature_memory_mb`` (least recently used rows leave first), never on disk.
+    * ``trust_remote_code``: a run whose model config says ``trust_remote_code: true`` is refused (one line) unless
+      this is True: its backbone checkpoint would run code of its own, and a run folder is a file anyone can edit.
+      The run folder itself never runs code: its method and dataset come from this package's registries.
     """
     if not isinstance(truncation, bool):
         raise UserError(f"truncation={truncation!r} is invalid: must be True or False")
@@ -237,7 +240,8 @@ def load_run(path: str | os.PathLike, *, device: str = "auto", dtype: str | None
     check_positive(feature_memory_mb, "feature_memory_mb", inclusive=True)
     run = load_trained_method(path, device=device, cache_dir=cache_dir, progress=progress, max_length=max_length,
                               dtype=dtype, batch_size=batch_size, backbone_path=backbone_path,
-                              feature_store=MemoryFeatures(int(feature_memory_mb * 2**20)))
+                              feature_store=MemoryFeatures(int(feature_memory_mb * 2**20)),
+                              trust_remote_code=trust_remote_code)
     limit = int(max_length or run.config.max_length)
     return RewardModel(run.method, run.folder.root, run.config, tokenizer=run.backbone.tokenizer, max_length=limit,
                        truncation=truncation)

@@ -112,6 +112,8 @@ def main(argv=None) -> None:
     parser.add_argument("--top", type=int, default=20, help="samples per tail")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow a run= whose model config has trust_remote_code: true (its checkpoint runs code)")
     parser.add_argument("--target", default="user satisfaction with the assistant",
                         help="what the rubric is for, in the teacher prompt")
     args = parser.parse_args(argv)
@@ -121,7 +123,10 @@ def main(argv=None) -> None:
         if args.run:
             from rewarduq_exp.runner.trained_run import load_trained_method
 
-            run = load_trained_method(args.run, device=args.device, progress=True)
+            # The run's config and method.json are checked like evaluate.py's: only this package's methods and
+            # loaders, and remote code only with --trust-remote-code.
+            run = load_trained_method(args.run, device=args.device, progress=True,
+                                      trust_remote_code=args.trust_remote_code)
             method, config = run.method, run.config
             if getattr(method, "name", "") != "borp":
                 raise UserError(f"run={args.run} is a {method.name} run; polarization mining needs a method=borp "

@@ -72,6 +72,36 @@ def run_ranks(script: Path, args: list, cwd: Path, nprocs: int = 2, timeout: int
     return subprocess.CompletedProcess(cmd, code, "".join(p.stdout for p in ranks), "".join(p.stderr for p in ranks))
 
 
+def run_concurrently(script: Path, arg_lists: list[list], cwd: Path, timeout: int = 300) -> list:
+    """Start ``python <script> <args>`` once per entry of ``arg_lists``, all at the same moment (forked from this
+    process, so they start within milliseconds of each other and do not import everything again); their
+    CompletedProcess results in the order given."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    cmds = [[sys.executable, str(script), *map(str, args)] for args in arg_lists]
+    procs = [ctx.Process(target=_concurrent_main, args=(cmd, cwd, i, results)) for i, cmd in enumerate(cmds)]
+    for proc in procs:
+        proc.start()
+    try:
+        done = dict(results.get(timeout=timeout) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return [done[i] for i in range(len(cmds))]
+
+
+def _concurrent_main(cmd, cwd, index: int, results) -> None:
+    try:
+        proc = _run_in_process(cmd, cwd, {})
+    except BaseException as error:  # the parent waits for one result per process
+        proc = subprocess.CompletedProcess(cmd, 1, "", repr(error))
+    results.put((index, proc))
+
+
 def _rank_main(cmd, cwd, rank: int, world: int, port: int, results) -> None:
     # this process's accelerate state (a singleton a test may have set up for one process) would answer for the rank
     from accelerate.state import AcceleratorState

@@ -8,11 +8,16 @@ real run), ``.hydra/hydra.yaml`` (the config-group choices), ``.hydra/overrides.
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
 import yaml
+from safetensors.torch import save_file
 
 METHOD_DEFAULTS = {
     "ens_mlp": {"_target_": "rewarduq_exp.methods.ens_mlp.EnsMLP", "num_heads": 20, "learning_rate": 1e-3,
@@ -42,6 +47,13 @@ def predictions(seed: int = 0, n: int = 200, shift: float = 0.5) -> pd.DataFrame
     })
 
 
+def dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
 def make_run(root: Path, name: str, method: str = "ens_mlp", model: str = "qwen3-0.6b", hp: dict | None = None,
              seed: int = 0, metrics: dict | None = None, state: str = "completed", *, dataset: str = "ultrafeedback",
              error: str = "RuntimeError: CUDA out of memory\nTraceback ...", with_predictions: bool = False) -> Path:
@@ -49,7 +61,9 @@ def make_run(root: Path, name: str, method: str = "ens_mlp", model: str = "qwen3
 
     ``hp`` overrides the method defaults (and becomes ``method.<key>=`` overrides); ``metrics`` is the content of
     metrics.json (default: one ``ultrafeedback_test`` block). ``state`` is completed | failed | invalid | running |
-    missing; missing writes no status.json and no metrics.json; invalid is a run that failed validating its settings.
+    interrupted | missing; missing writes no status.json and no metrics.json; invalid is a run that failed validating
+    its settings; running is owned by a live process of this host (the test's parent), interrupted by a dead one. A
+    completed run gets a small saved model (``model/method.json`` and a safetensors file).
     """
     hp = dict(hp or {})
     folder = Path(root) / name
@@ -74,8 +88,14 @@ def make_run(root: Path, name: str, method: str = "ens_mlp", model: str = "qwen3
         status.update(error=error, traceback="Traceback (most recent call last): ...", stage="running")
     if state == "invalid":
         status.update(state="failed", error=error, stage="validation")
+    if state in ("running", "interrupted"):
+        status.update(state="running", host=socket.gethostname(),
+                      pid=os.getppid() if state == "running" else dead_pid())
     (folder / "status.json").write_text(json.dumps(status))
     if state == "completed":
+        (folder / "model").mkdir(exist_ok=True)
+        (folder / "model" / "method.json").write_text(json.dumps({"method": method, "hyperparameters": {}}))
+        save_file({"w": torch.zeros(3)}, str(folder / "model" / "state.safetensors"))
         metrics = metrics if metrics is not None else {"ultrafeedback_test": block()}
         (folder / "metrics.json").write_text(json.dumps(metrics))
         if with_predictions:

@@ -35,7 +35,8 @@ def test_reader_fields_states_and_nesting(tmp_path):
     make_run(root / "a" / "deeper", "ok", hp={"learning_rate": 1e-4}, seed=3, metrics=uf(rs=0.25))
     make_run(root, "failed", state="failed", error="ValueError: bad thing\nmore detail")
     make_run(root, "never", state="missing")
-    make_run(root, "killed", state="running")
+    make_run(root, "alive", state="running")
+    make_run(root, "killed", state="interrupted")
     # Completed per status.json, but metrics.json never got written: missing as well.
     no_metrics = make_run(root, "no_metrics")
     (no_metrics / "metrics.json").unlink()
@@ -44,7 +45,7 @@ def test_reader_fields_states_and_nesting(tmp_path):
     (root / "evaluate" / ".hydra" / "config.yaml").write_text("run: somewhere\nmetric: {n_bins: 20}\n")
 
     runs = {r.path.name: r for r in find_runs([root])}
-    assert set(runs) == {"ok", "failed", "never", "killed", "no_metrics"}
+    assert set(runs) == {"ok", "failed", "never", "alive", "killed", "no_metrics"}
     ok = runs["ok"]
     assert (ok.state, ok.method, ok.model, ok.dataset, ok.seed) == ("completed", "ens_mlp", "qwen3-0.6b",
                                                                      "ultrafeedback", 3)
@@ -56,7 +57,8 @@ def test_reader_fields_states_and_nesting(tmp_path):
     assert runs["failed"].state == "failed" and runs["failed"].error == "ValueError: bad thing"
     assert runs["never"].state == "missing" and "status.json missing" in runs["never"].error
     assert runs["no_metrics"].state == "missing" and "metrics.json" in runs["no_metrics"].error
-    assert runs["killed"].state == "running" and runs["killed"].metrics == {}
+    assert runs["alive"].state == "running" and runs["alive"].metrics == {}
+    assert runs["killed"].state == "interrupted" and "is gone" in runs["killed"].error
     # A run folder given directly works too.
     assert [r.path.name for r in find_runs([ok.path])] == ["ok"]
 

@@ -1,13 +1,15 @@
 """Launchers (in-process, submitit local and Slurm) that never submit a run whose folder already holds it, completed.
 
-Hydra has no resume: launched again, a sweep would submit every job, and each would only find out on the cluster
-that it has nothing to do. These launchers resolve each job's config first, compute its identity (the same
-``config_hash`` a run writes into ``status.json``) and submit only the jobs whose folder does not say
-``completed`` with that hash: failed, missing and changed runs, and the new points of an extended grid. The skipped
-jobs are reported to Hydra as completed. Every job's outcome (completed, skipped, failed) is recorded in
-``rewarduq_exp.runs.sweep_outcome``; ``train.py`` prints the summary at the end and exits non-zero when a job failed.
-``rewarduq_basic`` (the default of ``conf/train.yaml``) is Hydra's in-process BasicLauncher with the same skipping and
-summary.
+Hydra has no resume: launched again, a sweep would submit every job, and each would only find out on the cluster that
+it has nothing to do. These launchers resolve each job's config first, compute its identity (the same ``config_hash``
+a run writes into ``status.json``) and submit only the jobs whose folder does not say ``completed`` with that hash:
+failed, missing and changed runs, and the new points of an extended grid. The skipped jobs are reported to Hydra as
+completed. A point is also skipped when an intact completed run of the same config exists anywhere below the output
+root (another sweep folder, a single run: the summary says where), and left alone while another live process runs it
+(a second launch of the same sweep: see ``rewarduq_exp.runs.run_owner``); an interrupted one (its process is gone) is
+submitted again. Every job's outcome (completed, skipped, failed) is recorded in ``rewarduq_exp.runs.sweep_outcome``;
+``train.py`` prints the summary at the end and exits non-zero when a job failed. ``rewarduq_basic`` (the default of
+``conf/train.yaml``) is Hydra's in-process BasicLauncher with the same skipping and summary.
 
 A job with several tasks (``hydra.launcher.tasks_per_node=N``, with ``gpus_per_node=N``) is one multi-GPU run: its N
 processes each run the job, and the job function exports the torch.distributed environment (``RANK``,
@@ -23,6 +25,7 @@ Plugins must live under the ``hydra_plugins`` namespace for Hydra to instantiate
 
 import logging
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +59,8 @@ class SkipCompleted:
 
     def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state):
         """The job function, run by each task of a submitit job. A one-task job runs exactly as in the base launcher;
-        a job of several tasks is one torch.distributed run (the base job function, plus the env export and, on
-        ranks > 0, no writes to the run folder)."""
+        a job of several tasks is one torch.distributed run (the base job function, plus the env export; only rank 0
+        writes the run folder, ``.hydra/`` and ``train.log`` included: see ``train_run.train``)."""
         if not _export_torch_distributed_env():
             return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
         import submitit
@@ -68,21 +71,22 @@ class SkipCompleted:
         with open_dict(cfg.hydra):
             cfg.hydra.job.id = submitit.JobEnvironment().job_id
             cfg.hydra.job.num = job_num
-            if int(os.environ["RANK"]) > 0:
-                # Ranks > 0 share rank 0's run folder but write nothing there: no .hydra/ copy of the config (rank 0
-                # writes it; not a task key, so the config hash and the folder name are unchanged) and no train.log
-                # (train_run drops the handler on ranks > 0 too, but Hydra would already have opened the file).
-                cfg.hydra.output_subdir = None
-                _drop_file_log_handlers(cfg.hydra.job_logging)
         return run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg,
                        job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
 
     def launch(self, job_overrides, initial_job_idx: int):
-        from rewarduq_exp.runs.run_identity import config_hash, is_completed
+        from rewarduq_exp.runs import run_owner
+        from rewarduq_exp.runs.completed_runs import completed_by_hash
+        from rewarduq_exp.runs.run_identity import config_hash, is_completed, read_status
 
+        # Every job started from here carries this launch's id in its status.json (inherited through the
+        # environment), so that a job that died is told from a live run of another launch (run_owner).
+        launch = os.environ[run_owner.LAUNCH_ENV] = uuid.uuid4().hex[:12]
         results: dict[int, JobReturn] = {}
         todo: list[int] = []
         folders: dict[int, Path] = {}
+        skipped: dict[int, Path] = {}  # job -> the completed run it is skipped for (its own folder or another)
+        indexes: dict[Path, dict] = {}  # output root -> {config hash: completed run}, walked once per launch
         for i, overrides in enumerate(job_overrides):
             cfg = self._job_config(overrides, initial_job_idx + i)
             folder = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
@@ -90,11 +94,26 @@ class SkipCompleted:
             task_cfg = cfg.copy()
             with open_dict(task_cfg):
                 del task_cfg["hydra"]
-            if is_completed(folder, config_hash(task_cfg)):
+            chash, status = config_hash(task_cfg), read_status(folder)
+            root = Path(str(task_cfg.paths.output_root))
+            if root not in indexes and not task_cfg.force:
+                indexes[root] = completed_by_hash(root, skip=(str(task_cfg.paths.cache_dir),))
+            found = None if task_cfg.force else indexes[root].get(chash)
+            if not task_cfg.force and is_completed(folder, chash, status=status):
                 log.info("skip #%d (completed, same config): %s", initial_job_idx + i, folder.name)
-                results[i] = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=None)
+                skipped[i] = folder
+            elif run_owner.effective_state(status) == run_owner.RUNNING:
+                # Another live process (a second launch of the same sweep) runs this point: never write there.
+                log.warning("skip #%d: %s is in use by another run (%s)", initial_job_idx + i, folder,
+                            run_owner.describe_owner(status))
+            elif found is not None:
+                log.info("skip #%d (completed with the same config in %s): %s", initial_job_idx + i, found,
+                         folder.name)
+                skipped[i] = found
             else:
                 todo.append(i)
+                continue
+            results[i] = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED, _return_value=None)
         # Launch contiguous stretches so each job keeps its hydra.job.num.
         stretches: list[list[int]] = []
         for i in todo:
@@ -113,8 +132,8 @@ class SkipCompleted:
             results.update(zip(stretch, launched))
         from rewarduq_exp.runs import sweep_outcome
 
-        for i, folder in folders.items():
-            sweep_outcome.record(folder, skipped=i not in todo)
+        for i, folder in folders.items():  # (a job left to a live run elsewhere is recorded from that run's status)
+            sweep_outcome.record(folder, skipped=i in skipped, where=skipped.get(i), launch=launch)
         return [results[i] for i in range(len(job_overrides))]
 
 
@@ -142,19 +161,6 @@ def _export_torch_distributed_env() -> bool:
                                            dist_env.rank, dist_env.world_size, dist_env.master_addr,
                                            dist_env.master_port)
     return True
-
-
-def _drop_file_log_handlers(job_logging) -> None:
-    """Remove the file handlers (Hydra's ``train.log``) from a ``hydra.job_logging`` dictConfig, in place."""
-    handlers = job_logging.get("handlers") if job_logging is not None else None
-    if not handlers:
-        return
-    files = [name for name, h in handlers.items() if str(h.get("class", "")).endswith("FileHandler")]
-    for name in files:
-        del handlers[name]
-    for section in [job_logging.get("root"), *(job_logging.get("loggers") or {}).values()]:
-        if section is not None and section.get("handlers"):
-            section.handlers = [h for h in section.handlers if h not in files]
 
 
 class SkipCompletedBasicLauncher(SkipCompleted, BasicLauncher):

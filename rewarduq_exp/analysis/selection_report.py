@@ -17,7 +17,7 @@ import yaml
 from rewarduq_exp.analysis.selection import Configuration, Criteria, Selection
 from rewarduq_exp.analysis.text_tables import fmt_mean_std, fmt_number, fmt_setting, markdown_table, text_table
 from rewarduq_exp.core.atomic_write import write_atomic
-from rewarduq_exp.runs.run_records import RunRecord
+from rewarduq_exp.runs.run_records import STATES, RunRecord
 
 STDOUT_ROWS = 10  # the terminal shows the top of each ranking; selection.md has all of it
 
@@ -113,8 +113,7 @@ def selection_csv(selections: list[Selection]) -> str:
 def selection_markdown(selections: list[Selection], sources: list[str], tuned_files: dict) -> str:
     c = selections[0].criteria if selections else Criteria()
     records = [r for s in selections for r in s.records]
-    counts = ", ".join(f"{n} {state}" for state in ("completed", "failed", "invalid", "running", "missing")
-                       if (n := sum(r.state == state for r in records)))
+    counts = ", ".join(f"{n} {state}" for state in STATES if (n := sum(r.state == state for r in records)))
     out = [
         "# Hyperparameter selection",
         "",
@@ -161,7 +160,11 @@ def _group_markdown(s: Selection, tuned_file: Path | None) -> list[str]:
     out += _run_list("Failed runs", s.by_state("failed"), keys)
     out += _run_list("Invalid settings (failed validation; nothing ran)", s.by_state("invalid"), [])
     out += _run_list("Missing runs (never started or killed)", s.by_state("missing"), keys)
-    out += _run_list("Unfinished runs (status running: still running, or killed)", s.by_state("running"), keys)
+    out += _run_list("Unfinished runs (still running)", s.by_state("running"), keys)
+    out += _run_list("Interrupted runs (status running, but their process is gone: rerun by a relaunch)",
+                     s.by_state("interrupted"), keys)
+    out += _run_list("Damaged runs (completed, but a result file is missing or corrupt; left out)",
+                     s.by_state("corrupt"), keys)
     out += _run_list(f"Completed runs without metrics for `{c.dataset}`", s.without_block(), keys)
     out += _run_list("Duplicate runs (same configuration and seed; the latest one is used)", s.duplicates, keys)
     return out
@@ -224,9 +227,13 @@ def stdout_summary(selections: list[Selection], tuned_files: dict) -> str:
         else:
             head += (f"NO configuration passes ECE <= {c.ece:g} and EBCE <= {c.ebce:g} on {c.dataset} "
                      f"(0 of {len(s.configurations)}); no tuned config written; closest {len(s.closest())} below")
-        problems = {state: len(s.by_state(state)) for state in ("failed", "invalid", "missing", "running")}
+        problems = {state: len(s.by_state(state)) for state in STATES if state != "completed"}
         if any(problems.values()):
             head += "\n  not used: " + ", ".join(f"{n} {state}" for state, n in problems.items() if n)
+        left_out = [r for state in ("corrupt", "interrupted", "missing") for r in s.by_state(state)]
+        head += "".join(f"\n    {r.state}: {r.path}: {r.error}" for r in left_out[:STDOUT_ROWS])
+        if len(left_out) > STDOUT_ROWS:
+            head += f"\n    ({len(left_out) - STDOUT_ROWS} more in selection.md)"
         blocks.append(head)
         if s.configurations:
             blocks.append(_stdout_table(s))

@@ -99,7 +99,7 @@ def launcher_overrides(argv: list[str]) -> tuple[list[str], str | None]:
 
     * all processes must use the same run folder, but the default one is named after the start time (to the second),
       which the processes need not agree on: ask for ``hydra.run.dir=...`` instead of guessing.
-    * only rank 0 writes Hydra's ``.hydra/`` copy of the config (the others would rewrite the same files).
+    (Only rank 0 writes the run folder, ``.hydra/`` included: ``train.py`` writes it, not Hydra.)
     """
     if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
         return [], None
@@ -107,4 +107,4 @@ def launcher_overrides(argv: list[str]) -> tuple[list[str], str | None]:
         return [], (f"running as one of {os.environ['WORLD_SIZE']} processes (torchrun / accelerate launch): pass "
                     "hydra.run.dir=<folder> so that all processes share one run folder (the default folder name "
                     "holds the start time, which the processes need not agree on)")
-    return ([] if is_main() else ["hydra.output_subdir=null"]), None
+    return [], None

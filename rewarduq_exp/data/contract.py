@@ -5,20 +5,30 @@ After loading, every preference dataset is a DataFrame with columns ``id`` (str)
 1) and ``subset`` (str, may be empty). Extra columns (e.g. the synthetic world's ``true_margin``) travel along.
 
 Rendering uses the backbone tokenizer's own chat template. The length filter drops (never truncates) a pair whose
-prompt + chosen or prompt + rejected exceeds ``max_length`` tokens, and reports how many pairs it dropped.
+prompt + chosen or prompt + rejected exceeds ``max_length`` tokens, and reports how many pairs it dropped. A text
+too long in characters for any count of ``max_length`` tokens is dropped without being tokenised (the tokenizer's
+lower bound, :mod:`rewarduq_exp.models.token_counter`); a loader may drop such rows even before loading them, from
+the characters of their message contents (:func:`content_chars`), and they are counted in the same report.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from rewarduq_exp.core.errors import UserError
 
 PREFERENCE_COLUMNS = ("id", "prompt", "chosen", "rejected", "weight", "subset")
 ROLES = ("system", "user", "assistant", "tool")
+# The roles whose message contents count towards a conversation's length before it is rendered: the ones the chat
+# template is checked to render verbatim (``tool`` turns are rendered in too many ways to rely on, so they count 0).
+COUNTED_ROLES = ("system", "user", "assistant")
 
 
 def make_preference_frame(ids, prompts, chosen, rejected, weight=None, subset=None) -> pd.DataFrame:
@@ -142,6 +152,39 @@ def token_lengths(tokenizer, texts: list[str]) -> np.ndarray:
     return np.fromiter((len(ids) for ids in enc), dtype=np.int64, count=len(texts))
 
 
+def content_chars(column) -> np.ndarray:
+    """Characters of the message contents of each row of a pyarrow column, counted in Arrow without making Python
+    strings of them (so a huge row costs no memory before it is dropped).
+
+    A string counts whole (a plain reply, or the prompt); a ``{role, content}`` message or a list of them counts the
+    contents of :data:`COUNTED_ROLES`, a content given as text parts its ``text`` parts (what :func:`message_text`
+    keeps). Anything else counts 0, so the count never exceeds the contents a row holds.
+    """
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    return np.concatenate([_chunk_chars(chunk) for chunk in chunks] or [np.zeros(0, dtype=np.int64)])
+
+
+def _chunk_chars(array) -> np.ndarray:
+    kind = array.type
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return pc.fill_null(pc.utf8_length(array), 0).to_numpy().astype(np.int64)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        per_item = _chunk_chars(pc.list_flatten(array))
+        parents = pc.list_parent_indices(array).to_numpy()
+        return np.bincount(parents, weights=per_item, minlength=len(array)).astype(np.int64)
+    if pa.types.is_struct(kind):
+        names = {kind.field(i).name for i in range(kind.num_fields)}
+        if "content" in names:  # a message: only the contents of the counted roles
+            chars = _chunk_chars(pc.struct_field(array, "content"))
+            if "role" in names:
+                counted = pc.fill_null(pc.is_in(pc.struct_field(array, "role"), pa.array(COUNTED_ROLES)), False)
+                chars = np.where(counted.to_numpy(zero_copy_only=False), chars, 0)
+            return chars
+        if "text" in names:  # a content part
+            return _chunk_chars(pc.struct_field(array, "text"))
+    return np.zeros(len(array), dtype=np.int64)
+
+
 @dataclass
 class FilterReport:
     dataset: str
@@ -152,6 +195,7 @@ class FilterReport:
     length_percentiles: dict[str, float] = field(default_factory=dict)
     unsplittable: int = 0  # dropped earlier, when the source's rows did not split into prompt + replies
     unit: str = "pairs"    # what a row is: pairs, prompts (K-wise) or responses (pointwise)
+    not_tokenised: int = 0  # of the dropped: too long in characters for max_length tokens, never tokenised
 
     @property
     def dropped(self) -> int:
@@ -160,12 +204,19 @@ class FilterReport:
     def line(self) -> str:
         pct = ", ".join(f"p{k}={v:.0f}" for k, v in self.length_percentiles.items())
         extra = ""
+        if self.not_tokenised:
+            extra += f"; {self.not_tokenised} of them too long in characters to tokenise"
         if self.dropped_by_subset and any(self.dropped_by_subset):
             extra += "; dropped per subset: " + ", ".join(f"{k}={v}" for k, v in self.dropped_by_subset.items())
         if self.unsplittable:
             extra += f"; {self.unsplittable} unsplittable rows dropped while loading"
+        counted = f" (token lengths {pct})" if pct else ""
         return (f"{self.dataset}: {self.after}/{self.before} {self.unit} kept, {self.dropped} dropped by the "
-                f"max_length={self.max_length} filter (token lengths {pct}){extra}")
+                f"max_length={self.max_length} filter{counted}{extra}")
+
+
+# The length of a text dropped by the character bound: it was not tokenised, and it exceeds every max_length.
+NOT_TOKENISED = np.iinfo(np.int64).max
 
 
 def _row_lengths(frame: pd.DataFrame, tokenizer, count) -> tuple[np.ndarray, np.ndarray]:
@@ -185,30 +236,51 @@ def _row_lengths(frame: pd.DataFrame, tokenizer, count) -> tuple[np.ndarray, np.
     return np.maximum(both[:n], both[n:]), both
 
 
-def filter_by_length(frame: pd.DataFrame, tokenizer, max_length: int, dataset: str,
-                     count=None) -> tuple[pd.DataFrame, FilterReport]:
+def _count_unless_too_long(count, bound, max_length: int):
+    """``count``, except that texts the bound shows longer than ``max_length`` tokens get :data:`NOT_TOKENISED`
+    without reaching the tokenizer (a 30 MB text took minutes and gigabytes to count, only to be dropped)."""
+    def bounded(texts: list[str]) -> np.ndarray:
+        over = bound.too_long(texts, max_length)
+        lengths = np.full(len(texts), NOT_TOKENISED, dtype=np.int64)
+        if not over.all():
+            lengths[~over] = count([text for text, drop in zip(texts, over) if not drop])
+        return lengths
+    return bounded
+
+
+def filter_by_length(frame: pd.DataFrame, tokenizer, max_length: int, dataset: str, count=None, bound=None,
+                     dropped_before_loading: Sequence[str] = ()) -> tuple[pd.DataFrame, FilterReport]:
     """Drop rows whose longest rendered prompt+completion exceeds ``max_length`` tokens (never truncate).
 
     A pair is dropped if prompt+chosen or prompt+rejected is too long; a K-wise row if any of its completions is.
     ``count(texts) -> lengths`` counts tokens (default: the tokenizer directly; runs pass a cached
-    :class:`~rewarduq_exp.models.token_counter.TokenCounter`).
+    :class:`~rewarduq_exp.models.token_counter.TokenCounter`). ``bound`` (the tokenizer's
+    :class:`~rewarduq_exp.models.token_counter.TokenLowerBound`, None: none) drops texts too long in characters
+    before they are counted. ``dropped_before_loading``: the subset of each row the loader already dropped as too
+    long (counted in the report as dropped by this filter).
     """
     count = count or (lambda texts: token_lengths(tokenizer, texts))
+    if bound is not None:
+        count = _count_unless_too_long(count, bound, max_length)
     longest, every = _row_lengths(frame, tokenizer, count)
     keep = longest <= max_length
-    dropped = frame.loc[~keep, "subset"].value_counts()
+    dropped = Counter(frame.loc[~keep, "subset"].astype(str)) + Counter(map(str, dropped_before_loading))
+    counted = every[every != NOT_TOKENISED]
     report = FilterReport(
         dataset=dataset,
-        before=len(frame),
+        before=len(frame) + len(dropped_before_loading),
         after=int(keep.sum()),
         max_length=max_length,
-        dropped_by_subset={str(k): int(v) for k, v in dropped.items()},
-        length_percentiles={str(q): float(np.percentile(every, q)) for q in (50, 90, 99, 100)},
+        dropped_by_subset={k: int(v) for k, v in dropped.most_common()},
+        length_percentiles={str(q): float(np.percentile(counted, q)) for q in (50, 90, 99, 100)} if counted.size
+        else {},
         unit={"pairs": "pairs", "kwise": "prompts", "pointwise": "responses"}[data_kind(frame)],
+        not_tokenised=int((longest == NOT_TOKENISED).sum()) + len(dropped_before_loading),
     )
     if report.after == 0:
+        longest_counted = f"longest counted {int(counted.max())}" if counted.size else "none fits"
         raise UserError(
             f"dataset '{dataset}' is empty after the length filter: all {report.before} rows exceed "
-            f"max_length={max_length} tokens (longest {int(every.max())}); raise max_length"
+            f"max_length={max_length} tokens ({longest_counted}); raise max_length"
         )
     return frame.loc[keep].reset_index(drop=True), report

@@ -19,6 +19,7 @@ fixed ``sample_seed`` that does not depend on the run seed, so a seed sweep comp
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +97,75 @@ def no_rows(path: str) -> str | None:
     if empty_array:
         return "has no rows (an empty JSON array)"
     return "has no rows (the file is empty)" if lines == 0 else "has no rows (only a header line)"
+
+
+@contextmanager
+def reader_errors_unlogged():
+    """Silence the ``datasets`` library's logger while it reads a file: its readers log a parse error (twice, through
+    its own handler and ours) before raising it, and the caller reports that error as the one line it should be."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def check_utf8(dataset, what: str) -> None:
+    """A one-line :class:`UserError` naming ``what`` (the file), the column and the row when a text of ``dataset`` (a
+    ``datasets.Dataset``) is not valid UTF-8.
+
+    Checked right after reading: the JSON and CSV readers store such bytes as they are, and the first conversion to
+    Python strings failed deep inside pandas or ``to_dict`` with an ``ArrowException`` naming neither file nor row.
+    Arrow validates UTF-8 in bulk, so this costs little next to reading the file.
+    """
+    import pyarrow as pa
+
+    table = dataset.data.table
+    for name in table.column_names:
+        start = 0
+        for chunk in table.column(name).chunks:
+            try:
+                chunk.validate(full=True)
+            except pa.ArrowInvalid:
+                row = _first_invalid_row(chunk)
+                at = f" (row {start + row + 1})" if row is not None else ""
+                raise UserError(f"{what}: column '{name}' holds text that is not valid UTF-8{at}; data files must "
+                                "be UTF-8 (convert it, e.g. iconv -f <its encoding> -t utf-8)") from None
+            start += len(chunk)
+
+
+def _first_invalid_row(array) -> int | None:
+    """Index of the first element of ``array`` that holds invalid UTF-8 (None if none is found). Only strings are
+    validated piecewise (a slice of a list array validates all of its items), so lists and structs are searched in
+    their flattened strings and the hit is mapped back to its row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    def valid(part) -> bool:
+        try:
+            part.validate(full=True)
+            return True
+        except pa.ArrowInvalid:
+            return False
+
+    kind = array.type
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        if valid(array):
+            return None
+        low, high = 0, len(array)  # bisection: the first invalid item is in [low, high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if valid(array.slice(low, middle - low)) else (low, middle)
+        return low
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        item = _first_invalid_row(pc.list_flatten(array))
+        return None if item is None else pc.list_parent_indices(array)[item].as_py()
+    if pa.types.is_struct(kind):
+        rows = [_first_invalid_row(pc.struct_field(array, [i])) for i in range(kind.num_fields)]
+        return min((row for row in rows if row is not None), default=None)
+    return None
 
 
 def sample_indices(n: int, num_samples, seed: int, key: str) -> np.ndarray | None:
@@ -200,10 +270,15 @@ class HubDataset:
 
     def _read(self, read, what: str):
         try:
-            return read()
+            with reader_errors_unlogged():
+                table = read()
+            check_utf8(table, f"dataset '{self.name}': {what}")
+            return table
         except UserError:
             raise
         except Exception as err:  # a broken local copy is the user's input: one line, not a traceback
+            while err.__cause__ is not None:  # the parser's own message says what is wrong, not datasets' wrapper
+                err = err.__cause__
             raise UserError(f"dataset '{self.name}': could not read {what} ({type(err).__name__}: "
                             f"{str(err).splitlines()[0] if str(err) else ''})") from None
 

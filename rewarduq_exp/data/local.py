@@ -10,6 +10,11 @@ Transcripts: when the file has no prompt column and chosen/rejected hold strings
 transcripts ("\\n\\nHuman: ...\\n\\nAssistant: ...", the Anthropic/hh-rlhf schema); the turns both sides share
 become the prompt, and rows that are not transcripts are dropped and counted like any unsplittable pair. If no row
 is a transcript the file is refused with a one-line error (plain-string replies need a prompt column).
+
+Checked in Arrow, before any text becomes a Python object: that every text is valid UTF-8 (one line naming the file,
+column and row instead of pandas' ``ArrowException``), and, when the run gives ``max_chars``, which rows are too
+long for ``max_length`` tokens: those are dropped there, so a huge row's text is never copied into Python strings,
+and they are reported by the length filter like any row it drops (``frame.attrs["dropped_too_long"]``).
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.data.contract import validate_preferences
+from rewarduq_exp.data.contract import content_chars, validate_preferences
 from rewarduq_exp.data.conversation import PairColumns, normalise_pairs, parse_transcript
-from rewarduq_exp.data.hub import file_builder, no_rows
+from rewarduq_exp.data.hub import check_utf8, file_builder, no_rows, reader_errors_unlogged
 
 TEXT = ("prompt", "chosen", "rejected")
 REQUIRED = ("chosen", "rejected")          # prompt may be implicit in chosen/rejected conversations
@@ -43,7 +49,9 @@ class LocalPreferenceFile:
         self.train_split = train_split
         self.eval_splits = tuple(eval_splits)
 
-    def load(self, split: str):
+    def load(self, split: str, max_chars: int | None = None):
+        """The split's file as a contract frame. ``max_chars``: rows whose contents have more characters than this
+        cannot fit ``max_length`` tokens (the tokenizer's bound, given by the run) and are dropped before loading."""
         import datasets
 
         datasets.disable_progress_bars()
@@ -63,14 +71,18 @@ class LocalPreferenceFile:
             raise UserError(f"{key}={path}: file {problem}")
         source = f"dataset '{self.name}' ({path})"
         try:
-            table = datasets.load_dataset(fmt, data_files=str(path), split="train").to_pandas()
+            with reader_errors_unlogged():
+                dataset = datasets.load_dataset(fmt, data_files=str(path), split="train")
         except Exception as err:  # malformed file: report it as the user's input, in one line
             root = err
             while root.__cause__ is not None:  # the parser's own message (e.g. pyarrow's) says what is wrong
                 root = root.__cause__
             raise UserError(f"{source}: could not be read as {fmt} ({type(root).__name__}: {root})") from None
-        if len(table) == 0:
+        if len(dataset) == 0:
             raise UserError(f"{key}={path}: file has no rows")
+        check_utf8(dataset, f"{key}={path}")
+        dataset, too_long = self._drop_too_long(dataset, max_chars, f"{key}={path}")
+        table = dataset.to_pandas()
         found = ", ".join(map(str, table.columns))
         if fmt == "csv":  # CSV infers numbers for texts such as the answer "4"; the text columns must stay text
             for col in TEXT:
@@ -91,7 +103,41 @@ class LocalPreferenceFile:
             subset=[str(v) for v in column("subset")] if column("subset") is not None else None,
         )
         frame = normalise_pairs(cols, source, transcripts=self._are_transcripts(cols, source))
+        frame.attrs["dropped_too_long"] = too_long
         return validate_preferences(frame, source)
+
+    def _drop_too_long(self, dataset, max_chars: int | None, what: str):
+        """(``dataset`` without the rows whose contents exceed ``max_chars`` characters, the subsets of those rows).
+
+        A side of a pair renders at least the contents of its chosen (or rejected) value: with message lists these
+        hold the reply, and the prompt turns too when the layout is implicit; with plain strings the prompt column
+        is always used, so it counts as well. A prompt column beside message lists does not count, since it is
+        ignored when the conversations share their prompt turns (``conversation.split_pair``). Transcripts
+        (strings, no prompt column) are not judged here: parsing drops their turn markers and leading whitespace,
+        so their characters do not bound what is rendered."""
+        names = dataset.column_names
+        chosen, rejected, prompt = (self.columns[c] for c in ("chosen", "rejected", "prompt"))
+        if max_chars is None or chosen not in names or rejected not in names:
+            return dataset, []
+        table = dataset.data.table
+        kinds = [table.schema.field(c).type for c in (chosen, rejected)]
+        strings = all(pa.types.is_string(kind) or pa.types.is_large_string(kind) for kind in kinds)
+        if strings and prompt not in names:
+            return dataset, []
+        chars = np.maximum(content_chars(table.column(chosen)), content_chars(table.column(rejected)))
+        if strings:
+            chars += content_chars(table.column(prompt))
+        over = chars > max_chars
+        if not over.any():
+            return dataset, []
+        if over.all():
+            raise UserError(f"dataset '{self.name}' is empty after the length filter: all {len(over)} rows of {what} "
+                            f"have more than {max_chars} characters, more than max_length tokens can hold; raise "
+                            "max_length")
+        subset = self.columns["subset"]
+        subsets = (table.column(subset).take(np.flatnonzero(over)).to_pylist() if subset in names
+                   else [""] * int(over.sum()))
+        return dataset.select(np.flatnonzero(~over)), [str(s) for s in subsets]
 
     def _are_transcripts(self, cols: PairColumns, source: str) -> bool:
         """No prompt column and string chosen/rejected: HH-RLHF transcripts (see the module docstring)."""

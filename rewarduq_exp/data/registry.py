@@ -4,17 +4,22 @@ A loader (``_target_`` of a dataset config) has ``name``, ``train_split``, ``eva
 returns a frame in the preference-data contract. Evaluated datasets are called ``<name>_<split>`` (e.g.
 ``synthetic_eval``, ``synthetic_ood``); that is the key of their metrics block and the name of their predictions
 file.
+
+A dataset config read from a run folder (a file someone may have handed you) builds only the loaders this package's
+own ``conf/dataset`` files name (:func:`check_untrusted_dataset`): ``instantiate`` calls whatever ``_target_`` says.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.errors import UserError, one_line
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -54,6 +59,73 @@ def build(node: DictConfig, key: str, **kwargs):
             raise UserError(f"{key}.{bad} is not a setting of {node._target_.rsplit('.', 1)[-1]}; "
                             f"allowed: {', '.join(allowed)}") from None
         raise
+
+
+# Keys with which a config asks Hydra's ``instantiate`` for more than "call _target_ with these settings".
+_INSTANTIATE_KEYS = ("_target_", "_args_", "_partial_", "_recursive_", "_convert_")
+
+
+@functools.lru_cache(maxsize=None)
+def loader_targets(conf_dir: Path = CONF_DIR) -> frozenset[str]:
+    """The loader classes this package's own dataset configs (``conf/dataset/**.yaml``) name: the only ones a
+    dataset config read from a run folder may build."""
+    targets = set()
+    for path in (conf_dir / "dataset").rglob("*.yaml"):
+        target = OmegaConf.to_container(OmegaConf.load(path), resolve=False).get("_target_")
+        if isinstance(target, str):
+            targets.add(target)
+    return frozenset(targets)
+
+
+def loader_class(target) -> type | None:
+    """The loader class of ``target`` when it is one of :func:`loader_targets` (imported from that list, never
+    from any other string), else None."""
+    if not isinstance(target, str) or target not in loader_targets():
+        return None
+    module, _, qualname = target.rpartition(".")
+    return getattr(importlib.import_module(module), qualname)
+
+
+def check_untrusted_dataset(dataset_cfg, where: str, prefix: str = "dataset") -> None:
+    """Refuse, in one line naming ``where`` (the file) and the field, a dataset config from a file someone else
+    wrote (a run folder's ``.hydra/config.yaml``) that would make :func:`build_loader` build anything but one of this
+    package's loaders: its ``_target_`` must be one of :func:`loader_targets`, no value inside it may ask Hydra to
+    build an object of its own (a nested ``_target_``) or change how it builds (``_args_``, ``_partial_``, ...), and
+    every other key must be a setting of that loader."""
+    if not isinstance(dataset_cfg, DictConfig):
+        raise UserError(f"{where}: {prefix} is not a mapping of settings")
+    try:
+        node = OmegaConf.to_container(dataset_cfg, resolve=True)
+    except Exception as err:  # noqa: BLE001 (an interpolation that does not resolve: OmegaConf's errors vary)
+        raise UserError(one_line(f"{where}: {prefix} does not resolve ({type(err).__name__}: "
+                                 f"{(str(err).splitlines() or [''])[0]})")) from None
+    target = node.get("_target_")
+    if target not in loader_targets():
+        raise UserError(one_line(f"{where}: {prefix}._target_ names {target!r}, not a dataset loader of "
+                                 f"rewarduq_exp (allowed: {', '.join(sorted(loader_targets()))})"))
+
+    def walk(value, field: str, top: bool) -> None:
+        if isinstance(value, dict):
+            for key, child in value.items():
+                if key in _INSTANTIATE_KEYS and not (top and key == "_target_"):
+                    raise UserError(one_line(f"{where}: {field}.{key} is not allowed in a dataset config read "
+                                             "from a run folder (it would make Hydra build or call something "
+                                             "else)"))
+                walk(child, f"{field}.{key}", False)
+        elif isinstance(value, list):
+            for i, child in enumerate(value):
+                walk(child, f"{field}[{i}]", False)
+
+    walk(node, prefix, True)
+    # Every other key becomes a keyword of the loader: one it does not take is named here, with the file.
+    import inspect
+
+    params = inspect.signature(loader_class(target)).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for key in node:
+            if key != "_target_" and key not in params:
+                raise UserError(one_line(f"{where}: {prefix}.{key} is not a setting of {target.rsplit('.', 1)[-1]}; "
+                                         f"allowed: {', '.join(params)}"))
 
 
 def build_loader(dataset_cfg: DictConfig):

@@ -39,11 +39,12 @@ from rewarduq_exp.data.synthetic import SPLITS
 from rewarduq_exp.downstream.figures import plot_active_learning
 from rewarduq_exp.downstream.world_runs import WorldRun, completed_world_runs, world_of
 from rewarduq_exp.methods.base import FeatureHeadMethod
+from rewarduq_exp.methods.registry import METHOD_CLASSES
 from rewarduq_exp.metrics.rewarduq import compute_metrics
 from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.features import FeatureEncoder
 from rewarduq_exp.runner.evaluation import score_method
-from rewarduq_exp.runner.trained_run import run_cache_dir
+from rewarduq_exp.runner.trained_run import run_cache_dir, run_method_settings, run_model_config
 
 log = logging.getLogger("rewarduq_exp")
 STRATEGIES = ("random", "uncertainty", "bald", "ranking_score")
@@ -104,14 +105,20 @@ def check_learner(method, label: str, strategies: list[str]) -> None:
 
 def _learner(run: WorldRun, cfg):
     """A fresh, untrained method built from the run's config (its settings, ``task.method`` on top), reading
-    features through the disk cache of the run (or ``paths.cache_dir``)."""
+    features through the disk cache of the run (or ``paths.cache_dir``). The run's config is a file someone may
+    have handed over: the class comes from the method registry by name, the run's settings are checked (settings of
+    that method, plain values), and a backbone asking for remote code needs ``trust_remote_code=true``."""
     rc = run.config
+    config_path = run.path / ".hydra" / "config.yaml"
+    name, settings = run_method_settings(rc, config_path)
+    model_cfg = run_model_config(rc, config_path, trust_remote_code=cfg.get("trust_remote_code", False))
     cache = Path(cfg.paths.cache_dir) if cfg.paths.get("cache_dir") else run_cache_dir(run.path,
                                                                                         str(rc.paths.cache_dir))
-    backbone = Backbone(rc.model, cache_dir=cache, device=str(cfg.device))
+    backbone = Backbone(model_cfg, cache_dir=cache, device=str(cfg.device))
     encoder = FeatureEncoder(backbone, rc.probe, cache / "features", int(rc.max_length), show_progress=False)
-    method_cfg = OmegaConf.merge(rc.method, cfg.task.get("method") or {}, {"show_progress": False,
-                                                                             "device": str(cfg.device)})
+    # The _target_ is the registry's, never the run's; task.method is the user's own command line.
+    method_cfg = OmegaConf.merge({"_target_": METHOD_CLASSES[name]}, settings, cfg.task.get("method") or {},
+                                 {"show_progress": False, "device": str(cfg.device)})
 
     def make(seed: int):
         return build(OmegaConf.merge(method_cfg, {"seed": int(seed)}), "method", encoder=encoder)
@@ -122,7 +129,7 @@ def _learner(run: WorldRun, cfg):
 def learning_curves(run: WorldRun, cfg, strategies: list[str], make) -> pd.DataFrame:
     """The learning curves of ``make`` (seed -> fresh method built from the run) under every strategy."""
     task = cfg.task
-    world = world_of(run.config)
+    world = world_of(run.config, run.path / ".hydra" / "config.yaml")
     pool = world.load("train").iloc[: int(task.pool)].reset_index(drop=True)
     evaluation = world.load(str(task.eval_split))
     rows = []

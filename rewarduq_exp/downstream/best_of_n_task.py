@@ -61,11 +61,12 @@ def score_candidates(model: RewardModel, candidates) -> tuple[np.ndarray, np.nda
     return table.reward.to_numpy().reshape(n_prompts, n), table.uncertainty.to_numpy().reshape(n_prompts, n)
 
 
-def run_curves(run: WorldRun, task, ns, ks, splits, *, device: str, progress: bool, cache_dir=None) -> pd.DataFrame:
+def run_curves(run: WorldRun, task, ns, ks, splits, *, device: str, progress: bool, cache_dir=None,
+               trust_remote_code: bool = False) -> pd.DataFrame:
     trained = load_trained_method(run.path, device=device, progress=progress, batch_size=task.get("batch_size"),
-                                  cache_dir=cache_dir)
+                                  cache_dir=cache_dir, trust_remote_code=trust_remote_code)
     model = RewardModel(trained.method, run.path, trained.config)
-    world = world_of(run.config)
+    world = world_of(run.config, run.path / ".hydra" / "config.yaml")
     parts = []
     for split in splits:
         candidates = world.candidates(split, int(task.prompts), ns[-1], seed=int(task.seed))
@@ -135,7 +136,8 @@ def best_of_n(cfg, out_dir: Path) -> dict:
     runs = completed_world_runs(cfg.run)
     cache_dir = cfg.paths.get("cache_dir")
     curves = pd.concat([run_curves(r, cfg.task, ns, ks, splits, device=str(cfg.device), progress=bool(cfg.progress),
-                                   cache_dir=cache_dir) for r in runs], ignore_index=True)
+                                   cache_dir=cache_dir, trust_remote_code=cfg.get("trust_remote_code", False))
+                        for r in runs], ignore_index=True)
     summary = summarise(curves, runs, float(cfg.task.k_compare))
     corr = correlations(summary)
     for name, table in (("curves", curves), ("summary", summary), ("correlation", corr)):

@@ -3,7 +3,8 @@
 Downstream tasks need the true reward, so they accept runs trained on the synthetic world (``dataset=synthetic``):
 the world is rebuilt from the run's own dataset config, so candidates and labels come from the distribution the
 model was trained on. ``run=`` may name run folders or sweep folders; every completed run below them is used, and
-runs that did not complete are listed and skipped (a failed point of a sweep does not stop the study).
+runs that did not complete are listed and skipped (a failed point of a sweep does not stop the study). A run's
+config is read as any run folder is (``read_run_config``): it builds only this package's methods and loaders.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig
 
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.data.registry import build_loader
+from rewarduq_exp.data.registry import build_loader, check_untrusted_dataset
 from rewarduq_exp.data.synthetic import SyntheticWorld
+from rewarduq_exp.runner.trained_run import read_run_config
 from rewarduq_exp.runs.run_records import RunRecord, find_runs
+
+SYNTHETIC_WORLD = f"{SyntheticWorld.__module__}.{SyntheticWorld.__qualname__}"
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -40,9 +44,13 @@ def run_paths(run) -> list[str]:
     return [str(r) for r in run] if isinstance(run, (list, tuple, ListConfig)) else [str(run)]
 
 
-def world_of(config: DictConfig) -> SyntheticWorld:
-    target = str(config.dataset.get("_target_", ""))
-    world = build_loader(config.dataset) if target.endswith("SyntheticWorld") else None
+def world_of(config: DictConfig, config_path: Path | str = ".hydra/config.yaml") -> SyntheticWorld:
+    """The synthetic world of a run's config (``config_path``: the file it came from, named in errors). The
+    dataset node is a run folder's, so it may build only this package's loaders, and here only the world itself:
+    the class is compared by its full path, never by how its name ends."""
+    check_untrusted_dataset(config.get("dataset"), str(config_path))
+    target = config.dataset.get("_target_")
+    world = build_loader(config.dataset) if target == SYNTHETIC_WORLD else None
     if not isinstance(world, SyntheticWorld):
         raise UserError(f"downstream tasks need runs trained on dataset=synthetic (they read its true reward); this "
                         f"run was trained on dataset '{config.dataset.get('name')}'")
@@ -61,8 +69,8 @@ def completed_world_runs(run) -> list[WorldRun]:
     out = []
     methods = [r.method for r in done]
     for r in done:
-        config = OmegaConf.load(r.path / ".hydra" / "config.yaml")
-        world_of(config)  # refuse a run from another dataset before any work
+        _, config = read_run_config(r.path)  # checked: only this package's methods and loaders
+        world_of(config, r.path / ".hydra" / "config.yaml")  # refuse a run from another dataset before any work
         label = r.method if methods.count(r.method) == 1 else f"{r.method}/{r.path.name}"
         out.append(WorldRun(r, config, label))
     return out

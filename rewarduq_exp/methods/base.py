@@ -3,7 +3,9 @@ training loop (:func:`run_training`) and the shared machinery of frozen-backbone
 
 A method is built by ``hydra.utils.instantiate`` from ``conf/method/<name>.yaml``. ``fit(...)`` returns the method,
 ``save(dir)`` / ``load(dir)`` store only what was trained plus the configuration needed to rebuild it (never the
-frozen backbone), in formats that load without executing code. A reward model also offers
+frozen backbone), in formats that load without executing code; :func:`load_method` rebuilds a saved one from the
+method's name in the method registry and its checked hyperparameters (a saved folder may come from anyone, so nothing
+in it is imported or called), and a missing or damaged file is one line naming it. A reward model also offers
 ``score(prompts, completions) -> Scores`` with bounds ``reward ± beta * u`` (paper eq. 9); a label-ranking learner
 ``predict_distribution(X)``.
 """
@@ -28,7 +30,8 @@ from tqdm.auto import tqdm
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
 from rewarduq_exp.core.checks import check_choice, check_max_grad_norm, check_positive
-from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.saved_files import load_safetensors, read_json_object
 from rewarduq_exp.models.backbone import resolve_device
 
 
@@ -117,13 +120,13 @@ def write_method_info(directory: Path, method, **extra) -> None:
 
 def read_method_info(directory: Path, name: str | None = None) -> dict:
     """The ``method.json`` of a saved method (of method ``name`` when given), with one-line errors for a wrong or
-    missing folder."""
+    missing folder and for a corrupt file (not JSON, not an object)."""
     info_path = Path(directory) / "method.json"
     if not info_path.exists():
         raise UserError(f"no saved method in {directory} (method.json missing); is this a completed run folder?")
-    info = json.loads(info_path.read_text())
-    if name is not None and info["method"] != name:
-        raise UserError(f"{directory} holds a '{info['method']}' model, not '{name}'")
+    info = read_json_object(info_path, "the saved method")
+    if name is not None and info.get("method") != name:
+        raise UserError(f"{directory} holds a {info.get('method')!r} model, not '{name}'")
     return info
 
 
@@ -148,25 +151,55 @@ def constructor_settings(cls) -> set[str]:
 
 
 def load_method(directory: str | os.PathLike, *, encoder=None, **runtime) -> Method:
-    """Rebuild a saved method from its ``method.json``: the class recorded there, with the hyperparameters it was
-    trained with and the ``runtime`` settings of the caller (device, show_progress, ...), then ``load`` its trained
-    parameters. A reward model's backbone comes in through ``encoder`` (built from the run's model config); a
-    label-ranking learner needs none."""
-    from hydra.utils import get_class
-
-    info = read_method_info(directory)
-    try:
-        cls = get_class(info["class"])
-    except Exception as err:  # noqa: BLE001 (any import failure means the same thing to the user)
-        raise UserError(f"{directory}/method.json names class {info['class']!r}, which this version of rewarduq_exp "
-                        f"cannot import ({type(err).__name__}); was it saved by another version?") from None
+    """Rebuild a saved method from its ``method.json``: the class of the method it names (from this package's
+    registry, :mod:`rewarduq_exp.methods.registry`; a class path in the file is never imported), with the
+    hyperparameters it was trained with (each one checked: a setting of that method, a plain value) and the
+    ``runtime`` settings of the caller (device, show_progress, ...), then ``load`` its trained parameters. A reward
+    model's backbone comes in through ``encoder`` (built from the run's model config); a label-ranking learner needs
+    none. Anything wrong with the file is one :class:`UserError` line naming it and the field."""
+    directory = Path(directory)
+    cls, name, settings = read_saved_method(directory)
     accepted = constructor_settings(cls)
-    settings = {k: v for k, v in info["hyperparameters"].items() if k in accepted}
     settings.update({k: v for k, v in runtime.items() if k in accepted})
     if "encoder" in accepted:
         settings["encoder"] = encoder
-    method = cls(**settings)
+    try:
+        method = cls(**settings)
+    except (TypeError, ValueError) as err:  # UserError is a ValueError: a saved value the constructor refuses
+        raise UserError(one_line(f"{directory / 'method.json'}: its hyperparameters do not build {name}: {err}")) \
+            from None
     return method.load(directory)
+
+
+def read_saved_method(directory: str | os.PathLike) -> tuple[type, str, dict]:
+    """(class, method name, constructor settings) of the method saved in ``directory``, from its ``method.json``,
+    checked without building anything: the class comes from the registry by the file's ``"method"`` name (a
+    ``"class"`` that is not that method's class is refused), every hyperparameter must be a non-runtime setting of
+    that class (or a value its ``hyperparameters()`` records) with a plain value."""
+    from rewarduq_exp.methods.registry import (
+        METHOD_CLASSES,
+        allowed_classes,
+        check_settings,
+        method_class,
+        method_name_of_target,
+        method_names,
+    )
+
+    info_path = Path(directory) / "method.json"
+    info = read_method_info(directory)
+    name, recorded = info.get("method"), info.get("class")
+    if recorded is not None and method_name_of_target(recorded) is None:
+        raise UserError(one_line(f"{info_path}: field \"class\" names {recorded!r}, not a method of rewarduq_exp "
+                                 f"(allowed: {allowed_classes()}); a run folder cannot import any other class"))
+    if not isinstance(name, str) or name not in METHOD_CLASSES:
+        raise UserError(one_line(f"{info_path}: field \"method\" names {name!r}, not a method of rewarduq_exp "
+                                 f"(allowed: {', '.join(method_names())})"))
+    if recorded is not None and recorded != METHOD_CLASSES[name]:
+        raise UserError(f"{info_path}: field \"class\" names {recorded!r}, but field \"method\" says {name!r}, "
+                        f"whose class is {METHOD_CLASSES[name]!r}; the file is inconsistent")
+    settings = check_settings(name, info.get("hyperparameters", {}), str(info_path), "hyperparameters.",
+                              records=True)
+    return method_class(name), name, settings
 
 
 class Method(ABC):
@@ -280,11 +313,17 @@ class LabelRankingMethod(Method):
         write_method_info(directory, self, fitted=self.fitted_values())
 
     def load(self, directory: str | os.PathLike) -> LabelRankingMethod:
-        from safetensors.numpy import load_file
-
         directory = Path(directory)
         info = read_method_info(directory, self.name)
-        self.load_fitted(load_file(str(directory / "state.safetensors")), info.get("fitted", {}))
+        path = directory / "state.safetensors"
+        arrays = load_safetensors(path, framework="np")  # a missing or cut-short file: one line naming it
+        fitted = info.get("fitted", {})
+        try:
+            self.load_fitted(arrays, fitted if isinstance(fitted, dict) else {})
+        except (KeyError, TypeError, ValueError) as err:  # a tensor or fitted value missing or of the wrong kind
+            raise UserError(one_line(f"{path} and {directory / 'method.json'} (field \"fitted\") do not hold a "
+                                     f"fitted {self.name} ({type(err).__name__}: {err}); the run folder is "
+                                     "damaged: copy it again or retrain")) from None
         self.fit_summary = info.get("fit_summary", {})
         return self
 
@@ -413,12 +452,16 @@ class FeatureHeadMethod(RewardMethod):
         write_method_info(directory, self, **extra)
 
     def load(self, directory: str | os.PathLike) -> FeatureHeadMethod:
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         info = read_method_info(directory, self.name)
-        tensors = load_file(str(directory / "state.safetensors"))
-        self.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()})
+        path = directory / "state.safetensors"
+        tensors = load_safetensors(path)  # a missing or cut-short file: one line naming it, not a SafetensorError
+        try:
+            self.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()})
+        except (KeyError, RuntimeError, ValueError) as err:  # a tensor missing or of another shape
+            raise UserError(one_line(f"{path} does not hold the weights of a {self.name} model with these "
+                                     f"hyperparameters ({type(err).__name__}: {str(err)[:200]}); the run folder "
+                                     "is damaged: copy it again or retrain")) from None
         self.fit_summary = info.get("fit_summary", {})
         return self
 

@@ -624,12 +624,17 @@ class BorpProbe:
     @classmethod
     def load(cls, path: str | Path) -> BorpProbe:
         meta, arrays = load_arrays(path, PROBE_KIND)
-        probe = cls(**{**meta["config"], "score_range": tuple(meta["config"]["score_range"])})
-        probe.heads_ = {int(k): LinearHead(centroid=arrays[f"head/{k}/centroid"], coef=arrays[f"head/{k}/coef"], **h)
-                        for k, h in meta["heads"].items()}
-        probe.polarization_ = PolarizationStats(centroid=arrays["polarization/centroid"], **meta["polarization"])
-        probe.cv_ = {int(k): pd.DataFrame(t) for k, t in meta["cv"].items()}
-        probe.train_rows_ = arrays["train_rows"]
+        try:
+            probe = cls(**{**meta["config"], "score_range": tuple(meta["config"]["score_range"])})
+            probe.heads_ = {int(k): LinearHead(centroid=arrays[f"head/{k}/centroid"], coef=arrays[f"head/{k}/coef"],
+                                               **h)
+                            for k, h in meta["heads"].items()}
+            probe.polarization_ = PolarizationStats(centroid=arrays["polarization/centroid"], **meta["polarization"])
+            probe.cv_ = {int(k): pd.DataFrame(t) for k, t in meta["cv"].items()}
+            probe.train_rows_ = arrays["train_rows"]
+        except (KeyError, TypeError, ValueError, AttributeError) as err:  # an array or a meta field missing or odd
+            raise UserError(f"{path}: not a complete saved {SAVED_KINDS[PROBE_KIND]} ({type(err).__name__}: "
+                            f"{(str(err).splitlines() or [''])[0][:200]})") from None
         return probe
 
 
@@ -657,9 +662,12 @@ def load_arrays(path: str | Path, kind: str) -> tuple[dict, dict[str, np.ndarray
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
-    except (ValueError, OSError, zipfile.BadZipFile) as err:
-        raise UserError(f"{path}: not a saved {what} ({str(err).splitlines()[0]})") from None
-    meta = json.loads(str(arrays.pop("meta"))) if "meta" in arrays else {}
+        meta = json.loads(str(arrays.pop("meta"))) if "meta" in arrays else {}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:  # cut short, not a zip, bad meta JSON
+        raise UserError(f"{path}: not a saved {what} ({(str(err).splitlines() or [type(err).__name__])[0]}); "
+                        "the file is damaged or of another kind") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{path}: not a saved {what} (its meta is not a JSON object)")
     if meta.get("format") != SAVE_FORMAT:
         raise UserError(f"{path}: not a saved {what}")
     if meta.get("version") != SAVE_VERSION:
@@ -736,5 +744,9 @@ class MeanPoolRidge:
     @classmethod
     def load(cls, path: str | Path) -> MeanPoolRidge:
         meta, arrays = load_arrays(path, RIDGE_KIND)
-        return cls(alphas=tuple(meta["alphas"]), score_range=tuple(meta["score_range"]), coef_=arrays["coef"],
-                   intercept_=float(meta["intercept"]), alpha_=meta["alpha"])
+        try:
+            return cls(alphas=tuple(meta["alphas"]), score_range=tuple(meta["score_range"]), coef_=arrays["coef"],
+                       intercept_=float(meta["intercept"]), alpha_=meta["alpha"])
+        except (KeyError, TypeError, ValueError) as err:  # an array or a meta field missing or odd
+            raise UserError(f"{path}: not a complete saved {SAVED_KINDS[RIDGE_KIND]} ({type(err).__name__}: "
+                            f"{(str(err).splitlines() or [''])[0][:200]})") from None

@@ -54,7 +54,8 @@ from tqdm.auto import tqdm
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.atomic_write import atomic_dir, atomic_path
 from rewarduq_exp.core.checks import check_positive
-from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.saved_files import check_safetensors, load_safetensors, read_json_object
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.methods.base import (
     RewardMethod,
@@ -488,27 +489,37 @@ class EnsLoRA(RewardMethod):
 
     def load(self, directory: str | os.PathLike) -> EnsLoRA:
         from peft import PeftModel
-        from safetensors.torch import load_file
 
         directory = Path(directory)
         info = read_method_info(directory, self.name)
-        members = info["members"]
-        if len(members) != self.num_members:
-            raise UserError(f"saved model has {len(members)} members but method.num_members={self.num_members}")
-        saved_bb = info.get("backbone", {}).get("name")
+        members = info.get("members")
+        if members != self.member_names:
+            # The folder names come from the file: anything but the members this method saves (m0, m1, ...) could
+            # point outside the run folder.
+            raise UserError(one_line(f"{directory / 'method.json'}: field \"members\" is {members!r}; a saved "
+                                     f"{self.name} with num_members={self.num_members} has {self.member_names}"))
+        saved_bb = info.get("backbone", {}).get("name") if isinstance(info.get("backbone"), dict) else None
         if saved_bb is not None and saved_bb != self._backbone().name:
             raise UserError(f"{directory} was trained on backbone '{saved_bb}', not model={self._backbone().name}")
-        base, _ = self._load_base(with_score_head=False)  # the trained heads replace any pretrained one
+        # Every file PEFT reads is checked first: a missing or cut-short adapter is one line naming it, before the
+        # base model is loaded, and PEFT never falls back to the hub or to a pickled adapter_model.bin.
         adapters = directory / "adapters"
+        for name in members:
+            read_json_object(adapters / name / "adapter_config.json", f"adapter of member {name}")
+            check_safetensors(adapters / name / "adapter_model.safetensors")
+        heads = load_safetensors(directory / "heads.safetensors")
+        if "weight" not in heads:
+            raise UserError(f"{directory / 'heads.safetensors'} holds no 'weight' tensor; the run folder is damaged: "
+                            "copy it again or retrain")
+        base, _ = self._load_base(with_score_head=False)  # the trained heads replace any pretrained one
         # Local folders only, loaded as safetensors: nothing is executed.
         with _quiet_peft():
             self.model = PeftModel.from_pretrained(base, str(adapters / members[0]), adapter_name=members[0])
         for name in members[1:]:
             self.model.load_adapter(str(adapters / name), adapter_name=name)
         self.model.to(self.device)
-        self.head = nn.Parameter(load_file(str(directory / "heads.safetensors"))["weight"].to(self.device),
-                                 requires_grad=False)
-        self.head_init_used = info["hyperparameters"].get("head_init_used")
+        self.head = nn.Parameter(heads["weight"].to(self.device), requires_grad=False)
+        self.head_init_used = info.get("hyperparameters", {}).get("head_init_used")
         self.fit_summary = info.get("fit_summary", {})
         self._finish_model()
         return self

@@ -378,6 +378,12 @@ def _fit_pair(X: np.ndarray, y: np.ndarray, seed: int, cv: int, eps: float):
     return clf.fit(X, y)
 
 
+def _damaged_models_file(path: Path, err: Exception) -> UserError:
+    first = (str(err).splitlines() or [""])[0][:200]
+    return UserError(f"{path} could not be read as an RPC model file ({type(err).__name__}: {first}); the run "
+                     "folder is damaged: copy it again or retrain")
+
+
 class RPCLearner(LabelRankingMethod):
     """RPC: for each item pair a < b, a binary classifier for "a is ranked before b".
 
@@ -444,11 +450,19 @@ class RPCLearner(LabelRankingMethod):
 
         super().load(directory)
         path = Path(directory) / RPC_MODELS_FILE
-        data = path.read_bytes()
-        untrusted = sorted(set(skops.io.get_untrusted_types(data=data)) - set(RPC_TRUSTED_TYPES))
+        try:
+            data = path.read_bytes()
+            untrusted = sorted(set(skops.io.get_untrusted_types(data=data)) - set(RPC_TRUSTED_TYPES))
+        except FileNotFoundError:
+            raise UserError(f"{path} is missing; the run folder is damaged: copy it again or retrain") from None
+        except Exception as err:  # noqa: BLE001 (cut short, not a skops zip: skops' errors do not name the file)
+            raise _damaged_models_file(path, err) from None
         if untrusted:
             raise UserError(f"{path} holds types an RPC model never has ({', '.join(untrusted)}); not loading it")
-        self.models = skops.io.load(io.BytesIO(data), trusted=RPC_TRUSTED_TYPES)
+        try:
+            self.models = skops.io.load(io.BytesIO(data), trusted=RPC_TRUSTED_TYPES)
+        except Exception as err:  # noqa: BLE001 (a damaged member of the archive)
+            raise _damaged_models_file(path, err) from None
         return self
 
 

@@ -47,7 +47,8 @@ from tqdm.auto import tqdm
 from rewarduq_exp.core.atomic_write import atomic_path
 from rewarduq_exp.core.checks import check_max_grad_norm, check_positive
 from rewarduq_exp.core.distributed import rank, world_size
-from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.saved_files import check_safetensors
 from rewarduq_exp.methods.base import (
     RewardMethod,
     Scores,
@@ -642,8 +643,19 @@ class McdDpo(RewardMethod):
 
         directory = Path(directory)
         info = read_method_info(directory, self.name)
+        weights = info.get("weights", WEIGHTS_FILE)
+        if weights != WEIGHTS_FILE:  # a name from the file: anything else could point outside the run folder
+            raise UserError(one_line(f"{directory / 'method.json'}: field \"weights\" is {weights!r}; a saved "
+                                     f"{self.name} keeps its weights in {WEIGHTS_FILE}"))
+        path = directory / WEIGHTS_FILE
+        check_safetensors(path)  # a missing or cut-short file: one line naming it, before the base model loads
         policy = load_causal_lm(self.backbone, dtype=self._train_dtype())
-        load_model(policy, str(directory / info.get("weights", WEIGHTS_FILE)), device="cpu")
+        try:
+            load_model(policy, str(path), device="cpu")
+        except Exception as err:  # noqa: BLE001 (SafetensorError, or tensors of another model: neither names the file)
+            raise UserError(one_line(f"{path} does not hold the weights of model '{self.backbone.name}' "
+                                     f"({type(err).__name__}: {str(err)[:200]}); the run folder is damaged or was "
+                                     "trained on another backbone")) from None
         policy.requires_grad_(False)
         self.policy = policy.to(self.device).eval()
         self.fit_summary = info.get("fit_summary", {})

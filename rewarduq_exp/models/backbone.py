@@ -1,7 +1,10 @@
 """Backbone loading: the tokenizer and the (frozen) transformer of the configured ``model``.
 
 A backbone is loaded lazily: a run whose features are all in the cache never loads the weights. Loading never
-executes remote code unless the model config turns ``trust_remote_code`` on explicitly.
+executes remote code unless the model config turns ``trust_remote_code`` on explicitly (a boolean true, nothing that
+merely looks true). That config is the caller's: the user's own command line at train time; when a run folder is read
+back, its config's flag counts only if the caller allowed it (``load_run(..., trust_remote_code=True)``,
+``evaluate.py trust_remote_code=true``), which ``rewarduq_exp.runner.trained_run`` checks before building a Backbone.
 """
 
 from __future__ import annotations
@@ -119,7 +122,10 @@ class Backbone:
                             "which read features from any encoder")
 
     def _pretrained_kwargs(self) -> dict:
-        kw = {"trust_remote_code": bool(self.cfg.get("trust_remote_code", False))}
+        remote_code = self.cfg.get("trust_remote_code", False)
+        if not isinstance(remote_code, bool):  # bool("false") is True: only a real boolean turns it on
+            raise UserError(f"model.trust_remote_code={remote_code!r} is invalid: must be true or false")
+        kw = {"trust_remote_code": remote_code}
         if self.cfg.get("revision") and not Path(self.source).exists():
             kw["revision"] = str(self.cfg.revision)
         return kw

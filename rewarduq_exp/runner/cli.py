@@ -3,7 +3,7 @@
 * Config-group names given on the command line are checked before Hydra starts, so an unknown
   ``method=``/``model=``/``dataset=`` gets one line naming the allowed values instead of Hydra's multi-line report.
 * ``run_name`` names a multirun job folder after its overrides plus a short hash (stable across launches, so a
-  relaunched sweep finds its finished runs).
+  relaunched sweep finds its finished runs); ``unique_run_dir`` creates a single run's folder, exclusively.
 * ``guarded`` turns a :class:`UserError` into ``error: <message>`` and exit status 2 (single runs); inside a sweep
   the failure is recorded in the run folder and the sweep goes on.
 """
@@ -13,10 +13,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import re
 import sys
 from pathlib import Path
 
+from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from rewarduq_exp.core.errors import UserError, one_line
@@ -42,6 +44,74 @@ def run_name(override_dirname: str, *, _root_=None) -> str:
     return f"{readable}-{config_hash(task)[:10]}"
 
 
+def unique_run_dir(base: str, *, _root_=None) -> str:
+    """``${unique_run_dir:<base>}``: a single run's folder, ``<base>-<config hash>``, created here with an exclusive
+    ``mkdir`` (``-2``, ``-3``, ... when that name is taken), so two runs started in the same second, on one machine
+    or on two nodes of a shared filesystem, never share a folder. Hydra resolves ``hydra.run.dir`` once per run.
+
+    A folder that cannot be created (a read-only ``paths.output_root``) is one line and exit 2, before Hydra tries.
+    """
+    from rewarduq_exp.runs.run_identity import config_hash
+
+    if _root_ is not None and str(OmegaConf.select(_root_, "hydra.mode", default="")).endswith("MULTIRUN"):
+        return base  # multirun jobs use hydra.sweep.dir / subdir; nothing to create
+    stem = base
+    if _root_ is not None:
+        try:
+            stem = f"{base}-{config_hash(OmegaConf.masked_copy(_root_, [k for k in _root_ if k != 'hydra']))[:8]}"
+        except Exception:  # noqa: BLE001 (an incomplete config: the run fails validation in its folder next)
+            pass
+    parent = Path(stem).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 10_000):
+            path = stem if n == 1 else f"{stem}-{n}"
+            try:
+                os.mkdir(path, 0o777)
+                return path
+            except FileExistsError:
+                continue
+    except OSError as err:
+        fail(f"cannot create the run folder {stem} ({err.strerror or err}); paths.output_root must be a folder you "
+             "can write (set paths.output_root=<folder> or hydra.run.dir=<folder>)")
+    fail(f"cannot create the run folder {stem}: 10000 folders of that name exist")
+
+
+def writable_folder_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be created or written (its nearest existing ancestor is a file, or not writable), else
+    None. Nothing is created."""
+    path = Path(path).absolute()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return None
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+class CheckOutputFolder(Callback):
+    """A Hydra callback (``hydra.callbacks`` in conf/train.yaml): a run or sweep folder that cannot be written is one
+    line and exit 2 before Hydra creates it (Hydra's own attempt ends in a traceback). The default single-run folder
+    is checked by :func:`unique_run_dir`, which creates it."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        raw = OmegaConf.to_container(config.hydra.run, resolve=False).get("dir", "")
+        if not str(raw).startswith("${unique_run_dir:"):
+            self._check(config.hydra.run.dir, "hydra.run.dir")
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        self._check(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(folder, key: str) -> None:
+        problem = writable_folder_problem(str(folder))
+        if problem:
+            fail(f"cannot write the run folder {folder} ({key}): {problem}; set paths.output_root=<a folder you can "
+                 f"write> (or {key}=...)")
+
+
 def run_identity(name: str):
     """``${run_identity:<name>}``: a value owned by :mod:`rewarduq_exp.runs.run_identity` (e.g. the keys a multirun
     folder name leaves out), so the config does not repeat what the code defines."""
@@ -58,6 +128,8 @@ def register_resolvers() -> None:
     jobs, tests) calls this first."""
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver("run_name", run_name)
+    if not OmegaConf.has_resolver("unique_run_dir"):
+        OmegaConf.register_new_resolver("unique_run_dir", unique_run_dir)
     if not OmegaConf.has_resolver("run_identity"):
         OmegaConf.register_new_resolver("run_identity", run_identity)
 

@@ -1,21 +1,32 @@
 """Loading an evaluation or training split as ``train.py`` and ``evaluate.py`` both do: normalise it to the data
-contract, drop what exceeds ``max_length`` tokens (counted through the shared token-count cache) and log how much."""
+contract, drop what exceeds ``max_length`` tokens (counted through the shared token-count cache) and log how much.
+
+What is too long in characters for any count of ``max_length`` tokens (the tokenizer's lower bound) is dropped
+without being tokenised, and by loaders that accept ``max_chars`` before it is even loaded."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 from rewarduq_exp.data.contract import data_kind, filter_by_length, validate_preferences
+from rewarduq_exp.models.token_counter import token_lower_bound
 
 log = logging.getLogger("rewarduq_exp")
 
 
 def load_split(loader, split: str, name: str, tokenizer, max_length: int, count=None):
-    frame = loader.load(split)
+    bound = token_lower_bound(tokenizer)
+    max_chars = bound.content_char_limit(max_length) if bound is not None else None
+    if max_chars is not None and "max_chars" in inspect.signature(loader.load).parameters:
+        frame = loader.load(split, max_chars=max_chars)
+    else:
+        frame = loader.load(split)
     if data_kind(frame) == "pairs":
         frame = validate_preferences(frame, f"dataset '{name}'")
     unsplittable = int(frame.attrs.get("dropped_unsplittable", 0))
-    frame, report = filter_by_length(frame, tokenizer, max_length, name, count)
+    frame, report = filter_by_length(frame, tokenizer, max_length, name, count, bound,
+                                     dropped_before_loading=frame.attrs.get("dropped_too_long", ()))
     report.unsplittable = unsplittable
     log.info(report.line())
     return frame, report

@@ -3,14 +3,21 @@
 * ``run=<run folder> [dataset=<name>] [dataset.<key>=<value> ...]``: rebuild the saved method from the run's config
   and ``model/``, score the dataset (its config changed by the ``dataset.<key>`` options, e.g.
   ``dataset.subsets=[harmless-base]``), and add its predictions, diagrams and metrics block to that run folder
-  (metrics.json is merged, not replaced), so selection and tables see the new evaluation.
+  (metrics.json is merged, not replaced), so selection and tables see the new evaluation. Everything it reads is
+  checked before anything is written, and the new predictions and diagrams are written beside the old ones (a hidden
+  staging folder in the run folder) and swapped in only once every dataset was evaluated: a failure changes no file
+  of the run.
 * ``predictions=<file.parquet>``: re-score a predictions file (from any source) with the chosen metric config; the
   metrics and diagrams go to this evaluation's own output folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
+import uuid
 from pathlib import Path
 
 import pandas as pd
@@ -18,6 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.saved_files import read_json_object
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.data.registry import build_loader, resolve_eval_sets, with_options
 from rewarduq_exp.models.token_counter import TokenCounter
@@ -26,8 +34,8 @@ from rewarduq_exp.runner.data_loading import load_split, quiet_datasets_unless
 from rewarduq_exp.runner.evaluation import diagrams, evaluate_method, evaluate_pointwise, score_predictions
 from rewarduq_exp.runner.summary import summary_table
 from rewarduq_exp.runner.trained_run import load_trained_method, read_run_config
-from rewarduq_exp.runner.validation import check_eval_kind, method_task, validate_metric_config
-from rewarduq_exp.runs.run_folder import write_json
+from rewarduq_exp.runner.validation import check_cache_dir, check_eval_kind, method_task, validate_metric_config
+from rewarduq_exp.runs.run_folder import RunFolder, write_json
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -65,7 +73,10 @@ def rescore_predictions(cfg) -> dict:
 
 
 def evaluate_run_folder(cfg) -> dict:
-    _, run_cfg = read_run_config(cfg.run)  # checked before any data or model is touched
+    check_cache_dir(cfg.paths.cache_dir)  # before the run's config, data or model is read
+    folder, run_cfg = read_run_config(cfg.run)  # checked before any data or model is touched
+    if folder.metrics_path.exists():  # merged into at the end: a corrupt one is refused now, before any work
+        read_json_object(folder.metrics_path, "the run's metrics")
     quiet_datasets_unless(bool(cfg.progress))
     if cfg.paths.get("datasets_dir"):  # this machine's local copies win over the ones the run was trained with
         run_cfg.paths.datasets_dir = cfg.paths.datasets_dir
@@ -83,14 +94,45 @@ def evaluate_run_folder(cfg) -> dict:
         check_eval_kind(name, loader, task)
     max_length = int(cfg.max_length or run_cfg.max_length)
     run = load_trained_method(cfg.run, device=cfg.device, cache_dir=cfg.paths.cache_dir, progress=bool(cfg.progress),
-                              max_length=max_length)
+                              max_length=max_length, trust_remote_code=cfg.get("trust_remote_code", False))
     folder, method, backbone = run.folder, run.method, run.backbone
     count = TokenCounter(backbone.tokenizer, backbone.identity(), Path(cfg.paths.cache_dir) / "token_lengths")
     blocks = {}
-    for es in eval_sets:
-        frame, _ = load_split(eval_loaders[es.name], es.split, es.name, backbone.tokenizer, max_length, count)
-        evaluate = evaluate_pointwise if data_kind(frame) == "pointwise" else evaluate_method
-        blocks[es.name], _ = evaluate(method, frame, es.name, folder, cfg.metric)
-    folder.write_metrics(blocks, merge=True)
+    with staged_results(folder) as staging:
+        for es in eval_sets:
+            frame, _ = load_split(eval_loaders[es.name], es.split, es.name, backbone.tokenizer, max_length, count)
+            evaluate = evaluate_pointwise if data_kind(frame) == "pointwise" else evaluate_method
+            blocks[es.name], _ = evaluate(method, frame, es.name, staging, cfg.metric)
+        swap_in(staging, folder, list(blocks))
+        folder.write_metrics(blocks, merge=True)
     print(f"evaluated {folder.root}\n{summary_table(blocks)}", flush=True)
     return blocks
+
+
+@contextlib.contextmanager
+def staged_results(folder: RunFolder):
+    """A hidden folder inside the run folder (same filesystem: the swap is a rename) laid out as a run folder, removed
+    afterwards whatever happened."""
+    staging = folder.root / f".evaluate-{uuid.uuid4().hex[:12]}"
+    try:
+        yield RunFolder(staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def swap_in(staging: RunFolder, folder: RunFolder, names: list[str]) -> None:
+    """Move each dataset's staged predictions file and diagrams folder over the run's own: a file by one rename, a
+    folder by renaming the old one aside first."""
+    for name in names:
+        staged = staging.predictions_path(name)
+        if staged.exists():
+            folder.predictions_path(name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staged, folder.predictions_path(name))
+        staged_figures, figures = staging.figures_dir(name), folder.figures_dir(name)
+        if staged_figures.exists():
+            figures.parent.mkdir(parents=True, exist_ok=True)
+            old = figures.parent / f".{figures.name}.{uuid.uuid4().hex[:12]}.old"
+            if figures.exists():
+                os.replace(figures, old)
+            os.replace(staged_figures, figures)
+            shutil.rmtree(old, ignore_errors=True)

@@ -52,23 +52,29 @@ def train(cfg: DictConfig) -> dict | None:
     out = Path(HydraConfig.get().runtime.output_dir)
     # torchrun / accelerate launch: every process trains and scores, only rank 0 writes the run folder.
     folder = RunFolder(out, writer=distributed.is_main())
-    if not folder.writer:
-        _leave_log_file_to_rank0()
     try:
         require_complete(cfg)
+        incomplete, chash = None, config_hash(cfg)
     except UserError as err:
-        folder.fail(err, with_traceback=False)  # recorded as invalid settings, not as a run that never started
-        report_user_error(err)
-        return None
-    chash = config_hash(cfg)
-    if not cfg.force and folder.is_completed(chash):
+        incomplete, chash = err, None   # recorded below as invalid settings, once the folder is ours
+    if chash and not cfg.force and folder.is_completed(chash):
         log.info("skipping %s: already completed with this config (force=true re-runs it)", out)
         blocks = folder.read_metrics()
         if folder.writer:
             print(summary_table(blocks), flush=True)
         return blocks
-    folder.start(chash)
     try:
+        folder.start(chash, force=bool(cfg.force))
+    except UserError as err:  # another live run's folder, or not writable: nothing was written, nothing to record
+        report_user_error(err)
+        return None
+    log_file = _log_to_file(out / "train.log") if folder.writer else None
+    try:
+        if folder.writer:
+            hydra_cfg = HydraConfig.instance().cfg
+            folder.write_config(cfg, hydra_cfg, hydra_cfg.hydra.overrides.task)
+        if incomplete is not None:
+            raise incomplete
         return _run(cfg, out, folder)
     except UserError as err:
         folder.fail(err, with_traceback=False)
@@ -82,6 +88,20 @@ def train(cfg: DictConfig) -> dict | None:
             log.exception("run failed; recorded in %s", folder.status_path)
             return None
         raise
+    finally:
+        if log_file is not None:
+            logging.getLogger().removeHandler(log_file)
+            log_file.close()
+
+
+def _log_to_file(path: Path) -> logging.Handler:
+    """``train.log`` in the run folder, in Hydra's format. Opened here, once the folder is ours, and not by Hydra's
+    job logging (conf/hydra/job_logging/rewarduq.yaml has no file handler), which would append to the log of
+    whatever run already holds the folder before this one could check."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler
 
 
 def _run(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
@@ -185,12 +205,3 @@ class RewardModelTask:
             result.notes.append(f"backbone forward passes: {stats['backbone_forward_passes']} "
                                 f"(feature cache: {stats['cache_hits']} hits, {stats['cache_misses']} misses)")
         return result
-
-
-def _leave_log_file_to_rank0() -> None:
-    """Ranks > 0 stop writing Hydra's ``train.log`` (it is rank 0's; their console output is still there)."""
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if isinstance(handler, logging.FileHandler):
-            root.removeHandler(handler)
-            handler.close()

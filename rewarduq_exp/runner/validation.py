@@ -1,8 +1,12 @@
 """Checks that ``train.py`` and ``evaluate.py`` run before any data or model is touched: mandatory settings, the
-metric options, and whether the method and the datasets are of the same kind (preference pairs, rated responses,
-label rankings). Each failure is one :class:`UserError` line naming the setting and what is allowed."""
+metric options, the seed, a writable cache folder, and whether the method and the datasets are of the same kind
+(preference pairs, rated responses, label rankings). Each failure is one :class:`UserError` line naming the setting
+and what is allowed."""
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -36,32 +40,56 @@ def validate_metric_config(metric_cfg) -> None:
 
 def validate_run_config(cfg: DictConfig) -> None:
     """Checks of a training run's config that need no data, model or method."""
+    check_integer("seed", cfg.seed, minimum=0)
+    check_integer("max_length", cfg.max_length, minimum=1)
     validate_metric_config(cfg.metric)
-    if int(cfg.max_length) < 1:
-        raise UserError(f"max_length={cfg.max_length} is invalid: must be an integer >= 1")
+    check_cache_dir(cfg.paths.cache_dir)
+
+
+def check_integer(key: str, value, minimum: int) -> None:
+    """``value`` must be a whole number >= ``minimum``. Hydra hands ``seed=abc`` over as a string and ``seed=1.5`` as
+    a float, which ``int()`` would refuse with a traceback or silently round down; ``seed=true`` is a bool, which
+    Python counts as the integer 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        shown = str(value).lower() if isinstance(value, bool) else value
+        raise UserError(f"{key}={shown} is invalid: must be an integer >= {minimum}")
+
+
+def check_cache_dir(cache_dir) -> None:
+    """``paths.cache_dir`` must be a folder this process can create and write (the tiny model, features and token
+    counts go there): checked by creating it and a scratch file in it, because permission bits do not tell (root
+    writes anywhere, a read-only mount refuses everyone)."""
+    folder = Path(str(cache_dir))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise UserError(f"paths.cache_dir={cache_dir} is not a writable folder ({err.strerror or type(err).__name__}); "
+                        "point it at a writable folder: paths.cache_dir=<folder>") from None
 
 
 def method_task(method_cfg) -> str:
     """What a method config trains on: ``preferences`` (the reward models), ``pointwise`` (BoRP: rated responses) or
-    ``label_ranking`` (the learners)."""
-    from hydra.utils import get_class
+    ``label_ranking`` (the learners). The class is looked up in the method registry, never imported from the
+    config's ``_target_`` string (a run folder's config is a file someone may have handed you)."""
+    from rewarduq_exp.methods.registry import method_class, method_name_of_target
 
-    try:
-        return get_class(str(method_cfg._target_)).task
-    except (ImportError, AttributeError, ValueError):
-        return "preferences"  # an unknown class gets its own one-line error when it is built
+    name = method_name_of_target(method_cfg.get("_target_"))
+    if name is None:
+        return "preferences"  # not one of ours: it gets its own one-line error when it is built (or loaded)
+    return method_class(name).task
 
 
 def dataset_task(dataset_cfg) -> str:
-    """What a dataset config trains: label_ranking, pointwise (rated responses) or preferences (pairs)."""
-    from hydra.utils import get_class
+    """What a dataset config trains: label_ranking, pointwise (rated responses) or preferences (pairs). The loader
+    class is one that this package's dataset configs name, never one imported from the config's string."""
+    from rewarduq_exp.data.registry import loader_class
 
     if dataset_cfg.get("kind") == "label_ranking":
         return "label_ranking"
-    try:
-        kind = getattr(get_class(str(dataset_cfg._target_)), "kind", "pairs")
-    except (ImportError, AttributeError, ValueError):
-        kind = "pairs"
+    cls = loader_class(dataset_cfg.get("_target_"))
+    kind = getattr(cls, "kind", "pairs") if cls is not None else "pairs"
     return "pointwise" if kind == "pointwise" else "preferences"
 
 

@@ -1,16 +1,25 @@
 """The run folder: one self-describing directory per run that everything downstream reads.
 
-``.hydra/`` (written by Hydra), ``status.json`` (running | completed | failed, error, timings, config hash),
-``metrics.json`` (one object per evaluated dataset), ``predictions/<dataset>.parquet``, ``figures/<dataset>/``,
-``model/`` (what the method's ``save`` wrote), ``data_summary.json``, ``train.log``. Every file is written to a
-temporary name and renamed, so a killed run never leaves a half-written result.
+``.hydra/`` (the resolved config, Hydra's config, the overrides), ``status.json`` (running | completed | failed,
+error, timings, config hash, owner and heartbeat, library versions), ``metrics.json`` (one object per evaluated
+dataset), ``predictions/<dataset>.parquet``, ``figures/<dataset>/``, ``model/`` (what the method's ``save`` wrote),
+``data_summary.json``, ``train.log``. Every file is written to a temporary name and renamed, so a killed run never
+leaves a half-written result.
+
+One run, one folder: a run writes nothing into its folder before :meth:`RunFolder.start` has claimed it, under a
+lock, from what ``status.json`` says. A folder is free when it holds no run, a failed run, an interrupted one (its
+process is gone, see ``run_owner``) or, on a relaunch, the same config unfinished; it is refused (one line,
+:class:`RunFolderBusy`, nothing written) while another live process runs in it, or when it holds a completed run of
+another config (unless ``force``). That is why Hydra does not write ``.hydra/`` itself here
+(``hydra.output_subdir: null``): :meth:`write_config` does it once the folder is ours.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import socket
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -19,12 +28,51 @@ import pandas as pd
 from filelock import FileLock
 
 from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
-from rewarduq_exp.core.errors import one_line
-from rewarduq_exp.runs.run_identity import VALIDATION, config_hash, is_completed  # noqa: F401 (config_hash: API)
+from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.saved_files import read_json_object
+from rewarduq_exp.runs.run_identity import (  # noqa: F401 (config_hash: API)
+    COMPLETED,
+    VALIDATION,
+    config_hash,
+    is_completed,
+    read_status,
+)
+from rewarduq_exp.runs.run_owner import (
+    RUNNING,
+    Heartbeat,
+    describe_owner,
+    heartbeat_interval,
+    now_iso,
+    owner_alive,
+    this_owner,
+)
+
+CLAIM_STALE_S = 30.0
+# Libraries whose versions change a run's numbers in the last decimals: recorded in status.json.
+VERSIONED = ("torch", "transformers", "peft", "trl", "accelerate", "datasets", "numpy", "scikit-learn",
+             "hydra-core", "rewarduq_exp")
+
+
+class RunFolderBusy(UserError):
+    """The folder holds another live run, or a completed run of another config: this process must not write
+    there. Raised before anything is written."""
 
 
 def write_json(path: Path, obj) -> None:
     write_atomic(path, json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def library_versions() -> dict:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
 
 
 class RunFolder:
@@ -36,6 +84,9 @@ class RunFolder:
         # What the run is doing: "validation" until its settings are checked (a failure then means the settings
         # are invalid, not that training broke; selection lists such runs apart), then "running".
         self.stage = VALIDATION
+        self._status: dict | None = None      # this process's status.json, once it has claimed the folder
+        self._lock = threading.Lock()         # the heartbeat thread and the run write status.json in turn
+        self._heartbeat: Heartbeat | None = None
 
     # ------------------------------------------------------------------ paths
     @property
@@ -58,47 +109,123 @@ class RunFolder:
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:
-        if not self.status_path.exists():
-            return {}
-        return json.loads(self.status_path.read_text())
+        return read_status(self.root)
 
     def is_completed(self, chash: str) -> bool:
         return is_completed(self.root, chash)
 
-    def start(self, chash: str) -> None:
+    def start(self, chash: str | None, force: bool = False) -> None:
+        """Claim the folder for this process and mark the run ``running`` (see the module docstring), then keep
+        its heartbeat going. ``chash`` is None when the config could not be resolved (it fails validation next).
+        Raises :class:`RunFolderBusy`, having written nothing, when the folder is not free."""
         self._started = time.time()
         if not self.writer:
             return
-        write_json(self.status_path, {"state": "running", "config_hash": chash, "started_at": _now(),
-                                      "host": socket.gethostname(), "pid": os.getpid()})
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with self._claim_mutex():
+                self._refuse_unless_free(self.status(), chash, force)
+                every = heartbeat_interval()
+                now = now_iso()
+                self._status = {"state": RUNNING, "config_hash": chash, "started_at": now,
+                                **this_owner(), "heartbeat_at": now, "heartbeat_every_s": every,
+                                "versions": library_versions()}
+                write_json(self.status_path, self._status)
+        except PermissionError as err:
+            raise UserError(f"run folder {self.root} is not writable ({err.strerror}); choose another "
+                            "hydra.run.dir or paths.output_root") from None
+        self._heartbeat = Heartbeat(self._beat, every)
+
+    @contextlib.contextmanager
+    def _claim_mutex(self):
+        """Exclusive while held: a ``.claiming`` folder made with ``mkdir`` (atomic, also on NFS) and removed after,
+        so a claim leaves no lock file behind in the run folder. One left by a process killed in the middle of a
+        claim (a few milliseconds) is taken as stale after ``CLAIM_STALE_S``."""
+        mutex = self.root / ".claiming"
+        while True:
+            try:
+                os.mkdir(mutex)
+                break
+            except FileExistsError:
+                try:
+                    if time.time() - mutex.stat().st_mtime > CLAIM_STALE_S:
+                        os.rmdir(mutex)
+                except FileNotFoundError:
+                    pass
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            os.rmdir(mutex)
+
+    def _refuse_unless_free(self, status: dict, chash: str | None, force: bool) -> None:
+        state = status.get("state")
+        if state == RUNNING and owner_alive(status):
+            raise RunFolderBusy(f"{self.root} is in use by another run ({describe_owner(status)}); "
+                                "wait for it, or give this run another folder (hydra.run.dir=...)")
+        if state == COMPLETED and status.get("config_hash") != chash and not force:
+            raise RunFolderBusy(f"{self.root} holds a completed run of another config (hash "
+                                f"{status.get('config_hash')}, this one {chash}); give this run another folder "
+                                "(hydra.run.dir=...), or force=true to replace that run")
+
+    def _beat(self) -> None:
+        with self._lock:
+            if self._status is None or self._status.get("state") != RUNNING:
+                return
+            self._status["heartbeat_at"] = now_iso()
+            write_json(self.status_path, self._status)
+
+    def _end(self, status: dict) -> None:
+        """Write the final status; the heartbeat stops first, so it can never write ``running`` over it."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        with self._lock:
+            self._status = status
+            write_json(self.status_path, status)
+
+    def write_config(self, task_cfg, hydra_cfg, overrides) -> None:
+        """``.hydra/config.yaml``, ``hydra.yaml`` and ``overrides.yaml``, as Hydra writes them, once the folder is
+        ours."""
+        from omegaconf import OmegaConf
+
+        if not self.writer:
+            return
+        hydra_dir = self.root / ".hydra"
+        write_atomic(hydra_dir / "config.yaml", OmegaConf.to_yaml(task_cfg))
+        write_atomic(hydra_dir / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
+        write_atomic(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(overrides))
 
     def finish(self, **info) -> None:
         if not self.writer:
             return
-        st = self.status()
-        st.update(state="completed", finished_at=_now(), seconds=round(time.time() - self._started, 2), **info)
-        for key in ("error", "traceback", "stage"):
+        st = dict(self._status or self.status())
+        st.update(state=COMPLETED, finished_at=now_iso(), seconds=round(time.time() - self._started, 2),
+                  **info)
+        for key in ("error", "traceback", "stage", "heartbeat_at"):
             st.pop(key, None)
-        write_json(self.status_path, st)
+        self._end(st)
 
     def fail(self, err: BaseException, with_traceback: bool = True) -> None:
         # Every process records its own failure: when a non-main process dies the launcher kills the main one with
         # SIGTERM (no Python exception), so otherwise status.json would say "running" forever.
-        st = self.status()
-        st.update(state="failed", finished_at=_now(), error=f"{type(err).__name__}: {one_line(err)}", stage=self.stage)
+        st = dict(self._status or self.status())
+        st.update(state="failed", finished_at=now_iso(), error=f"{type(err).__name__}: {one_line(err)}",
+                  stage=self.stage)
+        st.pop("heartbeat_at", None)
         if not self.writer:
             st["failed_rank"] = _rank()
         if hasattr(self, "_started"):
             st["seconds"] = round(time.time() - self._started, 2)
         if with_traceback:
             st["traceback"] = traceback.format_exc()
-        write_json(self.status_path, st)
+        self._end(st)
 
     # ------------------------------------------------------------------ results
     def read_metrics(self) -> dict:
         if not self.metrics_path.exists():
             return {}
-        return json.loads(self.metrics_path.read_text())
+        return read_json_object(self.metrics_path)
 
     def write_metrics(self, blocks: dict[str, dict], merge: bool = False) -> None:
         """Write ``metrics.json``; ``merge`` adds/replaces these blocks and keeps the others. The read-merge-write
@@ -125,7 +252,3 @@ def _rank() -> int:
     from rewarduq_exp.core.distributed import rank
 
     return rank()
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -1,12 +1,14 @@
 """Read run folders into flat records for selection, tables and figures.
 
-A run folder is any folder holding ``.hydra/config.yaml`` with a ``method`` node (``evaluate.py`` output folders
-also have a Hydra config but train nothing, so they are not runs). Its state comes from ``status.json``; a folder
-without a readable ``status.json``, or a completed one without ``metrics.json``, is ``missing`` (the job never
-started or was killed before writing its results). A run that failed while its settings were validated, before any
-data or model was touched, is ``invalid``: its settings are a mistake (an unknown key, a value out of range), not a
-point of the grid, so they never become columns of the selection's tables. Everything here only reads, so it is
-safe on sweeps that are still running.
+A run folder is any folder holding ``.hydra/config.yaml`` with a ``method`` node (``evaluate.py`` output folders also
+have a Hydra config but train nothing, so they are not runs). Its state comes from ``status.json``; a folder without a
+readable ``status.json``, or a completed one without ``metrics.json``, is ``missing`` (the job never started or was
+killed before writing its results). A ``running`` run whose process is gone is ``interrupted`` (``run_owner``); a
+completed run with a damaged result file (truncated weights, corrupt metrics or config: see ``completed_runs.damage``)
+is ``corrupt``. Neither is counted, and the reports say which and why. A run that failed while its settings were
+validated, before any data or model was touched, is ``invalid``: its settings are a mistake (an unknown key, a value
+out of range), not a point of the grid, so they never become columns of the selection's tables. Everything here only
+reads, so it is safe on sweeps that are still running.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.runs.run_identity import NOT_HYPERPARAMETERS, VALIDATION, is_completed
+from rewarduq_exp.runs.completed_runs import damage
+from rewarduq_exp.runs.run_identity import NOT_HYPERPARAMETERS, VALIDATION
+from rewarduq_exp.runs.run_owner import describe_owner, effective_state
 
-STATES = ("completed", "failed", "invalid", "running", "missing")
+STATES = ("completed", "failed", "invalid", "running", "interrupted", "corrupt", "missing")
 
 
 @dataclass
@@ -88,7 +93,11 @@ def read_run(folder: str | os.PathLike) -> RunRecord | None:
     None when the folder's config has no ``method`` (not a training run, e.g. an ``evaluate.py`` output).
     """
     folder = Path(folder)
-    cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
+    try:
+        cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
+    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as err:
+        return RunRecord(path=folder, state="corrupt", error=f".hydra/config.yaml unreadable: {_first_line(err)}",
+                         method="unknown", model="unknown", dataset="unknown", seed=None)
     if not isinstance(cfg, DictConfig) or not isinstance(cfg.get("method"), DictConfig):
         return None
     choices = _choices(folder)
@@ -97,20 +106,23 @@ def read_run(folder: str | os.PathLike) -> RunRecord | None:
 
     status, status_problem = _read_json(folder / "status.json")
     metrics, metrics_problem = _read_json(folder / "metrics.json")
-    state = status.get("state") if status else None
+    state = effective_state(status) if status else None
     error = ""
-    if state not in ("completed", "failed", "running"):
+    if state not in ("completed", "failed", "running", "interrupted"):
         state, error = "missing", status_problem or f"status.json has an unknown state {state!r}"
-    elif state == "completed" and (metrics is None or not is_completed(folder, status=status)):
-        state, error = "missing", metrics_problem or "metrics.json missing"
+    elif state == "completed" and metrics is None:
+        state, error = ("corrupt" if (folder / "metrics.json").is_file() else "missing"), metrics_problem
+    elif state == "completed" and (problem := damage(folder)):
+        state, error = "corrupt", problem
+    elif state == "interrupted":
+        error = f"its process ({describe_owner(status)}) is gone"
     elif state == "failed":
         error = _first_line(status.get("error") or "failed (no error recorded)")
         if status.get("stage") == VALIDATION:
             state = "invalid"
 
-    overrides = []
-    if (folder / ".hydra" / "overrides.yaml").is_file():
-        overrides = [str(o) for o in OmegaConf.to_container(OmegaConf.load(folder / ".hydra" / "overrides.yaml"))]
+    overrides = _load_yaml(folder / ".hydra" / "overrides.yaml")
+    overrides = [str(o) for o in overrides] if isinstance(overrides, list) else []
 
     return RunRecord(
         path=folder,
@@ -162,13 +174,20 @@ def _seed(cfg: DictConfig) -> int | None:
     return None
 
 
+def _load_yaml(path: Path):
+    """A YAML file of the run's ``.hydra/`` as plain containers; None when it is missing or unreadable (a damaged
+    copy of a secondary file must not hide the run)."""
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else None
+    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException):
+        return None
+
+
 def _choices(folder: Path) -> dict:
-    path = folder / ".hydra" / "hydra.yaml"
-    if not path.is_file():
-        return {}
-    hydra_cfg = OmegaConf.load(path)
-    choices = OmegaConf.select(hydra_cfg, "hydra.runtime.choices", default=None)
-    return OmegaConf.to_container(choices, resolve=False) if choices is not None else {}
+    hydra_cfg = _load_yaml(folder / ".hydra" / "hydra.yaml")
+    choices = ((hydra_cfg or {}).get("hydra") or {}).get("runtime", {}).get("choices") if isinstance(
+        hydra_cfg, dict) else None
+    return choices if isinstance(choices, dict) else {}
 
 
 def _node_name(cfg: DictConfig, group: str) -> str:

@@ -12,33 +12,44 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rewarduq_exp.runs.run_identity import is_completed, read_status
+from rewarduq_exp.runs.run_owner import INTERRUPTED, RUNNING, describe_owner, effective_state
 
 SKIPPED = "skipped"
 COMPLETED = "completed"
 FAILED = "failed"
+BUSY = "running elsewhere"
 
 
 @dataclass
 class JobOutcome:
     folder: Path
-    state: str   # skipped | completed | failed
+    state: str   # skipped | completed | failed | running elsewhere
     error: str = ""
+    where: Path | None = None  # skipped: the completed run of the same config, when it is another folder
 
 
 _OUTCOMES: list[JobOutcome] = []
 
 
-def record(folder: Path, skipped: bool = False) -> JobOutcome:
-    """Record one job of this multirun from its run folder (after it ran, or because it was skipped)."""
+def record(folder: Path, skipped: bool = False, where: Path | None = None, launch: str | None = None) -> JobOutcome:
+    """Record one job of this multirun from its run folder (after it ran, or because it was skipped: ``where`` is
+    the completed run it was skipped for, when that is another folder). ``launch``: the id of the launch whose jobs
+    have just ended (a folder it left ``running`` is interrupted)."""
     folder = Path(folder)
     status = read_status(folder)
+    state = effective_state(status, ended_launch=launch)
     if skipped:
-        outcome = JobOutcome(folder, SKIPPED)
+        outcome = JobOutcome(folder, SKIPPED, where=where)
     elif is_completed(folder, status=status):
         outcome = JobOutcome(folder, COMPLETED)
-    elif status.get("state") == FAILED:
+    elif state == FAILED:
         outcome = JobOutcome(folder, FAILED, str(status.get("error") or "failed (no error recorded)"))
-    else:  # killed, out of memory, lost node: nothing recorded its end
+    elif state == RUNNING:  # another live process holds the folder: this job did not run there
+        outcome = JobOutcome(folder, BUSY, f"in use by {describe_owner(status)}")
+    elif state == INTERRUPTED:
+        outcome = JobOutcome(folder, FAILED, f"interrupted: its process ({describe_owner(status)}) is "
+                                             "gone; launch again to rerun it")
+    else:  # killed, out of memory, lost node before it wrote a status
         state = status.get("state", "no status.json")
         outcome = JobOutcome(folder, FAILED, f"no result (state: {state}); the job died, see its log")
     _OUTCOMES.append(outcome)
@@ -57,12 +68,15 @@ def report() -> tuple[str, bool]:
     """(summary text, whether any job failed); empty text when this process launched no multirun jobs."""
     if not _OUTCOMES:
         return "", False
-    counts = {s: sum(o.state == s for o in _OUTCOMES) for s in (COMPLETED, SKIPPED, FAILED)}
+    counts = {s: sum(o.state == s for o in _OUTCOMES) for s in (COMPLETED, SKIPPED, BUSY, FAILED)}
+    busy = f", {counts[BUSY]} running elsewhere (left to the process running them)" if counts[BUSY] else ""
     lines = [f"sweep: {len(_OUTCOMES)} jobs: {counts[COMPLETED]} completed, {counts[SKIPPED]} skipped (already "
-             f"completed with the same config), {counts[FAILED]} failed"]
+             f"completed with the same config){busy}, {counts[FAILED]} failed"]
     for o in _OUTCOMES:
-        if o.state == FAILED:
-            lines.append(f"  failed: {o.folder}  ({o.error.splitlines()[0] if o.error else ''})")
+        if o.state == SKIPPED and o.where is not None and Path(o.where).resolve() != o.folder.resolve():
+            lines.append(f"  skipped: {o.folder.name}  (completed with the same config in {o.where})")
+        elif o.state in (FAILED, BUSY):
+            lines.append(f"  {o.state}: {o.folder}  ({o.error.splitlines()[0] if o.error else ''})")
     if counts[FAILED]:
         lines.append("  each failed run keeps its error (and traceback) in status.json; fix and launch the same "
                      "command again: completed runs are skipped")

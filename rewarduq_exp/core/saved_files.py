@@ -1,0 +1,108 @@
+"""Reading files that someone else may have written: a run folder copied from another cluster, a colleague's
+download, a file cut short by a full disk or a killed copy.
+
+Every reader here turns a missing, truncated or corrupt file into one :class:`UserError` line that names the file and
+what is wrong with it, instead of a library's traceback (a ``SafetensorError`` that does not say which file, a
+``JSONDecodeError`` with a line number into a file nobody named). Nothing here executes code from a file: JSON and
+safetensors only.
+
+:func:`safetensors_problem` checks a safetensors file without reading its tensors (its header and the file size the
+header implies), cheap enough to run over every run of a sweep before it is counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+from rewarduq_exp.core.errors import UserError
+
+# A safetensors file starts with the header's length (8 bytes, little-endian), then the JSON header. Headers beyond
+# this are not safetensors files (the format itself caps them at 100 MB).
+_MAX_HEADER = 100 * 2**20
+
+
+def read_json_object(path: str | os.PathLike, what: str = "") -> dict:
+    """The JSON object in ``path``; a one-line :class:`UserError` naming the file when it is missing, unreadable,
+    not valid UTF-8 / JSON, or not an object. ``what`` says what the file is for (shown in the message)."""
+    path = Path(path)
+    label = f"{path}{f' ({what})' if what else ''}"
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{label} is missing") from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"{label} is corrupt: not UTF-8 text (byte {err.start})") from None
+    except OSError as err:
+        raise UserError(f"{label} cannot be read ({err.strerror or type(err).__name__})") from None
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise UserError(f"{label} is corrupt: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{label} is corrupt: a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def safetensors_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a complete safetensors file (missing, truncated, bad header), or None when it is.
+
+    Reads the header only: the tensors' byte ranges must lie inside the file and the file must end where the last
+    one ends, so a copy cut short (or padded) is caught without loading any weights."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"{path} is truncated ({size} bytes, not a safetensors file)"
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                return f"{path} is truncated or not a safetensors file (header of {n} bytes in a {size}-byte file)"
+            header = json.loads(fh.read(n).decode("utf-8"))
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except OSError as err:
+        return f"{path} cannot be read ({err.strerror or type(err).__name__})"
+    except ValueError:  # bad UTF-8 or JSON in the header
+        return f"{path} is corrupt (its header is not valid JSON)"
+    if not isinstance(header, dict):
+        return f"{path} is corrupt (its header is not a JSON object)"
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            return f"{path} is corrupt (tensor {name!r} has no valid data_offsets)"
+        end = max(end, offsets[1])
+    expected = 8 + n + end
+    if size != expected:
+        state = "truncated" if size < expected else "corrupt (longer than its header says)"
+        return f"{path} is {state}: {size} bytes, the header needs {expected}"
+    return None
+
+
+def check_safetensors(path: str | os.PathLike) -> None:
+    """Raise a one-line :class:`UserError` naming ``path`` unless it is a complete safetensors file."""
+    problem = safetensors_problem(path)
+    if problem:
+        raise UserError(f"{problem}; the run folder is damaged: copy it again or retrain")
+
+
+def load_safetensors(path: str | os.PathLike, framework: str = "pt") -> dict:
+    """The tensors of a safetensors file (``framework``: ``pt`` for torch tensors, ``np`` for numpy arrays), after
+    :func:`check_safetensors`; a read error still left is reported in one line naming the file."""
+    check_safetensors(path)
+    if framework == "np":
+        from safetensors.numpy import load_file
+    else:
+        from safetensors.torch import load_file
+    try:
+        return load_file(str(path))
+    except Exception as err:  # noqa: BLE001 (SafetensorError and friends do not name the file)
+        raise UserError(f"{path} could not be read as safetensors ({type(err).__name__}: {err}); the run folder is "
+                        "damaged: copy it again or retrain") from None

@@ -1,0 +1,107 @@
+"""The methods of this package by name, and the settings a file may give one of them.
+
+A run folder is a file someone may hand you. Whatever reads one (``load_method``, ``evaluate.py``, the Python API,
+``downstream.py``) takes the method's class from :data:`METHOD_CLASSES` by the method's *name*, never by importing a
+class path written in the file (importing a module runs its code, and calling an arbitrary class with the file's
+arguments can run anything, ``subprocess.Popen`` included), and takes from the file only settings this class
+declares, with plain JSON values (:func:`check_settings`). The table holds the ``_target_`` of every
+``conf/method/<name>.yaml`` (tested), so a method added there must be added here to be loadable.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Mapping
+
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.methods.base import RUNTIME_SETTINGS, constructor_settings
+
+# name (``method.json``'s "method", ``conf/method/<name>.yaml``) -> the class that implements it
+METHOD_CLASSES = {
+    "bay_lin": "rewarduq_exp.methods.bay_lin.BayLin",
+    "borp": "rewarduq_exp.methods.borp_method.BorpMethod",
+    "ens_lora": "rewarduq_exp.methods.ens_lora.EnsLoRA",
+    "ens_mlp": "rewarduq_exp.methods.ens_mlp.EnsMLP",
+    "mallows": "rewarduq_exp.methods.label_ranking.MallowsLearner",
+    "mcd_dpo": "rewarduq_exp.methods.mcd_dpo.McdDpo",
+    "pl_rpc": "rewarduq_exp.methods.label_ranking.PLRPCLearner",
+    "plackett_luce": "rewarduq_exp.methods.label_ranking.PlackettLuceNet",
+    "rank_classifier": "rewarduq_exp.methods.label_ranking.RankClassifierNet",
+    "rpc": "rewarduq_exp.methods.label_ranking.RPCLearner",
+}
+_NAME_OF_CLASS = {path: name for name, path in METHOD_CLASSES.items()}
+
+# What a saved or configured setting may be: what every method's ``hyperparameters()`` writes (numbers, flags, names,
+# None, lists of those such as adam_betas or target_modules). A mapping is refused: no method saves one, and a
+# mapping is how a config asks Hydra to build an object (``{"_target_": ...}``).
+PLAIN_SCALARS = (type(None), bool, int, float, str)
+
+
+def method_names() -> list[str]:
+    return sorted(METHOD_CLASSES)
+
+
+def method_class(name: str) -> type:
+    """The class of method ``name`` (a key of :data:`METHOD_CLASSES`; imported from this table, never from input)."""
+    module, _, qualname = METHOD_CLASSES[name].rpartition(".")
+    return getattr(importlib.import_module(module), qualname)
+
+
+def method_name_of_target(target) -> str | None:
+    """The method name whose class is ``target`` (a ``_target_`` string of a method config), or None."""
+    return _NAME_OF_CLASS.get(target) if isinstance(target, str) else None
+
+
+def allowed_classes() -> str:
+    return ", ".join(f"{name} ({path})" for name, path in sorted(METHOD_CLASSES.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def saved_only_keys(name: str) -> frozenset[str]:
+    """Keys ``hyperparameters()`` of method ``name`` writes that are records, not constructor settings (the
+    schedule's ``lr_schedule``, ENS-LoRA's ``head_init_used``): allowed in ``method.json``, never passed to the
+    constructor."""
+    cls = method_class(name)
+    return frozenset(set(cls().hyperparameters()) - constructor_settings(cls))
+
+
+def settings_of(name: str, *, runtime: bool) -> frozenset[str]:
+    """The constructor settings of method ``name`` a file may give (``runtime``: the runtime ones too, as a run's
+    config holds them; ``method.json`` never does). The backbone (``encoder``) always comes from the caller."""
+    names = constructor_settings(method_class(name)) - {"encoder"}
+    return frozenset(names if runtime else names - RUNTIME_SETTINGS)
+
+
+def field_name(key) -> str:
+    """A key read from a file as it can be shown in a one-line message (odd ones quoted, newlines escaped)."""
+    return key if isinstance(key, str) and key.isidentifier() else repr(key)
+
+
+def is_plain(value) -> bool:
+    if isinstance(value, PLAIN_SCALARS):
+        return True
+    return isinstance(value, list) and all(isinstance(v, PLAIN_SCALARS) for v in value)
+
+
+def check_settings(name: str, values, where: str, prefix: str, *, runtime: bool = False,
+                   records: bool = False) -> dict:
+    """``values`` (settings of method ``name`` read from a file), each one checked: a setting of that method
+    (``runtime``: runtime settings allowed; ``records``: the keys ``hyperparameters()`` saves beside the settings
+    allowed too) with a plain value. A refusal is one line naming ``where`` (the file) and the field
+    (``prefix`` + key). Returns the settings the constructor takes (records left out)."""
+    if not isinstance(values, Mapping):
+        raise UserError(f"{where}: {prefix.rstrip('.')} is a JSON {type(values).__name__}, not an object of settings")
+    accepted = settings_of(name, runtime=runtime)
+    recorded = saved_only_keys(name) if records else frozenset()
+    out = {}
+    for key, value in values.items():
+        if key not in accepted and key not in recorded:
+            raise UserError(f"{where}: {prefix}{field_name(key)} is not a setting of {name}; allowed: "
+                            f"{', '.join(sorted(accepted | recorded))}")
+        if not is_plain(value):
+            raise UserError(f"{where}: {prefix}{field_name(key)} is a {type(value).__name__}, not a plain value "
+                            "(a number, true/false, a string, null or a list of those)")
+        if key in accepted:
+            out[key] = value
+    return out
