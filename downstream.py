@@ -6,7 +6,9 @@ import sys
 import hydra
 
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.runner.cli import check_group_choices, check_setting_keys, fail
+from rewarduq_exp.runner.cli import check_group_choices, check_setting_keys, fail, register_resolvers
+
+register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="downstream")

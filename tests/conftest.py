@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LONGEST_FIRST = ["test_borp_run.py",         # ~60
                  "test_label_ranking_run.py",  # ~45
                  "test_cli.py",              # ~40
+                 "test_run_ownership.py",    # ~25
                  "test_cli_datasets.py",     # ~23
                  "test_sweep_multitask.py",  # ~20
                  "test_sweep.py",            # ~18
@@ -43,6 +44,7 @@ LONGEST_FIRST = ["test_borp_run.py",         # ~60
                  "test_api_real_use.py",     # ~18
                  "test_distributed.py",      # ~15
                  "test_acceptance.py",       # ~15
+                 "test_untrusted_run_folders.py",  # ~15
                  "test_cli_finetune.py",     # ~13
                  "test_ens_lora.py",         # ~12
                  "test_config_composition.py"]  # ~12  # ~14

@@ -27,6 +27,16 @@ def check_positive(value, key: str, *, integer: bool = False, minimum: float = 0
     return value
 
 
+def check_integer(key: str, value, minimum: int) -> int:
+    """``value`` must be a whole number >= ``minimum``. Hydra hands ``seed=abc`` over as a string and ``seed=1.5`` as
+    a float, which ``int()`` would refuse with a traceback or silently round down; ``seed=true`` is a bool, which
+    Python counts as the integer 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        shown = str(value).lower() if isinstance(value, bool) else value
+        raise UserError(f"{key}={shown} is invalid: must be an integer >= {minimum}")
+    return value
+
+
 def check_max_grad_norm(value, key: str = "method.max_grad_norm") -> float | None:
     """``None`` (no clipping) or a number > 0."""
     if value is None:

@@ -24,6 +24,7 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from rewarduq_exp.core.checks import check_integer
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.saved_files import read_json_object
 from rewarduq_exp.data.contract import data_kind
@@ -82,7 +83,8 @@ def evaluate_run_folder(cfg) -> dict:
         run_cfg.paths.datasets_dir = cfg.paths.datasets_dir
     names = cfg.eval_datasets if cfg.eval_datasets is not None else run_cfg.eval_datasets
     also = run_cfg.get("also_evaluate") or () if cfg.eval_datasets is None else ()
-    eval_sets = resolve_eval_sets(names, run_cfg.dataset, int(run_cfg.seed), cfg.paths, also)
+    seed = check_integer(f"{folder.root}/.hydra/config.yaml: seed", run_cfg.seed, minimum=0)
+    eval_sets = resolve_eval_sets(names, run_cfg.dataset, seed, cfg.paths, also)
     # dataset.<key>=... (e.g. dataset.subsets=[harmless-base]) sets that key of each evaluated dataset's config
     options = OmegaConf.to_container(cfg.dataset, resolve=True) if cfg.get("dataset") is not None else None
     if options is not None and not isinstance(options, dict):
@@ -92,7 +94,10 @@ def evaluate_run_folder(cfg) -> dict:
     task = method_task(run_cfg.method)
     for name, loader in eval_loaders.items():
         check_eval_kind(name, loader, task)
-    max_length = int(cfg.max_length or run_cfg.max_length)
+    if cfg.max_length is not None:
+        max_length = check_integer("max_length", cfg.max_length, minimum=1)
+    else:
+        max_length = check_integer(f"{folder.root}/.hydra/config.yaml: max_length", run_cfg.max_length, minimum=1)
     run = load_trained_method(cfg.run, device=cfg.device, cache_dir=cfg.paths.cache_dir, progress=bool(cfg.progress),
                               max_length=max_length, trust_remote_code=cfg.get("trust_remote_code", False))
     folder, method, backbone = run.folder, run.method, run.backbone

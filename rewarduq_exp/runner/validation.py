@@ -11,6 +11,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from rewarduq_exp.core.checks import check_integer
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics import check_alphas, check_n_bins
 from rewarduq_exp.metrics.kwise import check_tie_rule
@@ -44,15 +45,6 @@ def validate_run_config(cfg: DictConfig) -> None:
     check_integer("max_length", cfg.max_length, minimum=1)
     validate_metric_config(cfg.metric)
     check_cache_dir(cfg.paths.cache_dir)
-
-
-def check_integer(key: str, value, minimum: int) -> None:
-    """``value`` must be a whole number >= ``minimum``. Hydra hands ``seed=abc`` over as a string and ``seed=1.5`` as
-    a float, which ``int()`` would refuse with a traceback or silently round down; ``seed=true`` is a bool, which
-    Python counts as the integer 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        shown = str(value).lower() if isinstance(value, bool) else value
-        raise UserError(f"{key}={shown} is invalid: must be an integer >= {minimum}")
 
 
 def check_cache_dir(cache_dir) -> None:
