@@ -48,26 +48,15 @@ def run_entry_point(script: Path, args: list, cwd: Path, env: dict | None = None
 def run_ranks(script: Path, args: list, cwd: Path, nprocs: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node <nprocs> <script> <args>`` with forked ranks: their stdout and stderr
     concatenated in rank order and the first non-zero exit status."""
-    import multiprocessing
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, str(script), *map(str, args)]
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(cmd, cwd, r, nprocs, port, results)) for r in range(nprocs)]
-    for proc in procs:
-        proc.start()
-    try:
-        done = dict(results.get(timeout=timeout) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    ranks = [done[r] for r in range(nprocs)]
+    ranks = _forked([cmd] * nprocs, cwd, timeout, lambda r: {"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": nprocs,
+                                                              "LOCAL_WORLD_SIZE": nprocs, "MASTER_ADDR": "127.0.0.1",
+                                                              "MASTER_PORT": port})
     code = next((p.returncode for p in ranks if p.returncode), 0)
     return subprocess.CompletedProcess(cmd, code, "".join(p.stdout for p in ranks), "".join(p.stderr for p in ranks))
 
@@ -76,12 +65,18 @@ def run_concurrently(script: Path, arg_lists: list[list], cwd: Path, timeout: in
     """Start ``python <script> <args>`` once per entry of ``arg_lists``, all at the same moment (forked from this
     process, so they start within milliseconds of each other and do not import everything again); their
     CompletedProcess results in the order given."""
+    return _forked([[sys.executable, str(script), *map(str, args)] for args in arg_lists], cwd, timeout,
+                   lambda i: {})
+
+
+def _forked(cmds: list, cwd: Path, timeout: int, env_of) -> list:
+    """Each command run in-process in its own forked child (``env_of(i)``: the i-th child's extra environment); the
+    results in order."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    cmds = [[sys.executable, str(script), *map(str, args)] for args in arg_lists]
-    procs = [ctx.Process(target=_concurrent_main, args=(cmd, cwd, i, results)) for i, cmd in enumerate(cmds)]
+    procs = [ctx.Process(target=_child_main, args=(cmd, cwd, i, env_of(i), results)) for i, cmd in enumerate(cmds)]
     for proc in procs:
         proc.start()
     try:
@@ -94,26 +89,16 @@ def run_concurrently(script: Path, arg_lists: list[list], cwd: Path, timeout: in
     return [done[i] for i in range(len(cmds))]
 
 
-def _concurrent_main(cmd, cwd, index: int, results) -> None:
-    try:
-        proc = _run_in_process(cmd, cwd, {})
-    except BaseException as error:  # the parent waits for one result per process
-        proc = subprocess.CompletedProcess(cmd, 1, "", repr(error))
-    results.put((index, proc))
-
-
-def _rank_main(cmd, cwd, rank: int, world: int, port: int, results) -> None:
-    # this process's accelerate state (a singleton a test may have set up for one process) would answer for the rank
+def _child_main(cmd, cwd, index: int, env: dict, results) -> None:
+    # this process's accelerate state (a singleton a test may have set up for one process) would answer for a rank
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
-    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     try:
         proc = _run_in_process(cmd, cwd, {k: str(v) for k, v in env.items()})
-    except BaseException as error:  # the parent waits for one result per rank
+    except BaseException as error:  # the parent waits for one result per child
         proc = subprocess.CompletedProcess(cmd, 1, "", repr(error))
-    results.put((rank, proc))
+    results.put((index, proc))
 
 
 def _run_in_process(cmd: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
