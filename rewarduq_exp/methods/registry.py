@@ -54,7 +54,8 @@ def method_name_of_target(target) -> str | None:
 
 
 def allowed_classes() -> str:
-    return ", ".join(f"{name} ({path})" for name, path in sorted(METHOD_CLASSES.items()))
+    """For messages: the classes by their method names (the full paths are in :data:`METHOD_CLASSES`)."""
+    return "the classes of " + ", ".join(sorted(METHOD_CLASSES))
 
 
 @functools.lru_cache(maxsize=None)
