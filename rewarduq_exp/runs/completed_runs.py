@@ -12,12 +12,12 @@ that already completed anywhere there (another sweep folder, a single run), not 
 
 from __future__ import annotations
 
-import json
 import os
 import zipfile
 from pathlib import Path
 
-from rewarduq_exp.core.saved_files import safetensors_problem
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.saved_files import read_json_object, safetensors_problem
 from rewarduq_exp.runs.run_identity import METRICS_FILE, STATUS_FILE, is_completed, read_status
 
 
@@ -49,14 +49,10 @@ def damage(folder: str | os.PathLike) -> str | None:
 
 def _json_problem(path: Path) -> str | None:
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        return f"{path} is missing"
-    except OSError as err:
-        return f"{path} cannot be read ({err.strerror or type(err).__name__})"
-    except ValueError as err:  # bad UTF-8 or JSON
-        return f"{path} is corrupt ({type(err).__name__}: {err})"
-    return None if isinstance(data, dict) else f"{path} is corrupt (not a JSON object)"
+        read_json_object(path)
+    except UserError as err:
+        return str(err)
+    return None
 
 
 def _zip_problem(path: Path) -> str | None:

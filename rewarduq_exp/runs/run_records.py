@@ -13,7 +13,6 @@ reads, so it is safe on sweeps that are still running.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.saved_files import read_json_object
 from rewarduq_exp.runs.completed_runs import damage
 from rewarduq_exp.runs.run_identity import NOT_HYPERPARAMETERS, VALIDATION
 from rewarduq_exp.runs.run_owner import describe_owner, effective_state
@@ -105,15 +105,12 @@ def read_run(folder: str | os.PathLike) -> RunRecord | None:
     seed = _seed(cfg)
 
     status, status_problem = _read_json(folder / "status.json")
-    metrics, metrics_problem = _read_json(folder / "metrics.json")
     state = effective_state(status) if status else None
     error = ""
     if state not in ("completed", "failed", "running", "interrupted"):
         state, error = "missing", status_problem or f"status.json has an unknown state {state!r}"
-    elif state == "completed" and metrics is None:
-        state, error = ("corrupt" if (folder / "metrics.json").is_file() else "missing"), metrics_problem
     elif state == "completed" and (problem := damage(folder)):
-        state, error = "corrupt", problem
+        state, error = ("corrupt" if (folder / "metrics.json").is_file() else "missing"), problem
     elif state == "interrupted":
         error = f"its process ({describe_owner(status)}) is gone"
     elif state == "failed":
@@ -134,7 +131,7 @@ def read_run(folder: str | os.PathLike) -> RunRecord | None:
         seed=seed,
         hyperparameters=hyperparameters(cfg),
         overrides=overrides,
-        metrics=metrics if state == "completed" else {},
+        metrics=read_json_object(folder / "metrics.json") if state == "completed" else {},
         finished_at=str((status or {}).get("finished_at", "")),
     )
 
@@ -209,12 +206,9 @@ def _read_json(path: Path) -> tuple[dict | None, str]:
     if not path.is_file():
         return None, f"{path.name} missing (never started or killed)"
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        return None, f"{path.name} unreadable: {_first_line(str(err))}"
-    if not isinstance(data, dict):
-        return None, f"{path.name} unreadable: not a JSON object"
-    return data, ""
+        return read_json_object(path), ""
+    except UserError as err:
+        return None, str(err)
 
 
 def _first_line(text: str) -> str:
