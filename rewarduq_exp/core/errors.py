@@ -17,3 +17,10 @@ class UserError(ValueError):
 def one_line(message: str) -> str:
     """Collapse a message to a single line (error output must stay one line)."""
     return " ".join(str(message).split())
+
+
+def first_line(text, limit: int | None = 200) -> str:
+    """The first non-blank line of ``text`` (an exception's message, say), stripped and cut at ``limit`` characters:
+    what a one-line error quotes of a library's longer report."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0][:limit] if lines else ""

@@ -19,7 +19,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.errors import UserError, first_line, one_line
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -98,7 +98,7 @@ def check_untrusted_dataset(dataset_cfg, where: str, prefix: str = "dataset") ->
         node = OmegaConf.to_container(dataset_cfg, resolve=True)
     except Exception as err:  # noqa: BLE001 (an interpolation that does not resolve: OmegaConf's errors vary)
         raise UserError(one_line(f"{where}: {prefix} does not resolve ({type(err).__name__}: "
-                                 f"{(str(err).splitlines() or [''])[0]})")) from None
+                                 f"{first_line(err)})")) from None
     target = node.get("_target_")
     if target not in loader_targets():
         raise UserError(one_line(f"{where}: {prefix}._target_ names {target!r}, not a dataset loader of "

@@ -71,7 +71,7 @@ import numpy as np
 import pandas as pd
 
 from rewarduq_exp.core.atomic_write import atomic_path
-from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.errors import UserError, first_line
 from rewarduq_exp.models import prefix_cache
 
 REGRESSORS = ("pls", "pca")
@@ -634,7 +634,7 @@ class BorpProbe:
             probe.train_rows_ = arrays["train_rows"]
         except (KeyError, TypeError, ValueError, AttributeError) as err:  # an array or a meta field missing or odd
             raise UserError(f"{path}: not a complete saved {SAVED_KINDS[PROBE_KIND]} ({type(err).__name__}: "
-                            f"{(str(err).splitlines() or [''])[0][:200]})") from None
+                            f"{first_line(err)})") from None
         return probe
 
 
@@ -749,4 +749,4 @@ class MeanPoolRidge:
                        intercept_=float(meta["intercept"]), alpha_=meta["alpha"])
         except (KeyError, TypeError, ValueError) as err:  # an array or a meta field missing or odd
             raise UserError(f"{path}: not a complete saved {SAVED_KINDS[RIDGE_KIND]} ({type(err).__name__}: "
-                            f"{(str(err).splitlines() or [''])[0][:200]})") from None
+                            f"{first_line(err)})") from None

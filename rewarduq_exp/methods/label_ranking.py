@@ -38,7 +38,7 @@ from torch import nn
 
 from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.core.checks import check_positive
-from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.errors import UserError, first_line
 from rewarduq_exp.methods.base import LabelRankingMethod, TrainingSchedule, run_training
 from rewarduq_exp.ranking.categorical import RankCategorical
 from rewarduq_exp.ranking.mallows import Mallows, expected_distance
@@ -379,7 +379,7 @@ def _fit_pair(X: np.ndarray, y: np.ndarray, seed: int, cv: int, eps: float):
 
 
 def _damaged_models_file(path: Path, err: Exception) -> UserError:
-    first = (str(err).splitlines() or [""])[0][:200]
+    first = first_line(err)
     return UserError(f"{path} could not be read as an RPC model file ({type(err).__name__}: {first}); the run "
                      "folder is damaged: copy it again or retrain")
 

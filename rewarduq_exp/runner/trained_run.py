@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rewarduq_exp.core.checks import check_positive
-from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.errors import UserError, first_line, one_line
 from rewarduq_exp.data.registry import check_untrusted_dataset
 from rewarduq_exp.methods.base import load_method, read_saved_method
 from rewarduq_exp.methods.registry import allowed_classes, method_name_of_target
@@ -56,7 +56,7 @@ def load_run_config_file(config_path: Path) -> DictConfig:
         config = OmegaConf.load(config_path)
     except Exception as err:  # noqa: BLE001 (YAML and OmegaConf errors: the file is damaged either way)
         raise UserError(one_line(f"{config_path} is corrupt ({type(err).__name__}: "
-                                 f"{(str(err).splitlines() or [''])[0]})")) from None
+                                 f"{first_line(err)})")) from None
     if not isinstance(config, DictConfig):
         raise UserError(f"{config_path} is corrupt: not a mapping of settings")
     return config
@@ -116,7 +116,7 @@ def run_method_settings(run_cfg: DictConfig, config_path: Path) -> tuple[str, di
         values = OmegaConf.to_container(method_cfg, resolve=True)
     except Exception as err:  # noqa: BLE001 (an interpolation that does not resolve: OmegaConf's errors vary)
         raise UserError(one_line(f"{config_path}: method does not resolve ({type(err).__name__}: "
-                                 f"{(str(err).splitlines() or [''])[0]})")) from None
+                                 f"{first_line(err)})")) from None
     values.pop("_target_", None)
     return name, check_settings(name, values, str(config_path), "method.", runtime=True)
 

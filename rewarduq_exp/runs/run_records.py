@@ -21,7 +21,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.errors import UserError, first_line
 from rewarduq_exp.core.saved_files import read_json_object
 from rewarduq_exp.runs.completed_runs import damage
 from rewarduq_exp.runs.run_identity import NOT_HYPERPARAMETERS, VALIDATION
@@ -96,7 +96,7 @@ def read_run(folder: str | os.PathLike) -> RunRecord | None:
     try:
         cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
     except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as err:
-        return RunRecord(path=folder, state="corrupt", error=f".hydra/config.yaml unreadable: {_first_line(err)}",
+        return RunRecord(path=folder, state="corrupt", error=f".hydra/config.yaml unreadable: {first_line(err)}",
                          method="unknown", model="unknown", dataset="unknown", seed=None)
     if not isinstance(cfg, DictConfig) or not isinstance(cfg.get("method"), DictConfig):
         return None
@@ -114,7 +114,7 @@ def read_run(folder: str | os.PathLike) -> RunRecord | None:
     elif state == "interrupted":
         error = f"its process ({describe_owner(status)}) is gone"
     elif state == "failed":
-        error = _first_line(status.get("error") or "failed (no error recorded)")
+        error = first_line(status.get("error") or "failed (no error recorded)", limit=None)
         if status.get("stage") == VALIDATION:
             state = "invalid"
 
@@ -209,8 +209,3 @@ def _read_json(path: Path) -> tuple[dict | None, str]:
         return read_json_object(path), ""
     except UserError as err:
         return None, str(err)
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return lines[0] if lines else ""
