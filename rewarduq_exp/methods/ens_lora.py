@@ -321,11 +321,14 @@ class EnsLoRA(RewardMethod):
         # One pass (and one backward) per member: gradient checkpointing, or mixed training switched off.
         rows = []
         for k, name in enumerate(self.member_names):
+            # Before the anchor: PEFT's set_adapter makes the active adapter's parameters the only ones that require
+            # grad, so an anchor computed before it (while the previous member was active) had no gradient for the
+            # LoRA weights, from the second step on.
+            self.model.set_adapter(name)
             anchor_k = (self._anchor_one(k, groups[k], initial[k]) if self.reg_lambda > 0
                         else torch.zeros((), device=device)) / world
             bt_k = center_k = torch.zeros((), device=device)
             if b:
-                self.model.set_adapter(name)
                 rk = self._pooled(ids, mask) @ self.head[k]
                 bt_k = (bradley_terry_nll(rk[:b] - rk[b:]) * weight).sum()
                 center_k = ((rk[:b] + rk[b:]).pow(2) * weight).sum()
@@ -421,7 +424,7 @@ class EnsLoRA(RewardMethod):
         t1 = time.perf_counter()
         total = run_training(params, n, self.schedule, step, seed=self.seed, desc=f"{self.name} training",
                              history=self.history, show_progress=self.show_progress, log_every=self.log_every,
-                             clip=lambda: self._clip_per_member(groups))
+                             clip=lambda: self._clip_per_member(groups), synchronized=world > 1)
         if self.gradient_checkpointing:
             self.model.base_model.model.gradient_checkpointing_disable()
         self.model.eval()
