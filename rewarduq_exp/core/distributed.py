@@ -108,3 +108,17 @@ def launcher_overrides(argv: list[str]) -> tuple[list[str], str | None]:
                     "hydra.run.dir=<folder> so that all processes share one run folder (the default folder name "
                     "holds the start time, which the processes need not agree on)")
     return [], None
+
+
+def max_across(value: int) -> int:
+    """The largest of every process's ``value`` (one small all-reduce; ``value`` itself in a one-process run). All
+    processes must call it at the same point."""
+    if not _initialized() or world_size() == 1:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    box = torch.tensor([value], dtype=torch.long,
+                       device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return int(box.item())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 import os
 import time
@@ -33,6 +34,8 @@ from rewarduq_exp.core.checks import check_choice, check_max_grad_norm, check_po
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.saved_files import load_safetensors, read_json_object
 from rewarduq_exp.models.backbone import resolve_device
+
+log = logging.getLogger("rewarduq_exp")
 
 
 @dataclass
@@ -484,7 +487,7 @@ class FeatureHeadMethod(RewardMethod):
 
 
 def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int, desc: str, history: list,
-                 show_progress: bool, log_every: int, clip=None) -> int:
+                 show_progress: bool, log_every: int, clip=None, synchronized: bool = False) -> int:
     """The one training loop of every method we train ourselves (MCD-DPO trains through TRL's DPOTrainer, BoRP
     fits closed-form regressors, Mallows and RPC are not trained by gradients): AdamW with cosine warm-up (or a
     constant learning rate) over ``ceil(n / batch_size * num_epochs)`` steps, one seeded permutation of the ``n`` rows
@@ -494,7 +497,15 @@ def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int,
     (``loss`` first). ``clip()`` replaces the default clipping of the total gradient norm over ``params`` at
     ``schedule.max_grad_norm`` (ENS-LoRA clips each member on its own); the default also logs ``grad_norm``.
     Returns the number of steps taken.
+
+    Inside a run (``train.py``), the loop is one phase of the run's training checkpoints
+    (:mod:`rewarduq_exp.runs.training_checkpoint`): it resumes from a saved state (exactly: parameters, optimizer,
+    scheduler, data order and every RNG state), saves on the run's schedule and when the job is signalled
+    (:mod:`rewarduq_exp.runs.job_signals`), and keeps its final state once done. ``synchronized``: every process of a
+    distributed run runs this loop in step (ENS-LoRA's data parallelism), so they agree on when to stop.
     """
+    from rewarduq_exp.runs import job_signals, training_checkpoint
+
     params = list(params)
     steps_per_epoch = math.ceil(n / schedule.batch_size)
     total = max(1, math.ceil(steps_per_epoch * schedule.num_epochs))
@@ -507,23 +518,68 @@ def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int,
     max_norm = schedule.max_grad_norm if schedule.max_grad_norm is not None else float("inf")
     generator = torch.Generator().manual_seed(seed)
     order = torch.empty(0, dtype=torch.long)
-    bar = tqdm(range(total), desc=desc, unit="step", leave=False,
+    checkpoints = training_checkpoint.active()
+    phase = checkpoints.phase(desc) if checkpoints is not None else None
+    first = 0
+    saved = phase.load(total) if phase is not None else None
+    if saved is not None:
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p.copy_(saved.tensors[f"param.{i}"])
+        training_checkpoint.restore_rng(saved)
+        history[:] = saved.meta["history"]
+        if saved.done:
+            log.info("%s: already trained (%s); not training again", desc, phase.path)
+            return total
+        training_checkpoint.load_optimizer_state(optimizer, saved)
+        training_checkpoint.load_scheduler_state(scheduler, saved)
+        generator.set_state(saved.tensors["data.generator"])
+        order, first = saved.tensors["data.order"], saved.step
+        log.info("%s: resumed at step %d of %d (%s)", desc, first, total, phase.path)
+
+    def save(done: bool, step_count: int) -> float:
+        tensors = {f"param.{i}": p for i, p in enumerate(params)}
+        meta = {"step": step_count, "total": total, "done": done, "history": list(history),
+                **training_checkpoint.rng_meta()}
+        if not done:   # a finished phase needs only its result
+            opt_tensors, groups = training_checkpoint.optimizer_state(optimizer)
+            tensors |= opt_tensors | {"data.generator": generator.get_state(), "data.order": order}
+            meta |= {"optimizer_groups": groups, "scheduler": training_checkpoint.scheduler_state(scheduler)}
+        return phase.save(tensors | training_checkpoint.rng_tensors(), meta)
+
+    bar = tqdm(range(first, total), desc=desc, unit="step", leave=False, initial=first, total=total,
                disable=not (show_progress and distributed.is_main()))
-    for i in bar:
-        start = (i % steps_per_epoch) * schedule.batch_size
-        if start == 0:
-            order = torch.randperm(n, generator=generator)
-        optimizer.zero_grad(set_to_none=True)
-        values = step(order[start:start + schedule.batch_size])
-        if clip is None:
-            values["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        else:
-            clip()
-        optimizer.step()
-        scheduler.step()
-        if i % log_every == 0 or i == total - 1:
-            record = {"step": i + 1, "loss": float(values.pop("loss")), "lr": scheduler.get_last_lr()[0],
-                      **{k: float(v) for k, v in values.items()}}
-            history.append(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}")
+    with job_signals.training_loop():
+        for i in bar:
+            start = (i % steps_per_epoch) * schedule.batch_size
+            if start == 0:
+                order = torch.randperm(n, generator=generator)
+            optimizer.zero_grad(set_to_none=True)
+            values = step(order[start:start + schedule.batch_size])
+            if clip is None:
+                values["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            else:
+                clip()
+            optimizer.step()
+            scheduler.step()
+            if i % log_every == 0 or i == total - 1:
+                record = {"step": i + 1, "loss": float(values.pop("loss")), "lr": scheduler.get_last_lr()[0],
+                          **{k: float(v) for k, v in values.items()}}
+                history.append(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}")
+            if phase is None or i == total - 1:
+                continue
+            due = phase.due(i + 1)
+            stop = job_signals.stop_requested() or 0
+            if synchronized:
+                stop = distributed.max_across(stop)
+            if stop or due:
+                seconds = save(False, i + 1)
+                log.info("%s: training state saved at step %d of %d (%.2f s)", desc, i + 1, total, seconds)
+                if stop:
+                    raise job_signals.TrainingInterrupted(stop, f"at step {i + 1} of {total} of {desc}")
+    if phase is not None:
+        save(True, total)
+        if stop := job_signals.stop_requested():   # signalled during the last step: leave with the result saved
+            raise job_signals.TrainingInterrupted(stop, f"after the last step of {desc}")
     return total

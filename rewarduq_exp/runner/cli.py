@@ -55,13 +55,17 @@ def unique_run_dir(base: str, *, _root_=None) -> str:
 
     if _root_ is not None and str(OmegaConf.select(_root_, "hydra.mode", default="")).endswith("MULTIRUN"):
         return base  # multirun jobs use hydra.sweep.dir / subdir; nothing to create
-    stem = base
+    stem, chash = base, None
     if _root_ is not None:
         try:
-            stem = f"{base}-{config_hash(OmegaConf.masked_copy(_root_, [k for k in _root_ if k != 'hydra']))[:8]}"
+            chash = config_hash(OmegaConf.masked_copy(_root_, [k for k in _root_ if k != "hydra"]))
+            stem = f"{base}-{chash[:8]}"
         except Exception:  # noqa: BLE001 (an incomplete config: the run fails validation in its folder next)
             pass
     parent = Path(stem).parent
+    if chash is not None and not OmegaConf.select(_root_, "force", default=False):
+        if (resumable := interrupted_run_with_checkpoint(parent, chash)) is not None:
+            return str(resumable)
     try:
         parent.mkdir(parents=True, exist_ok=True)
         for n in range(1, 10_000):
@@ -75,6 +79,27 @@ def unique_run_dir(base: str, *, _root_=None) -> str:
         fail(f"cannot create the run folder {stem} ({err.strerror or err}); paths.output_root must be a folder you "
              "can write (set paths.output_root=<folder> or hydra.run.dir=<folder>)")
     fail(f"cannot create the run folder {stem}: 10000 folders of that name exist")
+
+
+def interrupted_run_with_checkpoint(parent: Path, chash: str) -> Path | None:
+    """The newest folder in ``parent`` of an unfinished run of this very config whose process is gone (killed,
+    preempted, crashed) and that saved a training checkpoint: the same command, launched again, resumes there
+    instead of starting over in a new folder. ``force=true`` starts a new run."""
+    from rewarduq_exp.runs.run_identity import read_status
+    from rewarduq_exp.runs.run_owner import INTERRUPTED, effective_state
+    from rewarduq_exp.runs.training_checkpoint import CHECKPOINT_DIR
+
+    candidates = []
+    for folder in [*parent.glob(f"*-{chash[:8]}"), *parent.glob(f"*-{chash[:8]}-[0-9]*")]:
+        status = read_status(folder)
+        if (status.get("config_hash") == chash and effective_state(status) in (INTERRUPTED, "failed")
+                and any((folder / CHECKPOINT_DIR).glob("*.safetensors"))):
+            candidates.append(folder)
+    if not candidates:
+        return None
+    folder = max(candidates, key=lambda f: f.stat().st_mtime)
+    log.info("resuming the unfinished run in %s (force=true starts a new one instead)", folder)
+    return folder
 
 
 def writable_folder_problem(path: str | os.PathLike) -> str | None:

@@ -23,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from rewarduq_exp.core import distributed
+from rewarduq_exp.core.checks import check_integer, check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
@@ -37,7 +38,9 @@ from rewarduq_exp.runner.loggers import NullLogger, make_logger
 from rewarduq_exp.runner.run_output import RunOutput
 from rewarduq_exp.runner.summary import summary_table
 from rewarduq_exp.runner.validation import check_data_kinds, check_task, require_complete, validate_run_config
+from rewarduq_exp.runs import job_signals, training_checkpoint
 from rewarduq_exp.runs.run_folder import RunFolder, config_hash, write_json
+from rewarduq_exp.runs.training_checkpoint import CHECKPOINT_DIR, TrainingCheckpoints
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -69,13 +72,25 @@ def train(cfg: DictConfig) -> dict | None:
         report_user_error(err)
         return None
     log_file = _log_to_file(out / "train.log") if folder.writer else None
+    checkpoints = None
+    job_signals.install()
     try:
         if folder.writer:
             hydra_cfg = HydraConfig.instance().cfg
             folder.write_config(cfg, hydra_cfg, hydra_cfg.hydra.overrides.task)
         if incomplete is not None:
             raise incomplete
-        return _run(cfg, out, folder)
+        checkpoints = _checkpoints(cfg, out, chash)
+        with training_checkpoint.activate(checkpoints):
+            return _run(cfg, out, folder, checkpoints)
+    except job_signals.TrainingInterrupted as err:
+        saved = checkpoints is not None and checkpoints.exists()
+        message = (f"interrupted by {err.signal_name} {err.where}; "
+                   + (f"training state saved in {checkpoints.directory}: launch the same command again to resume"
+                      if saved else "no training state saved yet: launching the same command again starts it over"))
+        log.warning("%s", message)
+        folder.interrupt(message)
+        job_signals.leave(err)
     except UserError as err:
         folder.fail(err, with_traceback=False)
         report_user_error(err)
@@ -89,9 +104,33 @@ def train(cfg: DictConfig) -> dict | None:
             return None
         raise
     finally:
+        job_signals.uninstall()
         if log_file is not None:
             logging.getLogger().removeHandler(log_file)
             log_file.close()
+
+
+def _checkpoints(cfg: DictConfig, out: Path, chash: str | None) -> TrainingCheckpoints | None:
+    """The run's training checkpoints (``<run>/checkpoint``); with ``force=true`` an old one is deleted first, so the
+    run starts over."""
+    if chash is None:
+        return None
+    settings = cfg.get("checkpoint") or {}
+    every_steps, every_minutes = settings.get("every_steps"), settings.get("every_minutes")
+    if every_steps is not None:
+        check_integer("checkpoint.every_steps", every_steps, minimum=1)
+    if every_minutes is not None:
+        check_positive(every_minutes, "checkpoint.every_minutes")
+    checkpoints = TrainingCheckpoints(out / CHECKPOINT_DIR, chash, every_steps=every_steps,
+                                      every_minutes=every_minutes)
+    if checkpoints.exists() and distributed.is_main():
+        if cfg.force:
+            log.info("force=true: deleting the training checkpoint in %s; training starts over", checkpoints.directory)
+            checkpoints.clear()
+        else:
+            log.info("found a training checkpoint in %s: this run resumes from it", checkpoints.directory)
+    distributed.barrier()
+    return checkpoints
 
 
 def _log_to_file(path: Path) -> logging.Handler:
@@ -104,7 +143,7 @@ def _log_to_file(path: Path) -> logging.Handler:
     return handler
 
 
-def _run(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
+def _run(cfg: DictConfig, out: Path, folder: RunFolder, checkpoints: TrainingCheckpoints | None = None) -> dict:
     t0 = time.perf_counter()
     validate_run_config(cfg)
     seed_everything(int(cfg.seed))
@@ -121,7 +160,10 @@ def _run(cfg: DictConfig, out: Path, folder: RunFolder) -> dict:
         if result.summary:
             logger.log_summary(result.summary)
         folder.write_metrics(result.blocks)
-        folder.finish(**result.info, seconds_total=round(time.perf_counter() - t0, 2))
+        resumed = {"resumed": checkpoints.resumed} if checkpoints is not None and checkpoints.resumed else {}
+        folder.finish(**result.info, **resumed, seconds_total=round(time.perf_counter() - t0, 2))
+        if checkpoints is not None and folder.writer:
+            checkpoints.clear()   # the run is complete: its training state is of no further use
         if folder.writer:
             print("\n".join([f"run folder: {out}", summary_table(result.blocks), *result.notes]), flush=True)
         failed = False

@@ -38,6 +38,7 @@ from rewarduq_exp.runs.run_identity import (  # noqa: F401 (config_hash: API)
     read_status,
 )
 from rewarduq_exp.runs.run_owner import (
+    INTERRUPTED,
     RUNNING,
     Heartbeat,
     describe_owner,
@@ -204,6 +205,18 @@ class RunFolder:
                   **info)
         for key in ("error", "traceback", "stage", "heartbeat_at"):
             st.pop(key, None)
+        self._end(st)
+
+    def interrupt(self, message: str) -> None:
+        """A signal stopped the run (preemption, time limit, ``kill``): ``interrupted``, not failed; the launchers
+        submit it again and it resumes from its training checkpoint."""
+        if not self.writer:
+            return
+        st = dict(self._status or self.status())
+        st.update(state=INTERRUPTED, interrupted_at=now_iso(), error=message, stage=self.stage)
+        st.pop("heartbeat_at", None)
+        if hasattr(self, "_started"):
+            st["seconds"] = round(time.time() - self._started, 2)
         self._end(st)
 
     def fail(self, err: BaseException, with_traceback: bool = True) -> None:
