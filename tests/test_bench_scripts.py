@@ -10,6 +10,7 @@ from entry_points import run_entry_point
 ROOT = Path(__file__).resolve().parents[1]
 # script -> (arguments for a tiny run, a phrase of the ratio line it prints)
 SMOKE = {
+    "bench_checkpoint.py": (["--smoke"], "ratio: one checkpoint save / one training step"),
     "bench_data.py": (["--pairs", "40"], "faster than naive"),
     "bench_downstream.py": (["--prompts", "2", "--n-max", "16"], "speed-up"),
     "bench_heads.py": (["--pairs", "128", "--dim", "16", "--heads", "3", "--repeats", "1"], "speed-up"),

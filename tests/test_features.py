@@ -134,3 +134,31 @@ def test_bad_probe_settings(tiny_backbone, tmp_path, frame):
     with pytest.raises(UserError, match="probe.layer=7"):
         FeatureEncoder(tiny_backbone, probe(layer=7), tmp_path, 2048, show_progress=False).encode(
             frame["prompt"], frame["chosen"])
+
+
+def test_an_entry_half_written_by_a_killed_job_is_never_read(tmp_path):
+    """A job killed (SIGKILL: no handler runs) while writing a feature-cache entry, holding the entry's lock, leaves
+    only a hidden temporary file: the next job neither reads it nor waits on the dead job's lock, and computes the
+    entry again."""
+    import os
+    import signal
+
+    from rewarduq_exp.models.feature_cache import FeatureCache
+
+    cache = FeatureCache(tmp_path)
+    pid = os.fork()
+    if pid == 0:  # the job: killed halfway through writing the tensor file
+        def half_written(tensor, path):
+            with open(path, "wb") as fh:
+                fh.write(b"PK\x03\x04 (cut short)")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        torch.save = half_written
+        cache.get_or_compute("entry", lambda: torch.ones(4, 2), {"what": "test"})
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert cache.get("entry") is None and any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    tensor, hit = cache.get_or_compute("entry", lambda: torch.arange(8.0).view(4, 2), {"what": "test"})
+    assert not hit and torch.equal(tensor, torch.arange(8.0).view(4, 2))
+    assert torch.equal(FeatureCache(tmp_path).get("entry"), tensor)

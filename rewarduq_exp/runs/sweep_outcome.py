@@ -56,6 +56,17 @@ def record(folder: Path, skipped: bool = False, where: Path | None = None, launc
     return outcome
 
 
+def job_logs(folder: Path) -> list[Path]:
+    """Where a run's log is: its ``train.log`` and, for a Slurm or submitit job, the job's own output and error files
+    (``<sweep>/.submitit/<job>/<job>_<task>_log.{out,err}``: what the run printed before and after its log opened,
+    the traceback of a crash, the scheduler's messages)."""
+    logs = [folder / "train.log"] if (folder / "train.log").is_file() else []
+    job = read_status(folder).get("slurm_job")
+    if job:
+        logs += sorted((folder.parent / ".submitit" / str(job)).glob("*_log.*"))
+    return logs
+
+
 def outcomes() -> list[JobOutcome]:
     return list(_OUTCOMES)
 
@@ -77,6 +88,8 @@ def report() -> tuple[str, bool]:
             lines.append(f"  skipped: {o.folder.name}  (completed with the same config in {o.where})")
         elif o.state in (FAILED, BUSY):
             lines.append(f"  {o.state}: {o.folder}  ({o.error.splitlines()[0] if o.error else ''})")
+            if o.state == FAILED and (logs := job_logs(o.folder)):
+                lines.append(f"    log: {', '.join(map(str, logs))}")
     if counts[FAILED]:
         lines.append("  each failed run keeps its error (and traceback) in status.json; fix and launch the same "
                      "command again: completed runs are skipped")
