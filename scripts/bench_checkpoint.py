@@ -24,8 +24,8 @@ from pathlib import Path
 
 def measure(fit, steps_of, directory: Path) -> dict:
     """Fit once plainly and once with a checkpoint after every step; the median save against the mean step."""
-    from rewarduq_exp.runs import training_checkpoint
-    from rewarduq_exp.runs.training_checkpoint import Phase, TrainingCheckpoints
+    from rewarduq_exp.core import training_checkpoint
+    from rewarduq_exp.core.training_checkpoint import Phase, TrainingCheckpoints
 
     fit()   # warm-up: first calls (kernels, TRL's imports) are not what a step costs
     t0 = time.perf_counter()

@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from rewarduq_exp.core import job_signals, training_checkpoint
+from rewarduq_exp.core.training_checkpoint import Phase, TrainingCheckpoints
 from rewarduq_exp.data.synthetic import SyntheticWorld
 from rewarduq_exp.methods.bay_lin import BayLin
 from rewarduq_exp.methods.ens_lora import EnsLoRA
@@ -21,8 +23,6 @@ from rewarduq_exp.methods.ens_mlp import EnsMLP
 from rewarduq_exp.methods.label_ranking import PlackettLuceNet, RankClassifierNet
 from rewarduq_exp.ranking.permutations import orderings_to_ranks
 from rewarduq_exp.ranking.plackett_luce import PlackettLuce
-from rewarduq_exp.runs import job_signals, training_checkpoint
-from rewarduq_exp.runs.training_checkpoint import Phase, TrainingCheckpoints
 
 
 @pytest.fixture(autouse=True)

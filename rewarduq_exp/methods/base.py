@@ -499,12 +499,12 @@ def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int,
     Returns the number of steps taken.
 
     Inside a run (``train.py``), the loop is one phase of the run's training checkpoints
-    (:mod:`rewarduq_exp.runs.training_checkpoint`): it resumes from a saved state (exactly: parameters, optimizer,
+    (:mod:`rewarduq_exp.core.training_checkpoint`): it resumes from a saved state (exactly: parameters, optimizer,
     scheduler, data order and every RNG state), saves on the run's schedule and when the job is signalled
-    (:mod:`rewarduq_exp.runs.job_signals`), and keeps its final state once done. ``synchronized``: every process of a
+    (:mod:`rewarduq_exp.core.job_signals`), and keeps its final state once done. ``synchronized``: every process of a
     distributed run runs this loop in step (ENS-LoRA's data parallelism), so they agree on when to stop.
     """
-    from rewarduq_exp.runs import job_signals, training_checkpoint
+    from rewarduq_exp.core import job_signals, training_checkpoint
 
     params = list(params)
     steps_per_epoch = math.ceil(n / schedule.batch_size)

@@ -23,12 +23,28 @@ Performance:
 - scoring runs the transformer body once per batch; only dropout + LM head + log-softmax are repeated K times, over
   chunks of completion positions, so no (K, B, L, V) logits tensor ever exists. The reference model (no dropout) is
   run once per batch.
+
+Checkpoints: inside a run (``train.py``) the training is one phase of the run's training checkpoints
+(:mod:`rewarduq_exp.core.training_checkpoint`), like every loop that :func:`~rewarduq_exp.methods.base.run_training`
+drives. At the end of an optimizer step that is due (or after a stop signal) the Trainer first logs the step, then its
+``_save_checkpoint`` writes the phase file: trainable weights, AdamW state, scheduler, the Trainer's state (step,
+epoch, log history) and its running log sums, every RNG state; safetensors + JSON, no pickle. The data order needs no
+state of its own: accelerate's seedable sampler draws epoch ``e``'s order from ``data_seed + e``. A resumed run lets
+the Trainer resume from a folder that holds only ``trainer_state.json`` (so it skips the batches already trained, as
+it does for its own checkpoints) and takes the weights, optimizer, scheduler and RNG from the phase file where the
+Trainer would read its ``.pt`` files; the RNG is restored at the very point the Trainer restores its own, so the
+remaining steps draw the same dropout masks. A finished phase keeps the trained weights and history: a run launched
+again after training skips tokenisation, the reference pass and training.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
+import json
+import logging
 import math
 import os
 import shutil
@@ -44,9 +60,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
+from rewarduq_exp.core import job_signals, training_checkpoint
 from rewarduq_exp.core.atomic_write import atomic_path
 from rewarduq_exp.core.checks import check_max_grad_norm, check_positive
-from rewarduq_exp.core.distributed import rank, world_size
+from rewarduq_exp.core.distributed import max_across, rank, world_size
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.saved_files import check_safetensors
 from rewarduq_exp.methods.base import (
@@ -57,6 +74,8 @@ from rewarduq_exp.methods.base import (
     write_method_info,
 )
 from rewarduq_exp.models.backbone import resolve_device
+
+log = logging.getLogger("rewarduq_exp")
 
 WEIGHTS_FILE = "policy.safetensors"
 
@@ -269,6 +288,108 @@ def weighted_dpo_loss(margin: torch.Tensor, weight: torch.Tensor | None) -> torc
     return (nll * weight).sum() / weight.sum().clamp_min(torch.finfo(nll.dtype).tiny)
 
 
+def _param_tensors(model) -> dict[str, torch.Tensor]:
+    """The model's parameters by name (a tied LM head appears once, as the input embedding it shares)."""
+    return {f"param.{name}": p.detach() for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def _load_params(model, state: training_checkpoint.TrainingState) -> None:
+    params = dict(model.named_parameters())
+    saved = {k.removeprefix("param."): v for k, v in state.tensors.items() if k.startswith("param.")}
+    if saved.keys() != params.keys():
+        odd = sorted(saved.keys() ^ params.keys())[:3]
+        raise UserError(one_line(f"the MCD-DPO training checkpoint does not match this model (parameters {odd} are "
+                                 "in one of them only); delete the run's checkpoint folder to train from step 0"))
+    for name, p in params.items():
+        p.copy_(saved[name])
+
+
+def _history(log_history: list[dict]) -> list[dict]:
+    """Our training history (one record per logged step) from the Trainer's log history."""
+    return [{"step": int(rec["step"]), "loss": float(rec["loss"]), "lr": float(rec.get("learning_rate", float("nan"))),
+             **{k: float(v) for k, v in rec.items() if k.startswith("rewards/")}}
+            for rec in log_history if "loss" in rec]
+
+
+@functools.cache
+def _phase_checkpoint_class():
+    from transformers import TrainerCallback
+
+    class PhaseCheckpoint(TrainerCallback):
+        """The run's checkpoint phase inside the Trainer's loop (module docstring, "Checkpoints").
+
+        ``on_step_end`` decides whether this step is saved: due on the run's schedule, or a stop signal (under
+        torchrun every rank takes the largest signal of all, so all stop at the same step). The Trainer then logs the
+        step and calls ``_save_checkpoint`` (-> :meth:`save`), then ``on_save``, which leaves on a stop: after the
+        save, with the step's log record in the saved history. The last step is not saved here: the finished phase is
+        (see ``McdDpo._fit``).
+        """
+
+        def __init__(self, trainer, phase, total: int, saved):
+            self.trainer, self.phase, self.total, self.saved = trainer, phase, total, saved
+            self.stop = 0
+
+        def resume_dir(self, root: str) -> str | None:
+            """A folder for ``train(resume_from_checkpoint=...)``: the saved Trainer state as trainer_state.json,
+            nothing else (the Trainer reads the rest through the trainer's ``_load_*`` overrides)."""
+            if self.saved is None:
+                return None
+            folder = Path(root) / f"resume-{self.saved.step}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "trainer_state.json").write_text(json.dumps(self.saved.meta["trainer_state"]))
+            return str(folder)
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if state.max_steps != self.total:   # the phase file is matched by this count: both must be the Trainer's
+                raise RuntimeError(f"mcd_dpo: the Trainer plans {state.max_steps} optimizer steps but the checkpoint "
+                                   f"phase counts {self.total} (McdDpo._optimizer_steps is out of step with it)")
+            if self.saved is None:
+                return
+            # The Trainer resets its running log sums right before this event; a step saved between two log steps
+            # (log_every > 1) takes them back, so the next logged loss averages the same steps as without the stop.
+            t, sums = self.trainer, self.saved.meta["trainer_sums"]
+            t._tr_loss = self.saved.tensors["trainer.tr_loss"].to(t._tr_loss.device)
+            t._globalstep_last_logged = int(sums["globalstep_last_logged"])
+            t._total_loss_scalar = float(sums["total_loss_scalar"])
+            t.current_flos = float(sums["current_flos"])
+            t._metrics["train"].clear()
+            t._metrics["train"].update({k: list(v) for k, v in sums["metrics"].items()})
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= state.max_steps:
+                return
+            stop = job_signals.stop_requested() or 0
+            if world_size() > 1:
+                stop = max_across(stop)
+            if stop or self.phase.due(state.global_step):
+                self.stop = stop
+                control.should_save = True
+
+        def save(self) -> None:
+            t = self.trainer
+            step = t.state.global_step
+            opt_tensors, groups = training_checkpoint.optimizer_state(t.optimizer)
+            tensors = {**_param_tensors(t.accelerator.unwrap_model(t.model)), **opt_tensors,
+                       "trainer.tr_loss": t._tr_loss.detach(), **training_checkpoint.rng_tensors()}
+            meta = {"step": step, "total": self.total, "done": False, "optimizer_groups": groups,
+                    "scheduler": training_checkpoint.scheduler_state(t.lr_scheduler),
+                    "trainer_state": dataclasses.asdict(t.state),
+                    "trainer_sums": {"globalstep_last_logged": t._globalstep_last_logged,
+                                     "total_loss_scalar": t._total_loss_scalar, "current_flos": t.current_flos,
+                                     "metrics": {k: list(v) for k, v in t._metrics["train"].items()}},
+                    **training_checkpoint.rng_meta()}
+            seconds = self.phase.save(tensors, meta)
+            log.info("%s: training state saved at step %d of %d (%.2f s)", self.phase.name, step, self.total, seconds)
+
+        def on_save(self, args, state, control, **kwargs):
+            if self.stop:
+                raise job_signals.TrainingInterrupted(self.stop, f"at step {state.global_step} of {self.total} of "
+                                                                 f"{self.phase.name}")
+
+    return PhaseCheckpoint
+
+
 def _make_trainer_class():
     from trl import DPOTrainer
 
@@ -287,6 +408,28 @@ def _make_trainer_class():
             # and already ran the reference pre-computation with it, whose batches must not carry ``weight``
             # (``compute_ref_log_probs`` passes every non-mask key to the model). Training batches get it.
             self.data_collator = WeightCollator(self.data_collator)
+
+        # A PhaseCheckpoint while the run's training checkpoints are active (train.py), else None. The four methods
+        # below are the Trainer's own checkpoint I/O; with save_strategy="no" they run only for the phase: a save the
+        # PhaseCheckpoint asked for, or train(resume_from_checkpoint=PhaseCheckpoint.resume_dir(...)).
+        phase_checkpoint = None
+
+        def _save_checkpoint(self, model, trial):
+            self.phase_checkpoint.save()   # instead of a checkpoint-<step> folder of pickled .pt files
+
+        def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            _load_params(self.accelerator.unwrap_model(self.model), self.phase_checkpoint.saved)
+
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            if checkpoint is not None:
+                training_checkpoint.load_optimizer_state(self.optimizer, self.phase_checkpoint.saved)
+                training_checkpoint.load_scheduler_state(self.lr_scheduler, self.phase_checkpoint.saved)
+
+        def _load_rng_state(self, checkpoint):
+            # Called where the Trainer restores its own RNG file: after fetching the first batches of a resumed
+            # epoch (whose iterator draws a base seed from torch's RNG), so the next step draws what it would have.
+            if checkpoint is not None:
+                training_checkpoint.restore_rng(self.phase_checkpoint.saved)
 
         def compute_ref_log_probs(self, model, inputs):
             # In case TRL computes the reference on the fly (not our setup: precompute_ref_log_probs=True): the
@@ -522,37 +665,91 @@ class McdDpo(RewardMethod):
             if quiet:
                 os.environ.pop("TQDM_DISABLE", None)
 
+    def _optimizer_steps(self, n_pairs: int) -> int:
+        """The Trainer's number of optimizer steps (its ``max_steps``) for ``n_pairs`` pairs, known before the
+        trainer and its reference pass are built: a finished checkpoint phase is matched by it and skips both."""
+        per_batch = self.micro_batch_size * world_size()
+        accumulation = max(1, self.schedule.batch_size // per_batch)
+        steps_per_epoch = max(1, math.ceil(math.ceil(n_pairs / per_batch) / accumulation))
+        return math.ceil(self.schedule.num_epochs * steps_per_epoch)
+
     def _fit(self, train: pd.DataFrame, eval: pd.DataFrame | None, t0: float) -> dict:
+        checkpoints = training_checkpoint.active()
+        phase = checkpoints.phase(self.name) if checkpoints is not None else None
+        total = self._optimizer_steps(len(train))
+        saved = phase.load(total) if phase is not None else None
+        if saved is not None and saved.done:
+            return self._take_finished(saved, phase, len(train))
         with tempfile.TemporaryDirectory(prefix="mcd_dpo-") as tmp:
             trainer = self._make_trainer(train, tmp)
             t_ref = time.perf_counter() - t0        # includes tokenisation and the one reference pass
             self.stats["reference_pairs_precomputed"] += len(trainer.train_dataset)
+            if phase is not None and trainer.is_fsdp_enabled:
+                log.warning("%s: no training checkpoint under FSDP (the sharded optimizer state is not saved); a "
+                            "stopped run trains again from step 0", self.name)
+                phase = saved = None
+            resume = None
+            if phase is not None:
+                trainer.phase_checkpoint = _phase_checkpoint_class()(trainer, phase, total, saved)
+                trainer.add_callback(trainer.phase_checkpoint)
+                resume = trainer.phase_checkpoint.resume_dir(tmp)
+                if saved is not None:
+                    log.info("%s: resumed at step %d of %d (%s)", self.name, saved.step, total, phase.path)
             t1 = time.perf_counter()
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
-                    warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
-                torch.manual_seed(self.seed + rank())  # ranks draw different dropout masks (rank 0: as before)
-                result = trainer.train()
-            for rec in trainer.state.log_history:
-                if "loss" in rec:
-                    self.history.append({"step": int(rec["step"]), "loss": float(rec["loss"]),
-                                         "lr": float(rec.get("learning_rate", float("nan"))),
-                                         **{k: float(v) for k, v in rec.items() if k.startswith("rewards/")}})
-            self.policy = self._trained_policy(trainer)
-            self.policy.requires_grad_(False)
-            self.policy.eval()
-            if self._shared_dir is not None:
-                trainer.accelerator.wait_for_everyone()  # no rank still reads the shared arrow files
-                if trainer.accelerator.is_main_process:
-                    shutil.rmtree(self._shared_dir, ignore_errors=True)
-                self._shared_dir = None
+            # Signals wait for a step boundary only where a stop can be saved (train.py); elsewhere they act at once.
+            with job_signals.training_loop() if phase is not None else contextlib.nullcontext():
+                try:
+                    with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                            warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", message=".*is deprecated", category=FutureWarning)
+                        torch.manual_seed(self.seed + rank())  # ranks draw different dropout masks (rank 0: as before)
+                        result = trainer.train(resume_from_checkpoint=resume)
+                except job_signals.TrainingInterrupted:
+                    self._drop_shared_dir(trainer)   # every rank stopped at the same step: none reads the files now
+                    raise
+                self._drop_shared_dir(trainer)
+                self.history.extend(_history(trainer.state.log_history))
+                self.policy = self._trained_policy(trainer)
+                self.policy.requires_grad_(False)
+                self.policy.eval()
+                if phase is not None:
+                    # The RNG as it is after training (outside fork_rng), which a finished phase puts back.
+                    phase.save({**_param_tensors(self.policy), **training_checkpoint.rng_tensors()},
+                               {"step": total, "total": total, "done": True, "history": list(self.history),
+                                **training_checkpoint.rng_meta()})
             del trainer
+        if phase is not None and (stop := job_signals.stop_requested()):
+            # signalled during the last step: leave with the result saved
+            raise job_signals.TrainingInterrupted(stop, f"after the last step of {self.name}")
         self.fit_summary = {"train_pairs": len(train), "optimizer_steps": int(result.global_step),
                             "seconds_reference_and_tokenize": round(t_ref, 2),
                             "seconds_training": round(time.perf_counter() - t1, 2),
                             "final_train_loss": self.history[-1]["loss"] if self.history else float("nan")}
         # ``eval`` is not scored here: the run scores every eval set right after fit, and MC scoring is not free.
         return self.fit_summary
+
+    def _take_finished(self, saved, phase, n_pairs: int) -> dict:
+        """A finished checkpoint phase as the result of fit: its trained weights, history and final RNG states."""
+        log.info("%s: already trained (%s); not training again", self.name, phase.path)
+        policy = self._ensure_policy()
+        _load_params(policy, saved)
+        policy.requires_grad_(False)
+        policy.eval()
+        training_checkpoint.restore_rng(saved)
+        self.history.extend(saved.meta["history"])
+        self.fit_summary = {"train_pairs": n_pairs, "optimizer_steps": saved.step,
+                            "seconds_reference_and_tokenize": 0.0, "seconds_training": 0.0,   # neither ran again
+                            "final_train_loss": self.history[-1]["loss"] if self.history else float("nan")}
+        return self.fit_summary
+
+    def _drop_shared_dir(self, trainer) -> None:
+        """Delete the torchrun ranks' shared datasets folder (see :meth:`_shared_dataset`) once no rank reads it."""
+        if self._shared_dir is None:
+            return
+        trainer.accelerator.wait_for_everyone()  # no rank still reads the shared arrow files
+        if trainer.accelerator.is_main_process:
+            shutil.rmtree(self._shared_dir, ignore_errors=True)
+        self._shared_dir = None
 
     def _trained_policy(self, trainer):
         """The trained causal LM with whole weights on this process.

@@ -85,9 +85,9 @@ def interrupted_run_with_checkpoint(parent: Path, chash: str) -> Path | None:
     """The newest folder in ``parent`` of an unfinished run of this very config whose process is gone (killed,
     preempted, crashed) and that saved a training checkpoint: the same command, launched again, resumes there
     instead of starting over in a new folder. ``force=true`` starts a new run."""
+    from rewarduq_exp.core.training_checkpoint import CHECKPOINT_DIR
     from rewarduq_exp.runs.run_identity import read_status
     from rewarduq_exp.runs.run_owner import INTERRUPTED, effective_state
-    from rewarduq_exp.runs.training_checkpoint import CHECKPOINT_DIR
 
     candidates = []
     for folder in [*parent.glob(f"*-{chash[:8]}"), *parent.glob(f"*-{chash[:8]}-[0-9]*")]:

@@ -22,9 +22,10 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from rewarduq_exp.core import distributed
+from rewarduq_exp.core import distributed, job_signals, training_checkpoint
 from rewarduq_exp.core.checks import check_integer, check_positive
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.training_checkpoint import CHECKPOINT_DIR, TrainingCheckpoints
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
 from rewarduq_exp.models.backbone import Backbone, resolve_device
@@ -38,9 +39,7 @@ from rewarduq_exp.runner.loggers import NullLogger, make_logger
 from rewarduq_exp.runner.run_output import RunOutput
 from rewarduq_exp.runner.summary import summary_table
 from rewarduq_exp.runner.validation import check_data_kinds, check_task, require_complete, validate_run_config
-from rewarduq_exp.runs import job_signals, training_checkpoint
 from rewarduq_exp.runs.run_folder import RunFolder, config_hash, write_json
-from rewarduq_exp.runs.training_checkpoint import CHECKPOINT_DIR, TrainingCheckpoints
 
 log = logging.getLogger("rewarduq_exp")
 

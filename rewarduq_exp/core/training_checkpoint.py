@@ -17,7 +17,7 @@ run deletes the whole folder when it completes.
 
 When a phase is saved: every ``checkpoint.every_steps`` optimizer steps, every ``checkpoint.every_minutes`` minutes,
 and at the next step boundary after the process is signalled (``SIGTERM``: preemption, ``scancel``, ``kill``;
-``SIGUSR1`` / ``SIGUSR2``: Slurm's warning before the time limit, see :mod:`rewarduq_exp.runs.job_signals`). A
+``SIGUSR1`` / ``SIGUSR2``: Slurm's warning before the time limit, see :mod:`rewarduq_exp.core.job_signals`). A
 resumed phase takes every value back, so the rest of the run computes exactly what an uninterrupted one would.
 
 Only the training loops of an active run checkpoint (``train.py`` activates a :class:`TrainingCheckpoints` for its
@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rewarduq_exp.core import distributed
 from rewarduq_exp.core.atomic_write import atomic_path
+from rewarduq_exp.core.distributed import rank, world_size
 from rewarduq_exp.core.errors import UserError
 
 log = logging.getLogger("rewarduq_exp")
@@ -83,7 +83,7 @@ class TrainingCheckpoints:
         """The next phase of the run (its number is its order: the same in every attempt of one config)."""
         self._phases += 1
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")[:60] or "training"
-        suffix = f"-rank{distributed.rank()}" if distributed.world_size() > 1 else ""
+        suffix = f"-rank{rank()}" if world_size() > 1 else ""
         return Phase(self, self.directory / f"{self._phases:02d}-{slug}{suffix}.safetensors", name)
 
     def clear(self) -> None:
@@ -126,7 +126,7 @@ class Phase:
             return True
         # Time-based saves only in a one-process run: the ranks of a distributed run would decide at different
         # steps (their files must describe one step); they save on the step schedule.
-        return bool(every_s and distributed.world_size() == 1 and time.monotonic() - self._last_save >= every_s)
+        return bool(every_s and world_size() == 1 and time.monotonic() - self._last_save >= every_s)
 
     def save(self, tensors: dict[str, torch.Tensor], meta: dict) -> float:
         """Write this phase's state atomically; returns the seconds it took."""

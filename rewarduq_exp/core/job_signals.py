@@ -17,7 +17,7 @@ way the job's environment expects:
 * anywhere else (a terminal, the in-process sweep launcher) the process exits with status 128 + the signal.
 
 Launched again (by the scheduler's requeue or by hand, with the same command), the run finds its folder and resumes
-from the checkpoint (:mod:`rewarduq_exp.runs.training_checkpoint`).
+from the checkpoint (:mod:`rewarduq_exp.core.training_checkpoint`).
 """
 
 from __future__ import annotations
