@@ -19,10 +19,18 @@ Table 1's values hold with it; null = off), passed to TRL's config explicitly.
 Performance:
 - training goes through TRL's ``DPOTrainer`` with ``precompute_ref_log_probs=True``: the reference log-probs are
   computed once per pair before training, never per step, per epoch or per MC sample, and no reference copy stays in
-  memory while training. Only ``compute_loss`` is overridden (dropout before the LM head, chunked log-softmax).
+  memory while training. ``compute_loss`` is overridden (dropout before the LM head, chunked log-softmax); see
+  "Several processes" for ``training_step``.
 - scoring runs the transformer body once per batch; only dropout + LM head + log-softmax are repeated K times, over
   chunks of completion positions, so no (K, B, L, V) logits tensor ever exists. The reference model (no dropout) is
   run once per batch.
+
+Several processes (torchrun, ``accelerate launch``, a multi-task Slurm job): data parallel, each process on its own
+micro-batches. The Trainer wraps the policy in DDP, but ``compute_loss`` calls the body and the LM head directly (the
+wrapper's forward would compute the full-vocabulary logits), so DDP never reduces anything; the trainer averages the
+gradients over the processes itself, once per optimizer step before clipping (``training_step``): the processes train
+as one process does on the same global batches (but for the dropout masks, which each process draws for its own
+rows). Under FSDP the sharded model reduces its own gradients.
 
 Checkpoints: inside a run (``train.py``) the training is one phase of the run's training checkpoints
 (:mod:`rewarduq_exp.core.training_checkpoint`), like every loop that :func:`~rewarduq_exp.methods.base.run_training`
@@ -288,6 +296,51 @@ def weighted_dpo_loss(margin: torch.Tensor, weight: torch.Tensor | None) -> torc
     return (nll * weight).sum() / weight.sum().clamp_min(torch.finfo(nll.dtype).tiny)
 
 
+# Gradients are all-reduced in flat buckets of at most this many bytes: few collectives, and the extra memory is one
+# bucket, not a second copy of every gradient (a full fine-tune's gradients are as large as its weights).
+_GRAD_BUCKET_BYTES = 64 * 2**20
+
+
+@torch.no_grad()
+def average_gradients(params, bucket_bytes: int = _GRAD_BUCKET_BYTES) -> None:
+    """Replace each parameter's ``.grad`` by its mean over the processes of the torch.distributed group.
+
+    What DDP's reducer does in backward (mean over ranks of each rank's gradient), done after it. Every process must
+    call it at the same point with the same parameters in the same order. A missing gradient counts as zeros (and
+    becomes zeros), so every process builds the same buckets. Averaging is idempotent (gradients already equal on all
+    processes stay as they are), so a second reduction would cost time, never change the result.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    bucket: list[torch.Tensor] = []
+    size = 0
+
+    def flush():
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            dist.all_reduce(bucket[0])
+            bucket[0].div_(world)
+        elif bucket:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat)   # SUM, then divide: gloo has no AVG
+            flat.div_(world)
+            for g, piece in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(piece.view_as(g))
+        bucket.clear()
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        g = p.grad
+        nbytes = g.numel() * g.element_size()
+        if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device or size + nbytes > bucket_bytes):
+            flush()
+            size = 0
+        bucket.append(g)
+        size += nbytes
+    flush()
+
+
 def _param_tensors(model) -> dict[str, torch.Tensor]:
     """The model's parameters by name (a tied LM head appears once, as the input embedding it shares)."""
     return {f"param.{name}": p.detach() for name, p in model.named_parameters()}
@@ -396,8 +449,9 @@ def _make_trainer_class():
     class DropoutHeadDPOTrainer(DPOTrainer):
         """TRL's DPO trainer with dropout on the final hidden states before the LM head (eq. 13, sigmoid loss).
 
-        Only ``compute_loss`` changes (plus the pair weight carried to it); TRL keeps the data pipeline, the reference
-        pre-computation, the optimizer, scheduler, accumulation and logging.
+        Only ``compute_loss`` changes (plus the pair weight carried to it, and the gradients' average over several
+        processes, which bypassing DDP's forward leaves to ``training_step``); TRL keeps the data pipeline, the
+        reference pre-computation, the optimizer, scheduler, accumulation and logging.
         """
 
         def __init__(self, *args, dropout: float, logprob_chunk: int, **kwargs):
@@ -431,6 +485,21 @@ def _make_trainer_class():
             if checkpoint is not None:
                 training_checkpoint.restore_rng(self.phase_checkpoint.saved)
 
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            # Several processes (torchrun, accelerate launch, a multi-task Slurm job): the Trainer wraps the model in
+            # DDP, but compute_loss calls the unwrapped body and LM head (so no (B, L, V) logits exist), so DDP's
+            # forward never runs, its reducer is never armed and each rank would keep the gradient of its own batch
+            # only: the ranks' weights would drift apart. The gradients are averaged here instead, once per optimizer
+            # step: the Trainer sets sync_gradients before the step's last micro-batch and clips and steps right
+            # after this returns. The accumulated gradient is linear in the micro-batches, so one reduction of the
+            # sum equals DDP's reduction of each. FSDP and DeepSpeed reduce in hooks of their own (which run without
+            # the root forward) and hold sharded or partitioned gradients: left to them.
+            if (self.accelerator.sync_gradients and self.accelerator.num_processes > 1
+                    and not self.is_fsdp_enabled and not self.is_deepspeed_enabled):
+                average_gradients([p for p in model.parameters() if p.requires_grad])
+            return loss
+
         def compute_ref_log_probs(self, model, inputs):
             # In case TRL computes the reference on the fly (not our setup: precompute_ref_log_probs=True): the
             # weight is no model input.
@@ -455,8 +524,12 @@ def _make_trainer_class():
             # the whole effective batch; with micro_batch_size == batch_size the two coincide.
             loss = weighted_dpo_loss(margin, inputs.get("weight"))
             mode = "train" if model.training else "eval"
-            self._metrics[mode]["rewards/margins"].append(margin.detach().mean().item())
-            self._metrics[mode]["rewards/accuracies"].append((margin.detach() > 0).float().mean().item())
+            # Over all processes' micro-batches (as TRL logs its own metrics): the logged values are the global
+            # batch's, not rank 0's share. Sums and a count, a fixed shape whatever the batch sizes of the ranks.
+            m = margin.detach().float()
+            total = self.accelerator.reduce(torch.stack([m.sum(), (m > 0).float().sum(), m.new_tensor(len(m))]), "sum")
+            self._metrics[mode]["rewards/margins"].append((total[0] / total[2]).item())
+            self._metrics[mode]["rewards/accuracies"].append((total[1] / total[2]).item())
             return (loss, {"logps": logps}) if return_outputs else loss
 
     return DropoutHeadDPOTrainer
