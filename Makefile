@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-real test test-all bench clean
+.PHONY: setup demo demo-real test test-all test-slurm bench clean
 
 # torch==2.13.0 first: a bare "torch" requirement would pull several GB of CUDA wheels on a CPU machine.
 # Byte-compiled once, on all cores, instead of file by file inside pip (100 s -> 80 s on 2 cores); the .pyc files
@@ -53,22 +53,30 @@ demo-real: $(VENV)/.installed-real
 # Lint, then the tests on two workers (pytest-xdist): whole files per worker, so a file's fixtures are made once, in
 # the order tests/conftest.py gives (longest first).
 # Tests marked slow are left out here: each one checks a capability that a fast test also covers (README, Tests).
+# Tests marked slurm need a Slurm cluster: make test-slurm.
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test: setup
 	$(PY) -m ruff check .
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -m "not slow and not slurm"
 
-# Everything, slow end-to-end checks included (torchrun launches, default-size acceptance runs).
+# Everything but the Slurm tests, slow end-to-end checks included (torchrun launches, default-size acceptance runs).
 test-all: setup
 	$(PY) -m ruff check .
-	$(PYTEST)
+	$(PYTEST) -m "not slurm"
+
+# The tests on a real Slurm cluster: the one SLURM_CONF names, or else the local one of scripts/local_slurm.sh, started
+# (and Slurm installed with apt-get: root only) for the session and stopped after it. One process, no xdist: the jobs
+# use the cluster's CPUs.
+test-slurm: setup
+	$(PY) -m pytest -q -m slurm -p no:randomly
 
 bench: setup
 	$(PY) scripts/bench_heads.py
 	$(PY) scripts/bench_data.py
 	$(PY) scripts/bench_lora.py
 	$(PY) scripts/bench_mcd.py
+	$(PY) scripts/bench_checkpoint.py
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -23,6 +23,7 @@ Plugins must live under the ``hydra_plugins`` namespace for Hydra to instantiate
 # (no "from __future__ import annotations": Hydra execs plugin modules outside sys.modules, and dataclasses
 # with string annotations need the module there)
 
+import contextlib
 import logging
 import os
 import uuid
@@ -121,20 +122,65 @@ class SkipCompleted:
                 stretches[-1].append(i)
             else:
                 stretches.append([i])
+        no_result: dict[int, str] = {}  # job -> why it ended without a result, and where its log is
         for stretch in stretches:
-            try:
+            with _every_job_awaited():
                 launched = super().launch([job_overrides[i] for i in stretch], initial_job_idx + stretch[0])
-            except Exception as err:  # e.g. a Slurm job killed before it could record anything: the others go on
-                log.error("jobs #%d-#%d ended without a result (%s: %s); they are listed as failed",
-                          initial_job_idx + stretch[0], initial_job_idx + stretch[-1], type(err).__name__, err)
-                launched = [JobReturn(overrides=list(job_overrides[i]), status=JobStatus.FAILED,
-                                      _return_value=err) for i in stretch]
-            results.update(zip(stretch, launched))
+            for i, job_return in zip(stretch, launched):
+                if isinstance(job_return, _NoResult):
+                    no_result[i] = job_return.describe()
+                    log.error("job #%d %s", initial_job_idx + i, no_result[i])
+                    # Reported to Hydra as done (its sweeper would re-raise a failure and skip our summary); what
+                    # became of the run is read from its folder below, and a failure makes train.py exit 1.
+                    job_return = JobReturn(overrides=list(job_overrides[i]), status=JobStatus.COMPLETED,
+                                           _return_value=None)
+                results[i] = job_return
         from rewarduq_exp.runs import sweep_outcome
 
         for i, folder in folders.items():  # (a job left to a live run elsewhere is recorded from that run's status)
-            sweep_outcome.record(folder, skipped=i in skipped, where=skipped.get(i), launch=launch)
+            sweep_outcome.record(folder, skipped=i in skipped, where=skipped.get(i), launch=launch,
+                                 no_result=no_result.get(i))
         return [results[i] for i in range(len(job_overrides))]
+
+
+class _NoResult:
+    """What a submitit job that ended without a result (cancelled, killed, out of memory, a node lost, not requeued
+    past ``max_num_timeout``) gives back in place of its result."""
+
+    def __init__(self, job, err: Exception):
+        self.job, self.err = job, err
+
+    def describe(self) -> str:
+        # submitit's message: "Job <id> (task: 0) with path <result file> has not produced any output (state:
+        # CANCELLED)", then the job's whole error stream, which the log file already holds.
+        reason = " ".join(str(self.err).split("Error stream produced:")[0].split())
+        reason = reason.split(" with path ")[0] + (" " + reason.split(".pkl", 1)[1].strip() if ".pkl" in reason
+                                                    else "")
+        return (f"(Slurm/submitit job {self.job.job_id}) ended without a result: {type(self.err).__name__}: "
+                f"{reason[:300]}; its log: {self.job.paths.stderr}")
+
+
+@contextlib.contextmanager
+def _every_job_awaited():
+    """Inside the block, waiting for a submitit job's result never raises: a job that ended without one gives a
+    :class:`_NoResult`. The base launcher waits for its jobs one after another (``[j.results()[0] for j in jobs]``),
+    so a job cancelled early would otherwise end the wait for all the others of the array, which go on running, and
+    leave their outcome unknown. Swapped on submitit's Job class for the duration of the launch only."""
+    from submitit.core.core import Job
+
+    original = Job.results
+
+    def results(self):
+        try:
+            return original(self)
+        except Exception as err:  # noqa: BLE001 (UncompletedJobError, FailedJobError, a lost node, ...)
+            return [_NoResult(self, err)]
+
+    Job.results = results
+    try:
+        yield
+    finally:
+        Job.results = original
 
 
 def _export_torch_distributed_env() -> bool:
@@ -172,7 +218,19 @@ class SkipCompletedLocalLauncher(SkipCompleted, LocalLauncher):
 
 
 class SkipCompletedSlurmLauncher(SkipCompleted, SlurmLauncher):
-    pass
+    def launch(self, job_overrides, initial_job_idx: int):
+        from hydra_plugins.rewarduq_launchers import slurm_checks
+        from rewarduq_exp.core.errors import UserError
+        from rewarduq_exp.runner.cli import fail
+
+        # Checked before any job's config is resolved, and failed here: a UserError raised out of a launcher would
+        # reach Hydra, which prints a traceback and exits 1. fail() is the entry points' one line and exit 2.
+        try:
+            slurm_checks.check_submission(self.params)
+        except UserError as err:
+            fail(str(err), err.exit_code)
+        with slurm_checks.squeue_fallback_watcher():
+            return super().launch(job_overrides, initial_job_idx)
 
 
 @dataclass

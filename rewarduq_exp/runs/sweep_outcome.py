@@ -31,10 +31,12 @@ class JobOutcome:
 _OUTCOMES: list[JobOutcome] = []
 
 
-def record(folder: Path, skipped: bool = False, where: Path | None = None, launch: str | None = None) -> JobOutcome:
+def record(folder: Path, skipped: bool = False, where: Path | None = None, launch: str | None = None,
+           no_result: str | None = None) -> JobOutcome:
     """Record one job of this multirun from its run folder (after it ran, or because it was skipped: ``where`` is
     the completed run it was skipped for, when that is another folder). ``launch``: the id of the launch whose jobs
-    have just ended (a folder it left ``running`` is interrupted)."""
+    have just ended (a folder it left ``running`` is interrupted). ``no_result``: what the launcher knows of a job
+    that ended without a result (the scheduler's reason, its log), for a run whose folder does not say more."""
     folder = Path(folder)
     status = read_status(folder)
     state = effective_state(status, ended_launch=launch)
@@ -46,12 +48,14 @@ def record(folder: Path, skipped: bool = False, where: Path | None = None, launc
         outcome = JobOutcome(folder, FAILED, str(status.get("error") or "failed (no error recorded)"))
     elif state == RUNNING:  # another live process holds the folder: this job did not run there
         outcome = JobOutcome(folder, BUSY, f"in use by {describe_owner(status)}")
+    elif state == INTERRUPTED and status.get("state") == INTERRUPTED:   # stopped by a signal, and said so
+        outcome = JobOutcome(folder, FAILED, str(status.get("error") or "interrupted; launch again to resume"))
     elif state == INTERRUPTED:
         outcome = JobOutcome(folder, FAILED, f"interrupted: its process ({describe_owner(status)}) is "
                                              "gone; launch again to rerun it")
     else:  # killed, out of memory, lost node before it wrote a status
         state = status.get("state", "no status.json")
-        outcome = JobOutcome(folder, FAILED, f"no result (state: {state}); the job died, see its log")
+        outcome = JobOutcome(folder, FAILED, no_result or f"no result (state: {state}); the job died, see its log")
     _OUTCOMES.append(outcome)
     return outcome
 
@@ -88,8 +92,8 @@ def report() -> tuple[str, bool]:
             lines.append(f"  skipped: {o.folder.name}  (completed with the same config in {o.where})")
         elif o.state in (FAILED, BUSY):
             lines.append(f"  {o.state}: {o.folder}  ({o.error.splitlines()[0] if o.error else ''})")
-            if o.state == FAILED and (logs := job_logs(o.folder)):
-                lines.append(f"    log: {', '.join(map(str, logs))}")
+            if o.state == FAILED:
+                lines += [f"    log: {path}" for path in job_logs(o.folder)]
     if counts[FAILED]:
         lines.append("  each failed run keeps its error (and traceback) in status.json; fix and launch the same "
                      "command again: completed runs are skipped")
