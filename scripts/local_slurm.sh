@@ -200,7 +200,8 @@ start_accounting() {
 
 write_slurm_conf() {  # write_slurm_conf <accounting_storage plugin>
     local cpus mem_total margin mem
-    cpus=$(nproc)
+    # not plain nproc: it answers OMP_NUM_THREADS when that is set (the test suite sets it to 1 for its own processes)
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
     mem_total=$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)  # MB, as free -m says
     # slurmd drains a node that has less memory than configured; leave the system a margin (5%, at least 512 MB)
     margin=$((mem_total / 20 > 512 ? mem_total / 20 : 512))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from test_ens_mlp import separable_pairs
 
 from rewarduq_exp.core import job_signals, training_checkpoint
 from rewarduq_exp.core.training_checkpoint import Phase, TrainingCheckpoints
@@ -32,15 +33,6 @@ def signals():
     job_signals.uninstall()
 
 
-def pairs(n=96, d=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    theta = torch.randn(d, generator=g)
-    zc, zr = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
-    swap = (zc @ theta) < (zr @ theta)
-    zc[swap], zr[swap] = zr[swap].clone(), zc[swap].clone()
-    return zc, zr, torch.ones(n)
-
-
 def rankings(n=90, m=4, seed=0):
     rng = np.random.default_rng(seed)
     X = rng.normal(size=(n, 3))
@@ -55,7 +47,7 @@ class _Encoder:
 
 def _feature_head(cls, **kw):
     """(fit, state) of a head on fixed features, fit the way FeatureHeadMethod.fit runs it (seeded RNG fork)."""
-    zc, zr, w = pairs()
+    zc, zr, w = separable_pairs(n=96, d=12)
 
     def fit():
         m = cls(seed=3, device="cpu", show_progress=False, log_every=1, batch_size=16, num_epochs=2, **kw)

@@ -129,12 +129,18 @@ class SkipCompleted:
             for i, job_return in zip(stretch, launched):
                 if isinstance(job_return, _NoResult):
                     no_result[i] = job_return.describe()
-                    log.error("job #%d %s", initial_job_idx + i, no_result[i])
-                    # Reported to Hydra as done (its sweeper would re-raise a failure and skip our summary); what
-                    # became of the run is read from its folder below, and a failure makes train.py exit 1.
-                    job_return = JobReturn(overrides=list(job_overrides[i]), status=JobStatus.COMPLETED,
-                                           _return_value=None)
-                results[i] = job_return
+                elif job_return.status == JobStatus.FAILED:  # raised out of the job (e.g. submitit refusing a
+                    #                                           requeue past max_num_timeout)
+                    err = job_return._return_value
+                    no_result[i] = f"failed: {type(err).__name__}: {err}"
+                else:
+                    results[i] = job_return
+                    continue
+                log.error("job #%d %s", initial_job_idx + i, no_result[i])
+                # Reported to Hydra as done (its sweeper would re-raise a failure and skip our summary); what became
+                # of the run is read from its folder below, and a failure makes train.py exit 1.
+                results[i] = JobReturn(overrides=list(job_overrides[i]), status=JobStatus.COMPLETED,
+                                       _return_value=None)
         from rewarduq_exp.runs import sweep_outcome
 
         for i, folder in folders.items():  # (a job left to a live run elsewhere is recorded from that run's status)
