@@ -37,7 +37,7 @@ LONGEST_FIRST = ["test_borp_run.py",         # ~60
                  "test_label_ranking_run.py",  # ~45
                  "test_cli.py",              # ~40
                  "test_run_ownership.py",    # ~25
-                 "test_cli_resume.py",       # ~25
+                 "test_cli_resume.py",       # ~15
                  "test_cli_datasets.py",     # ~23
                  "test_sweep_multitask.py",  # ~20
                  "test_sweep.py",            # ~18

@@ -11,8 +11,8 @@ import time
 from conftest import ROOT
 from entry_points import run_entry_point
 
-ARGS = ["progress=false", "method=ens_mlp", "method.num_heads=3", "dataset.n_train=800", "dataset.n_eval=100",
-        "dataset.n_ood=100", "method.num_epochs=8", "method.batch_size=16", "metric.diagrams=false"]
+ARGS = ["progress=false", "method=ens_mlp", "method.num_heads=3", "dataset.n_train=600", "dataset.n_eval=100",
+        "dataset.n_ood=100", "method.num_epochs=5", "method.batch_size=16", "metric.diagrams=false"]
 
 
 def numbers(metrics: dict) -> dict:
