@@ -2,6 +2,7 @@
 #   make demo   set up .venv and run the default experiment (tiny Qwen3 on the synthetic world, about 30 s)
 #   make test   set up .venv, lint, and run the test suite (about 5 min on a fresh clone with 2 cores)
 #   make demo-real   optional: the real SmolLM2-135M-Instruct (GGUF from PyPI) on real human ratings: ENS-MLP, BAY-LIN, MCD-DPO, BoRP
+#   make test-slurm  optional: the tests on a real Slurm cluster (started locally with scripts/local_slurm.sh; root)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
