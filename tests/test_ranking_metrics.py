@@ -539,3 +539,20 @@ def test_too_many_exact_events_is_a_one_line_error():
     with pytest.raises(UserError, match=r"events=all needs all P\(26, 5\) = 7,893,600 top-5 prefixes"):
         rm.top_k_events(true, 5, events="all")
     assert len(rm.top_k_events(true, 5, events="auto")) <= 5  # observed prefixes only
+
+
+def test_a_probability_summed_onto_a_bin_edge_lands_in_the_bin_of_its_exact_value():
+    """0.7 + 0.2 is 0.8999999999999999 in float64: binned as the 0.9 it stands for (the bin [0.9, 1.0) with 10 bins),
+    together with an exact 0.9. The exact answer: one bin, frequency 1/2, confidence 0.9, ECE |0.5 - 0.9| = 0.4
+    (raw binning put them in two bins: 0.5 * |1 - 0.9| + 0.5 * |0 - 0.9| = 0.5)."""
+    from rewarduq_exp.metrics.ranking import bin_edges, bin_index, binary_ece
+
+    summed = 0.7 + 0.2
+    assert summed < 0.9
+    assert bin_index(np.array([summed, 0.9, 0.8999, 1.0, 0.0]), bin_edges(10)).tolist() == [9, 9, 8, 9, 0]
+    result = binary_ece([1.0, 0.0], [summed, 0.9], n_bins=10)
+    assert float(result.ece[0]) == pytest.approx(0.4, abs=1e-12)
+    # every edge b / 10, reached by float sums of tenths, is binned as its exact value
+    for b in range(1, 10):
+        tenths = sum([0.1] * b)
+        assert bin_index(np.array([tenths]), bin_edges(10))[0] == b, (b, tenths)

@@ -48,7 +48,7 @@ import pandas as pd
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics.calibration import CalibrationCurve
 from rewarduq_exp.metrics.preference import DEFAULT_ALPHAS, describe_rows, numeric_column, table_ids
-from rewarduq_exp.metrics.ranking import bin_edges
+from rewarduq_exp.metrics.ranking import bin_edges, bin_index
 from rewarduq_exp.metrics.rewarduq import compute_metrics
 
 log = logging.getLogger(__name__)
@@ -335,7 +335,7 @@ class KwiseCalibration:
 def _pooled(q: np.ndarray, y: np.ndarray, n_contexts: int, n_bins: int) -> KwiseCalibration:
     """Equal-width binning of pooled predictions (the bins of :func:`binary_ece`) into a reliability curve."""
     edges = bin_edges(n_bins)
-    b = np.digitize(q, edges[1:-1])
+    b = bin_index(q, edges)
     count = np.bincount(b, minlength=len(edges) - 1).astype(np.float64)
     occ = count > 0
     conf = np.full(len(count), np.nan)

@@ -142,6 +142,17 @@ def bin_edges(n_bins: int = 10, spacing: str = "linear") -> np.ndarray:
     return edges
 
 
+# Probabilities are put in bins after rounding to this many decimals: a marginal summed in float64 that should land
+# exactly on an edge (0.7 + 0.2 = 0.8999999999999999 for 0.9) then goes to the bin the exact value belongs to.
+BIN_DECIMALS = 12
+
+
+def bin_index(q: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The bin of each probability: edges left-closed, 1.0 in the last bin (0..len(edges) - 2), after rounding to
+    ``BIN_DECIMALS`` decimals (only for the assignment: bin means use the probabilities as they are)."""
+    return np.digitize(np.round(q, BIN_DECIMALS), edges[1:-1])
+
+
 def _bernoulli_kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return p * np.log(p / q) + (1.0 - p) * np.log((1.0 - p) / (1.0 - q))
 
@@ -190,7 +201,7 @@ def binary_ece(labels, probs, *, n_bins: int = 10, discrepancy: str = "abs", spa
         raise UserError("predicted probabilities must be finite and in [0, 1]")
     n, n_events = y.shape
     edges = bin_edges(n_bins, spacing)
-    b = np.digitize(q, edges[1:-1])  # (n, E) in 0..n_bins-1: edges are left-closed, 1.0 lands in the last bin
+    b = bin_index(q, edges)
     flat = (b + n_bins * np.arange(n_events)[None, :]).ravel()
     size = n_events * n_bins
     count = np.bincount(flat, minlength=size).reshape(n_events, n_bins).astype(np.float64)
