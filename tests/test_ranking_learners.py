@@ -243,3 +243,15 @@ def test_rpc_refuses_a_model_file_with_other_types(tmp_path):
     with pytest.raises(UserError, match="types an RPC model never has.*KFold"):
         load_method(tmp_path)
 
+
+
+@pytest.mark.parametrize("name", ["plackett_luce", "rank_classifier"])
+def test_networks_fit_on_one_thread_by_default_with_the_numbers_of_more(name):
+    """One intra-op thread is the default (small networks; extra threads spin on a busy machine), and it changes no
+    number: the same fit on two threads gives the same distributions."""
+    X, ranks = _toy()
+    one = LEARNERS[name](seed=3, num_epochs=3)
+    assert one.num_threads == 1
+    two = LEARNERS[name](seed=3, num_epochs=3, num_threads=2)
+    a, b = one.fit(X, ranks).predict_distribution(X[:20]), two.fit(X, ranks).predict_distribution(X[:20])
+    np.testing.assert_array_equal(a.pairwise(), b.pairwise())

@@ -93,7 +93,7 @@ class _NetLearner(LabelRankingMethod):
     """A learner whose model is an MLP from the features (PL, RC): its settings, training and weights."""
 
     def __init__(self, hidden=(100, 100), learning_rate: float = 1e-3, num_epochs: int = 50, batch_size: int = 64,
-                 weight_decay: float = 0.0, num_threads: int | None = None, **common):
+                 weight_decay: float = 0.0, num_threads: int | None = 1, **common):
         super().__init__(**common)
         try:
             self.hidden = tuple(int(h) for h in hidden)
