@@ -181,7 +181,7 @@ def rng_tensors() -> dict[str, torch.Tensor]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             out[f"rng.cuda.{i}"] = state
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    keys = np.random.get_state()[1]   # the Mersenne twister's 624 words (the rest goes in rng_meta)
     out["rng.numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32).view(np.int32).copy())
     return out
 
@@ -236,7 +236,6 @@ def scheduler_state(scheduler) -> dict:
 
 def load_scheduler_state(scheduler, state: TrainingState) -> None:
     sd = dict(state.meta["scheduler"])
-    sd["lr_lambdas"] = [None] * len(scheduler.lr_lambdas) if hasattr(scheduler, "lr_lambdas") else None
-    if sd["lr_lambdas"] is None:
-        sd.pop("lr_lambdas")
+    if hasattr(scheduler, "lr_lambdas"):   # LambdaLR expects one entry per lambda (None: a plain function)
+        sd["lr_lambdas"] = [None] * len(scheduler.lr_lambdas)
     scheduler.load_state_dict(sd)
