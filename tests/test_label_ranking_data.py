@@ -143,3 +143,21 @@ def test_every_shipped_csv_loads():
     political = load_label_ranking("political", DATA_DIR)
     x_train, x_test = political.fold(np.arange(170), np.arange(5))
     assert x_train.shape == (170, 42 + 8 + 7 + 2)  # caseid dropped; the reference kept it: 60 under pandas 2
+
+
+def test_readme_data_table_says_what_the_project_reads():
+    """The README's data table lists, for every dataset, the rows, feature columns, items and distinct rankings of the
+    file the project reads (EXPECTED, checked above against the files), and flags movies, whose published file is
+    not the one of the paper's Table 4 (602 rows, 65 features, 260 rankings)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    rows = {}
+    for line in readme.splitlines():
+        cells = [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in EXPECTED:
+            rows[cells[0]] = cells
+    assert set(rows) == set(EXPECTED)
+    for name, (n_rows, feature_cols, m, distinct) in EXPECTED.items():
+        cells = rows[name]
+        assert int(cells[1]) == n_rows and int(cells[2].split()[0]) == feature_cols, name
+        assert int(cells[3]) == m and int(cells[4]) == distinct, name
+    assert rows["movies"][5].startswith("602 / 65 / 260") and "different" in rows["movies"][5]
