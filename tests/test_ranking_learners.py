@@ -1,7 +1,7 @@
 """The five label-ranking learners: Kendall tau of the modal ranking on iris and wine (5-fold CV, as the paper),
 against loose bounds around the reference values (notes section 4: PL .81/.86, MM .10/.23, RC .83/.90, PL-RPC
 .74/.54 on iris/wine); determinism given the seed; and the pieces that can be checked exactly on synthetic data
-(Mallows MLE, the Zermelo conversion, temperature scaling, RPC's single-class pairs, RC's unseen mass)."""
+(Mallows MLE, the Bradley-Terry conversion, temperature scaling, RPC's single-class pairs, RC's unseen mass)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from rewarduq_exp.methods.label_ranking import (
     PLRPCLearner,
     RankClassifierNet,
     RPCLearner,
+    bradley_terry_log_weights,
     fit_temperature,
-    zermelo_log_weights,
 )
 from rewarduq_exp.ranking.categorical import RankCategorical
 from rewarduq_exp.ranking.mallows import Mallows, expected_distance
@@ -154,11 +154,11 @@ def test_mallows_theta_edges():
 
 
 # ---------------------------------------------------------------------------------------------------- RPC, PL-RPC
-def test_zermelo_recovers_bradley_terry_weights():
+def test_bradley_terry_weights_recover_the_weights_of_a_bradley_terry_matrix():
     s = np.array([0.2, 0.5, 0.3])
     P = s[:, None] / (s[:, None] + s[None, :])
     np.fill_diagonal(P, 0)
-    w = np.exp(zermelo_log_weights(P[None], n_iter=100))[0]
+    w = np.exp(bradley_terry_log_weights(P[None]))[0]
     np.testing.assert_allclose(w, s, atol=1e-6)
 
 
