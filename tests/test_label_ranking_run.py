@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 from conftest import ROOT
 from entry_points import run_entry_point
+from strict_files import assert_strict_json_files
 
 # Two of the paper's CSVs ship with the tests; the others are checked too where REWARDUQ_LABEL_RANKING_DIR holds them.
 PAPER_CSVS = ROOT / "tests" / "fixtures" / "label_ranking"
@@ -84,6 +85,7 @@ def test_train_writes_a_cross_validated_run_folder(tmp_path, data_dir):
     learner = load_method(folder / "model" / "fold_2")
     assert (learner.predict_ranks(x_test) == np.stack(fold["predicted_ranks"])).all()
     assert {p.name for p in (folder / "figures" / "iris").iterdir()} == {"ece_by_k.png", "top1_reliability.png"}
+    assert_strict_json_files(folder)  # metrics.json, metrics_per_fold.json, status.json, each fold's method.json
 
 
 def test_same_seed_same_metrics_other_seed_other_folds(tmp_path, data_dir):
@@ -102,6 +104,7 @@ def test_same_seed_same_metrics_other_seed_other_folds(tmp_path, data_dir):
     (["dataset.folds=1"], "dataset.folds=1 is invalid"),
     (["metric.ranking.max_k=0"], "max_k"),
     (["metric.ranking.discrepancy=l2"], "discrepancy"),
+    (["metric.ranking.restrict=top10"], "restrict='top10' is invalid: allowed values are none, prob_mass_95, top_10"),
 ])
 def test_bad_settings_fail_in_one_line(tmp_path, data_dir, args, message):
     proc = run("train.py", ["dataset=label_ranking/iris", "method=mallows", f"paths.label_ranking_dir={data_dir}",
@@ -138,6 +141,7 @@ def test_sweep_and_comparison_tables(tmp_path, data_dir):
                      f"paths.label_ranking_dir={data_dir}", "metric.diagrams=false", "sweep_name=lr"], tmp_path)
     sweep = tmp_path / "outputs" / "multirun" / "lr"
     assert len(list(sweep.glob("*/metrics.json"))) == 4
+    assert_strict_json_files(*sorted(p.parent for p in sweep.glob("*/metrics.json")))  # MM and RPC runs
     proc = run_entry_point(ROOT / "scripts" / "ranking_tables.py", [sweep, "--out", tmp_path / "report"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     markdown = (tmp_path / "report" / "ranking_tables.md").read_text()
@@ -197,3 +201,26 @@ def test_paper_datasets_reach_the_reported_accuracy(tmp_path):
         assert block["rank/kendall_tau"] >= floor[name], (name, block["rank/kendall_tau"])
         seen.add(name)
     assert seen == set(floor)
+
+
+def test_ranking_options_reach_the_metrics():
+    """Every key of metric.ranking is an evaluation option; the reference's variants pass the config check and a
+    bad value fails it in one line naming the allowed values."""
+    from omegaconf import OmegaConf
+
+    from rewarduq_exp.core.errors import UserError
+    from rewarduq_exp.runner.label_ranking_run import EVALUATION_KEYS, ranking_options, validate_ranking_options
+
+    cfg = OmegaConf.load(ROOT / "conf" / "metric" / "rewarduq.yaml")
+    assert set(cfg.ranking) <= set(EVALUATION_KEYS)
+    assert (cfg.ranking.restrict, cfg.ranking.full_rank_estimator) == ("none", "kernel")
+    for key, value in (("restrict", "prob_mass_95"), ("full_rank_estimator", "binning"), ("spacing", "log"),
+                       ("aggregate", "most_confident"), ("discrepancy", "rel_q")):
+        cfg.ranking[key] = value
+    validate_ranking_options(cfg)
+    assert ranking_options(cfg)["restrict"] == "prob_mass_95"
+    cfg.ranking.full_rank_estimator = "bins"
+    with pytest.raises(UserError, match="metric.ranking: full_rank_estimator='bins' is invalid: allowed values are "
+                                        "kernel, binning") as info:
+        validate_ranking_options(cfg)
+    assert "\n" not in str(info.value)

@@ -445,9 +445,9 @@ def test_restricted_events_for_many_items():
     dist = ClosedFormPL(logw)
     ev = ranking_evaluation(dist, true, max_k=3, max_subsets=10, kernel_h=0.5)
     m_ = ev.metrics
-    assert {k for k in m_ if k.endswith("/ece")} == {f"rank/{s}/ece" for s in ("sub_2", "sub_3", "top_1", "top_2",
-                                                                              "top_3")} | {
-        f"rank/full/{s}/ece" for s in ("sub_2", "sub_3", "top_1", "top_2", "top_3")}
+    names = ("sub_2", "sub_3", "top_1", "top_2", "top_3", "top_7")  # top-7: the full ranking, always evaluated
+    assert {k for k in m_ if k.endswith("/ece")} == {f"rank/{s}/ece" for s in names} | {
+        f"rank/full/{s}/ece" for s in names}
     assert m_["rank/full/sub_2/n_subsets"] == 10 and m_["rank/full/sub_3/n_subsets"] == 10
     prefixes = {tuple(o) for o in np.argsort(true, axis=1)[:, :2].tolist()}
     assert {tuple(e) for e in ev.rankwise["top_2"].events.tolist()} == prefixes
@@ -501,7 +501,7 @@ def test_bad_k_is_a_one_line_user_error():
 
 
 def test_bad_options_and_shapes():
-    _one_line_error(rm.binary_ece, [1, 0], [0.5, 0.5], discrepancy="rel_q", match="discrepancy")
+    _one_line_error(rm.binary_ece, [1, 0], [0.5, 0.5], discrepancy="l2", match="discrepancy")
     _one_line_error(rm.binary_ece, [1, 0], [0.5, 0.5], n_bins=0, match="n_bins")
     _one_line_error(rm.binary_ece, [1, 0], [0.5, 1.5], match=r"\[0, 1\]")
     _one_line_error(ranking_metrics, DIST_A, S6[:5], match="shape")
@@ -556,3 +556,228 @@ def test_a_probability_summed_onto_a_bin_edge_lands_in_the_bin_of_its_exact_valu
     for b in range(1, 10):
         tenths = sum([0.1] * b)
         assert bin_index(np.array([tenths]), bin_edges(10))[0] == b, (b, tenths)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reference code's further options (issue 26): discrepancies, most_confident, simplex binning, restrictions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def pl_probs(logw: np.ndarray, orderings: np.ndarray) -> np.ndarray:
+    """Plackett-Luce probabilities (n, R) of the listed orderings (as the fixture script computes them)."""
+    lw = logw[:, orderings]
+    tail = np.logaddexp.accumulate(lw[..., ::-1], axis=-1)[..., ::-1]
+    return np.exp((lw - tail).sum(axis=-1))
+
+
+def rpc_pairs(logw: np.ndarray) -> np.ndarray:
+    n, m = logw.shape
+    P = np.zeros((n, m, m))
+    for i in range(m):
+        for j in range(i + 1, m):
+            P[:, i, j] = 1.0 / (1.0 + np.exp(-(logw[:, i] - logw[:, j])))
+            P[:, j, i] = 1.0 - P[:, i, j]
+    return P
+
+
+def test_new_discrepancies_reproduce_reference_code(reference):
+    """log_ratio / rel_p / rel_q on the 120 synthetic rank-wise cases x 2 spacings: per event and total to 1e-9
+    relative (rel_q reaches 6e10 where a bin's confidence is 0) of the double-precision reference run."""
+    data, ranks, dists, _ = reference
+    cases = data["variants"]["discrepancies"]
+    assert len(cases) == 360
+    for case in cases:
+        dist, kind = dists[case["prediction"]], case["kind"]
+        fn = rm.rankwise_sub_k_ece if kind == "sub" else rm.rankwise_top_k_ece
+        res = fn(ranks[case["labels"]], dist.sub_k if kind == "sub" else dist.top_k, case["k"],
+                 discrepancy=case["discrepancy"], spacing=case["spacing"])
+        np.testing.assert_allclose(res.event_ece, case["event_ece"], rtol=1e-9, atol=1e-9)
+        assert res.ece == pytest.approx(case["ece"], rel=1e-9, abs=1e-9), case["labels"]
+    assert max(c["ece"] for c in cases if c["discrepancy"] == "rel_q") > 1e10  # the explosion near q = 0
+
+
+def test_most_confident_reproduces_reference_code(reference):
+    data, ranks, dists, _ = reference
+    cases = data["variants"]["most_confident"]
+    assert len(cases) == 72
+    for case in cases:
+        res = rm.rankwise_top_k_ece(ranks[case["labels"]], dists[case["prediction"]].top_k, case["k"],
+                                    discrepancy=case["discrepancy"], aggregate="most_confident")
+        assert res.ece == pytest.approx(case["ece"], abs=1e-9), case
+
+
+def test_simplex_binning_reproduces_reference_code(reference):
+    """Full-rank sub-2 (2 classes) and top-1 (3 classes) by simplex binning on all 10,000 samples."""
+    data, ranks, dists, _ = reference
+    cases = data["variants"]["binning"]
+    assert len(cases) == 24
+    for case in cases:
+        dist, r = dists[case["prediction"]], ranks[case["labels"]]
+        if case["kind"] == "sub":
+            value = rm.full_rank_sub_k_ece(r, dist.sub_k, 2, estimator="binning").ece
+        else:
+            value = rm.full_rank_top_k_ece(r, dist.top_k, 1, estimator="binning").ece
+        assert value == pytest.approx(case["ece"], abs=1e-9), case
+
+
+def test_restrictions_reproduce_reference_code(reference):
+    """95_prob_mass / top_10 on random cases (m = 3, 4, 8; PL over all m! rankings or over a candidate list; RPC
+    pairs): rank-wise (abs, jeff) and full-rank (kernel h = 1, p = 1; binning where defined) values, samples and
+    rankings kept, to 1e-9 of the double-precision reference run."""
+    data = reference[0]["variants"]
+    for entry in data["restricted"]:
+        case = data["random_cases"][entry["case"]]
+        m = case["m"]
+        orderings = np.asarray(case["orderings"])
+        true, logw = orderings_to_ranks(orderings), np.asarray(case["logw"])
+        if case["pairs"]:
+            dist = rm_pairwise(rpc_pairs(logw))
+            ks_sub, ks_top = [2], []
+        else:
+            cands = all_orderings(m) if case["candidates"] is None else np.asarray(case["candidates"])
+            dist = ExplicitDistribution(cands, pl_probs(logw, cands))
+            ks_sub, ks_top = [2, 3], sorted({1, 2, m - 1})
+        opts = dict(ks_sub=ks_sub, ks_top=ks_top, restrict=entry["restrict"], max_subsets=None,
+                    kernel_max_samples=None)
+        got = {}
+        for key, value in ranking_metrics(dist, true, **opts).items():
+            got[f"abs|{key}" if "/full/" not in key else f"kernel|{key}"] = value
+        for key, value in ranking_metrics(dist, true, discrepancy="jeff", full_rank=False, **opts).items():
+            got[f"jeff|{key}"] = value
+        if m <= 4:
+            ev = ranking_evaluation(dist, true, full_rank_estimator="binning", **opts)
+            got.update({f"binning|{key}": value for key, value in ev.metrics.items() if "/full/" in key})
+            assert set(ev.skipped) == {f"rank/full/{s}/ece" for s in ["sub_3"] * (not case["pairs"])
+                                       + [f"top_{k}" for k in ks_top if math.perm(m, k) > 3]}
+        for key, expected in entry["values"].items():
+            assert got[key] == pytest.approx(expected, abs=1e-9), (entry["case"], entry["restrict"], key)
+        assert got["abs|rank/restrict/n_samples"] == entry["n_samples"]
+        assert got["abs|rank/restrict/n_rankings"] == entry["n_rankings"]
+
+
+def rm_pairwise(P):
+    from rewarduq_exp.ranking.pairwise import PairwiseOnly
+
+    return PairwiseOnly(P)
+
+
+def test_new_discrepancies_by_hand():
+    """Two bins of two samples: [.25, .5) with frequency .5 and confidence .25, [.75, 1] with .5 and .75."""
+    y, q = [1, 0, 0, 1], [0.25, 0.25, 0.75, 0.75]
+    expected = {"abs": 0.25, "rel_p": 0.5, "rel_q": 0.5 * 1 + 0.5 / 3, "log_ratio": 0.5 * math.log(3)}
+    for disc, value in expected.items():
+        assert rm.binary_ece(y, q, n_bins=4, discrepancy=disc).ece[0] == pytest.approx(value, abs=1e-11), disc
+    # A bin with confidence 0 but frequency 1/2: rel_q = 0.5 / 1e-12, log_ratio = ln((0.5 + 1e-12) / 1e-12).
+    y0, q0 = [1, 0], [0.0, 0.0]
+    assert rm.binary_ece(y0, q0, discrepancy="rel_q").ece[0] == pytest.approx(0.5e12, rel=1e-12)
+    assert rm.binary_ece(y0, q0, discrepancy="log_ratio").ece[0] == pytest.approx(math.log(0.5e12), rel=1e-12)
+    assert rm.binary_ece(y0, q0, discrepancy="rel_p").ece[0] == pytest.approx(1.0)
+    # rel_p explodes the other way round: events that never happen but are predicted.
+    assert rm.binary_ece([0, 0], [0.5, 0.5], discrepancy="rel_p").ece[0] == pytest.approx(0.5e12, rel=1e-12)
+
+
+def test_most_confident_by_hand_and_for_sub_k():
+    ece = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7])
+    mass = np.array([0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1])
+    assert rm.aggregate_ece(ece, None, mass, "most_confident") == pytest.approx(0.3)  # mean of the first five
+    assert rm.aggregate_ece(ece[::-1], None, mass[::-1], "most_confident") == pytest.approx(0.3)
+    # Fewer than 5 events: still divided by 5. Ties keep the event order.
+    assert rm.aggregate_ece([0.3, 0.6], None, [0.5, 0.5], "most_confident") == pytest.approx(0.18)
+    assert rm.aggregate_ece([1, 2, 3, 4, 5, 6], None, [1] * 6, "most_confident") == pytest.approx(3.0)
+    # Our extension to sub-k (the reference raises there): S6 + B, six pair events each with ECE 1/6.
+    res = rm.rankwise_sub_k_ece(S6, DIST_B.sub_k, 2, aggregate="most_confident")
+    assert res.ece == pytest.approx(1 / 6, abs=1e-12)
+    # Top-1 of S6 + C: every item calibrated (ECE 0).
+    assert rm.rankwise_top_k_ece(S6, DIST_C.top_k, 1, aggregate="most_confident").ece == pytest.approx(0.0)
+    assert "rank/sub_3/ece" in ranking_metrics(DIST_B, S6, aggregate="most_confident")
+
+
+def test_frequent_rankings_and_restriction_by_hand():
+    """20 samples of m = 3: A (123) x 10, B (213) x 6, C (231) x 3, D (132) x 1, D first. 95 %: A, B, C (cumulative
+    share 19/20 = 0.95 reaches it); top_10: all four. Uniform predictions restricted to A, B, C: each keeps 1/6."""
+    a, b, c, d = [0, 1, 2], [1, 0, 2], [1, 2, 0], [0, 2, 1]
+    orderings = np.array([d] + [a] * 10 + [b] * 6 + [c] * 3)
+    true = orderings_to_ranks(orderings)
+    assert rm.frequent_rankings(true, "prob_mass_95").tolist() == [a, b, c]
+    assert rm.frequent_rankings(true, "top_10").tolist() == [a, b, c, d]
+    uniform = ExplicitDistribution(O3, np.full((20, 6), 1 / 6))
+    res = rm.restrict_to_frequent_rankings(uniform, true, "prob_mass_95")
+    assert res.keep.tolist() == [False] + [True] * 19 and res.dist.n == 19
+    np.testing.assert_allclose(res.dist.top_k(np.array([a, b, c, d])[:, :2]), [[1 / 6] * 3 + [0.0]] * 19,
+                               atol=1e-15)
+    np.testing.assert_allclose(res.dist.top_k(np.array([[0], [1], [2]])), [[1 / 6, 1 / 3, 0.0]] * 19)  # A; B, C
+    # Rank-wise top-2 (= full ranking): events all six orderings; frequencies 10/19, 6/19, 3/19 for A, B, C against
+    # 1/6 each, and 0 against 0 for the other three (D's mass is removed with D's sample).
+    metrics = ranking_metrics(uniform, true, ks_sub=[], ks_top=[2], restrict="prob_mass_95", full_rank=False)
+    expected = (abs(10 / 19 - 1 / 6) + abs(6 / 19 - 1 / 6) + abs(3 / 19 - 1 / 6)) / 6
+    assert metrics["rank/top_2/ece"] == pytest.approx(expected, abs=1e-12)
+    assert metrics["rank/restrict/n_rankings"] == 3 and metrics["rank/restrict/n_samples"] == 19
+    assert metrics["rank/kendall_tau"] == ranking_metrics(uniform, true, ks_sub=[], ks_top=[2])["rank/kendall_tau"]
+    # Equal counts keep the order of first occurrence: 11 rankings once each, top_10 drops the last one seen.
+    eleven = all_orderings(4)[[5, 3, 17, 0, 9, 11, 2, 20, 8, 14, 7]]
+    assert rm.frequent_rankings(orderings_to_ranks(eleven), "top_10").tolist() == eleven[:10].tolist()
+    # RPC-like pairs: P(a > b) kept where some selected ranking has a before b. Selected A, B, C: 0 > 1 (A),
+    # 1 > 0 (B, C), 0 > 2 (A, B), 2 > 0 (C), 1 > 2 (A, B, C), 2 > 1: none (only D, dropped).
+    P = np.full((20, 3, 3), 0.5)
+    pairs = rm.restrict_to_frequent_rankings(rm_pairwise(P), true, "prob_mass_95").dist
+    got = pairs.sub_k(np.array([[0, 1], [1, 0], [0, 2], [2, 0], [1, 2], [2, 1]]))
+    np.testing.assert_allclose(got, [[0.5, 0.5, 0.5, 0.5, 0.5, 0.0]] * 19)
+
+
+def test_simplex_binning_by_hand_and_reference_cases():
+    # K = 2: bins of p_1 0.15 and 0.12 -> [0.1, 0.2), 0.55 -> [0.5, 0.6).
+    f = np.array([[0.15, 0.85], [0.12, 0.88], [0.55, 0.45]])
+    value = rm.simplex_binning_ece(f, [0, 1, 0])
+    assert value == pytest.approx(2 / 3 * 2 * abs(0.135 - 0.5) + 1 / 3 * 2 * 0.45, abs=1e-12)
+    # K = 3: (0.65, 0.55) overflows (6 + 5 > 10): the larger p_1 is lowered to 10 - 5, the bin of (0.5, 0.55).
+    g = np.array([[0.65, 0.55, 0.0], [0.52, 0.58, 0.0], [0.1, 0.1, 0.8]])
+    bins = rm.simplex_bins(g)
+    assert bins.tolist() == [5 * 11 + 5, 5 * 11 + 5, 1 * 11 + 1]
+    # Edge values go to the bin of their exact value (0.3 is in [0.3, 0.4)).
+    assert rm.simplex_bins(np.array([[0.3, 0.7], [0.1 + 0.2, 0.7]])).tolist() == [3, 3]
+    # The reference's own cases (notes 8.10, 8.12): S6 + A sub-2 and S6 + C top-1 are calibrated: 0.
+    assert rm.full_rank_sub_k_ece(S6, DIST_A.sub_k, 2, estimator="binning").ece == pytest.approx(0.0, abs=1e-12)
+    assert rm.full_rank_top_k_ece(S6, DIST_C.top_k, 1, estimator="binning").ece == pytest.approx(0.0, abs=1e-12)
+    # S6 + B sub-2: f = (1/3, 2/3) or (2/3, 1/3) against frequencies (1/2, 1/2): L1 distance 1/3 per subset.
+    assert rm.full_rank_sub_k_ece(S6, DIST_B.sub_k, 2, estimator="binning").ece == pytest.approx(1 / 3)
+    with pytest.raises(rm.BinningUndefined, match="2 or 3 classes"):
+        rm.full_rank_sub_k_ece(S6, DIST_A.sub_k, 3, estimator="binning")
+    # In the metric dict, keys without 2 or 3 classes are left out with the reason.
+    ev = ranking_evaluation(DIST_C, S6, full_rank_estimator="binning")
+    assert {k for k in ev.metrics if k.startswith("rank/full/") and k.endswith("/ece")} == {
+        "rank/full/sub_2/ece", "rank/full/top_1/ece"}
+    assert set(ev.skipped) == {"rank/full/sub_3/ece", "rank/full/top_2/ece"}
+    assert all("\n" not in reason and "2 or 3 classes" in reason for reason in ev.skipped.values())
+
+
+def test_full_ranking_is_reported_for_every_m():
+    """Top-(m-1) joins the default sweep beyond max_k (m = 7: top_6 with all 5040 rankings; m = 10, auto: the
+    observed rankings); events=all beyond 8! rankings leaves it out with a reason instead of failing; RPC has none."""
+    rng = np.random.default_rng(8)
+    logw = rng.normal(size=(40, 7)) * 2
+    true = orderings_to_ranks(np.argsort(-(logw + rng.gumbel(size=logw.shape)), axis=1))
+    ev = ranking_evaluation(ClosedFormPL(logw), true, max_k=2, max_subsets=3)
+    assert {k for k in ev.metrics if k.endswith("/ece")} == {f"rank/{s}/ece" for s in ("sub_2", "top_1", "top_2",
+                                                                                         "top_6")} | {
+        f"rank/full/{s}/ece" for s in ("sub_2", "top_1", "top_2", "top_6")}
+    assert ev.metrics["rank/full/top_6/n_classes"] == 5040 and ev.metrics["rank/top_6/n_events"] == 5040
+    # top-6 is the full ranking: the same events as sub-7.
+    sub7 = rm.rankwise_sub_k_ece(true, ClosedFormPL(logw).sub_k, 7)
+    assert ev.metrics["rank/top_6/ece"] == pytest.approx(sub7.ece, abs=1e-12)
+    assert not ev.skipped
+    logw10 = rng.normal(size=(30, 10))
+    true10 = orderings_to_ranks(np.argsort(-(logw10 + rng.gumbel(size=logw10.shape)), axis=1))
+    auto = ranking_metrics(ClosedFormPL(logw10), true10, max_k=1, max_subsets=2, kernel_h=0.5)
+    assert auto["rank/top_9/n_events"] == 30 and auto["rank/full/top_9/n_classes"] == 31  # + "other"
+    every = ranking_evaluation(ClosedFormPL(logw10), true10, max_k=1, max_subsets=2, events="all", full_rank=False)
+    assert "rank/top_9/ece" not in every.metrics
+    assert "10! = 3,628,800" in every.skipped["rank/top_9/ece"] and "\n" not in every.skipped["rank/top_9/ece"]
+    pairs = ranking_metrics(PairsOnly(ClosedFormPL(logw)), true, max_subsets=3)
+    assert not any(k.startswith(("rank/top_", "rank/full/top_")) for k in pairs)
+
+
+def test_bad_new_options_are_one_line_errors():
+    _one_line_error(ranking_metrics, DIST_A, S6, restrict="top10", match="restrict='top10' is invalid")
+    _one_line_error(ranking_metrics, DIST_A, S6, full_rank_estimator="bins", match="full_rank_estimator")
+    _one_line_error(ranking_metrics, DIST_A, S6, aggregate="confident", match="most_confident")
+    _one_line_error(ranking_metrics, DIST_A, S6, discrepancy="rel", match="rel_q")

@@ -31,8 +31,8 @@ from rewarduq_exp.runs.run_folder import RunFolder, write_json
 log = logging.getLogger("rewarduq_exp")
 
 # Keys of metric.ranking that are arguments of ranking_evaluation (the rest are for K-wise data).
-EVALUATION_KEYS = ("n_bins", "discrepancy", "aggregate", "max_k", "full_rank", "kernel_h", "kernel_p",
-                   "max_subsets", "events", "kernel_max_samples")
+EVALUATION_KEYS = ("n_bins", "discrepancy", "spacing", "aggregate", "max_k", "full_rank", "full_rank_estimator",
+                   "kernel_h", "kernel_p", "max_subsets", "events", "kernel_max_samples", "restrict")
 
 
 def ranking_options(metric_cfg) -> dict:
@@ -60,7 +60,7 @@ def mean_and_std(per_fold: list[dict]) -> dict:
     for key in keys:
         values = np.array([fold.get(key, np.nan) for fold in per_fold], dtype=float)
         out[key] = float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
-        if not key.endswith(("n_events", "n_subsets", "n_classes")):
+        if not key.endswith(("n_events", "n_subsets", "n_classes", "n_rankings", "n_samples")):
             out[f"{key}_std"] = float(np.nanstd(values, ddof=1)) if np.isfinite(values).sum() > 1 else float("nan")
     out["n_folds"] = len(per_fold)
     return out
@@ -92,6 +92,7 @@ def run_label_ranking(cfg, out: Path, folder: RunFolder, learner, source, show_p
     seed = int(cfg.seed)
     folds = KFold(n_splits=source.folds, shuffle=True, random_state=seed)
     per_fold, frames, times = [], [], []
+    skipped_logged: set[str] = set()
     top1_pooled = []
     for i, (train_idx, test_idx) in enumerate(tqdm(list(folds.split(data.X)), desc=f"{name} folds", unit="fold",
                                                    disable=not show_progress, leave=False)):
@@ -102,6 +103,10 @@ def run_label_ranking(cfg, out: Path, folder: RunFolder, learner, source, show_p
         dist = fold_learner.predict_distribution(x_test)
         evaluation = ranking_evaluation(dist, data.ranks[test_idx], seed=seed, **options)
         per_fold.append(evaluation.metrics)
+        for key, reason in evaluation.skipped.items():  # each left-out metric once per run, with its reason
+            if key not in skipped_logged:
+                skipped_logged.add(key)
+                log.info("%s: %s not computed: %s", name, key, reason)
         times.append((round(t_fit, 3), round(time.perf_counter() - t0, 3)))
         top1 = dist.top_k(np.arange(data.m)[:, None]) if dist.max_top_k >= 1 else None
         frames.append(pd.DataFrame({
