@@ -78,6 +78,8 @@ bench: setup
 	$(PY) scripts/bench_lora.py
 	$(PY) scripts/bench_mcd.py
 	$(PY) scripts/bench_checkpoint.py
+	$(PY) scripts/bench_ranking.py
+	$(PY) scripts/bench_feature_cache.py
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -3,6 +3,7 @@
 import multiprocessing
 
 import pytest
+import safetensors.torch
 import torch
 from omegaconf import OmegaConf
 
@@ -81,11 +82,14 @@ def test_cache_key_covers_probe_data_and_length(tiny_backbone, frame, tmp_path):
         assert other.stats["cache_misses"] == 1
     changed = frame.copy()
     changed.loc[0, "chosen"] = [[{"role": "assistant", "content": "baba"}]]
+    passes = enc.stats["backbone_forward_passes"]
     enc.encode_pairs(changed)
     assert enc.stats["cache_misses"] == 2
-    entries = sorted(p.suffix for p in tmp_path.iterdir())
-    assert entries.count(".pt") == 4 and entries.count(".json") == 4
-    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+    assert enc.stats["backbone_forward_passes"] == passes + 1  # only the changed text is extracted
+    folders = sorted((tmp_path / "rows").iterdir())  # one per (backbone, probe): last/2048, mean/2048, last/1024
+    assert len(folders) == 3 and all((f / "meta.json").exists() for f in folders)
+    assert sorted(len(list(f.glob("shard-*.safetensors"))) for f in folders) == [1, 1, 2]
+    assert not [p for p in tmp_path.rglob("*") if p.suffix == ".tmp"]
 
 
 def _extract_in_child(cache: str, model_yaml: str, results) -> None:
@@ -120,9 +124,9 @@ def test_two_processes_extract_one_entry(tmp_path, tiny_backbone):
     assert sorted(r["cache_misses"] for r in results) == [0, 1]  # exactly one process extracted
     assert min(r["backbone_forward_passes"] for r in results) == 0
     assert results[0]["sum"] == results[1]["sum"]
-    entries = list((cache / "features").glob("*.pt"))
-    assert len(entries) == 1
-    torch.load(entries[0], weights_only=True)  # a complete, loadable tensor
+    shards = list((cache / "features").glob("rows/*/shard-*.safetensors"))
+    assert len(shards) == 1
+    assert safetensors.torch.load_file(shards[0])["features"].shape[0] == 2 * 2000  # complete: every row
     assert not list((cache / "features").glob("*.tmp"))
 
 
@@ -162,3 +166,71 @@ def test_an_entry_half_written_by_a_killed_job_is_never_read(tmp_path):
     tensor, hit = cache.get_or_compute("entry", lambda: torch.arange(8.0).view(4, 2), {"what": "test"})
     assert not hit and torch.equal(tensor, torch.arange(8.0).view(4, 2))
     assert torch.equal(FeatureCache(tmp_path).get("entry"), tensor)
+
+
+class CountingRows:
+    """compute_rows of a lookup: a row per text (its length and first character code), counting the texts computed."""
+
+    def __init__(self, texts):
+        self.texts, self.computed = texts, 0
+
+    def __call__(self, rows):
+        self.computed += len(rows)
+        return torch.tensor([[len(self.texts[i]), ord(self.texts[i][0])] for i in rows], dtype=torch.float32)
+
+
+def expected_rows(texts):
+    return torch.tensor([[len(t), ord(t[0])] for t in texts], dtype=torch.float32)
+
+
+def test_rows_are_cached_per_text_any_order_subset_or_grouping(tmp_path):
+    """Texts extracted once cost nothing again, whatever the order, subset, repetition or split into requests;
+    a request with some new texts computes only those."""
+    from rewarduq_exp.models.feature_cache import FeatureCache
+
+    meta = {"backbone": "b", "probe": {"layer": -1}}
+    texts = [f"text {i} " + "x" * i for i in range(40)]
+    cache = FeatureCache(tmp_path)
+    first = CountingRows(texts)
+    rows, hit = cache.lookup(meta, texts, first)
+    assert not hit and first.computed == 40 and torch.equal(rows, expected_rows(texts))
+    for request in (texts[::-1], texts[5:17], [texts[3]] * 3 + texts[:2], texts[20:] + texts[:20]):
+        again = CountingRows(request)
+        rows, hit = FeatureCache(tmp_path).lookup(meta, request, again)  # a new process: reads the shards
+        assert hit and again.computed == 0 and torch.equal(rows, expected_rows(request))
+    mixed = texts[:10] + ["new a", "new b", "new a"]
+    partial = CountingRows(mixed)
+    rows, hit = cache.lookup(meta, mixed, partial)
+    assert not hit and partial.computed == 2 and torch.equal(rows, expected_rows(mixed))
+    other_probe = CountingRows(texts[:3])
+    cache.lookup({**meta, "probe": {"layer": 0}}, texts[:3], other_probe)
+    assert other_probe.computed == 3  # another probe reads the texts again
+    rows, hit = cache.lookup(meta, [], CountingRows([]))
+    assert hit and len(rows) == 0
+
+
+def test_a_shard_half_written_by_a_killed_job_is_never_read(tmp_path):
+    """SIGKILL while writing a shard (holding its lock): the next lookup neither reads the half file nor waits on the
+    dead job's lock, and computes the rows again."""
+    import os
+    import signal
+
+    import rewarduq_exp.models.feature_cache as fc
+
+    texts = ["a", "bb", "ccc"]
+    pid = os.fork()
+    if pid == 0:
+        def half_written(tensors, path):
+            with open(path, "wb") as fh:
+                fh.write(b"\x10\x00 (cut short)")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        fc.save_file = half_written
+        fc.FeatureCache(tmp_path).lookup({"m": 1}, texts, CountingRows(texts))
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert not list(tmp_path.glob("rows/*/shard-*")) and list(tmp_path.glob("rows/*/.shard-*.tmp"))
+    again = CountingRows(texts)
+    rows, hit = fc.FeatureCache(tmp_path).lookup({"m": 1}, texts, again)
+    assert not hit and again.computed == 3 and torch.equal(rows, expected_rows(texts))
