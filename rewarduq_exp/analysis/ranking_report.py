@@ -85,7 +85,7 @@ def write_report(frame: pd.DataFrame, out: Path) -> str:
                           ("Top-1 accuracy", "rank/top1_accuracy")):
         sections.append(f"## {title}\n\n{markdown_table(*metric_table(frame, metric))}\n")
     for metric in ece_metrics(frame):
-        level = "full-rank (Dirichlet kernel)" if "/full/" in metric else "rank-wise"
+        level = "full-rank" if "/full/" in metric else "rank-wise"
         kind, k = re.match(r".*(sub|top)_(\d+)/ece$", metric).groups()
         sections.append(f"## {level} {kind}-{k} ECE (`{metric}`)\n\n{markdown_table(*metric_table(frame, metric))}\n")
     markdown = "\n".join(sections)
@@ -125,7 +125,7 @@ def plot_dataset(frame: pd.DataFrame, path: Path, dataset: str) -> Path:
                                     label=ABBREVIATIONS.get(learner, learner))
                 ax.set_title(f"{'full-rank' if full else 'rank-wise'} {kind}-k")
                 ax.set_xlabel("k")
-                ax.set_ylabel("kernel calibration error" if full else "ECE")
+                ax.set_ylabel("full-rank calibration error" if full else "ECE")
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
                 ax.grid(alpha=0.3)
                 if ax.get_legend_handles_labels()[0]:

@@ -87,7 +87,7 @@ def plot_ece_by_k(per_fold: list[dict], path: Path, *, title: str = "") -> Path:
                 ax.errorbar(ks, mean, yerr=std, fmt=style, capsize=3, label=f"{kind}-k")
             ax.set_xlabel("k")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_ylabel("ECE" if level == "rank-wise" else "kernel calibration error")
+            ax.set_ylabel("ECE" if level == "rank-wise" else "full-rank calibration error")
             ax.set_title(f"{level} calibration")
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
