@@ -14,12 +14,11 @@ computation is rewarduq_exp.analysis.cuped.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from rewarduq_exp.analysis.cuped import cuped_analysis, join_user_tables, read_table
-from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.strict_json import write_json
 from rewarduq_exp.runner.cli import fail
 
 
@@ -54,7 +53,7 @@ def main(argv=None) -> None:
               "missing values")
     print(report.text())
     if args.json:
-        write_atomic(args.json, json.dumps({**report.as_dict(), "dropped": dropped}, indent=1) + "\n")
+        write_json(args.json, {**report.as_dict(), "dropped": dropped})  # undefined numbers as null
         print(f"wrote {args.json}")
 
 

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 from conftest import ROOT
 from entry_points import run_entry_point
+from strict_files import assert_strict_json_files
 
 # A 4-layer tiny Qwen3, so the intermediate layer (3/8 of the depth) differs from the final one.
 ARGS = ["method=borp", "probe=borp_contrastive", "dataset=synthetic_ratings", "model.build.num_layers=4",
@@ -52,6 +53,9 @@ def test_probe_beats_the_baselines_and_its_uncertainty_tracks_the_error(borp_run
     assert (folder / "figures" / "synthetic_ratings_eval" / "probe.png").exists()
     # the component and alpha searches were grouped by prompt: the world's 8 topic prompts
     assert json.loads((folder / "status.json").read_text())["fit"]["cv_groups"] == 8
+    # every JSON file of the run (metrics, status, data summary, method.json) parses with a strict parser
+    assert_strict_json_files(folder)
+    assert ev["probe/baseline/score_judge/constant"] is False and ev["probe/baseline/mean_pool_ridge/constant"] is False
 
 
 def test_probe_scores_preferences_with_rewarduq_metrics(borp_run):
@@ -160,6 +164,32 @@ def test_refined_probe_with_two_rubrics_trains(tmp_path, shared_cache):
     assert fit["feature_dim"] == 2 * 256
     assert np.isfinite(json.loads((tmp_path / "run" / "metrics.json").read_text())[
         "synthetic_ratings_eval"]["probe/pearson"])
+
+
+def test_a_judge_that_answers_one_digit_is_reported_as_constant(tmp_path, shared_cache, monkeypatch):
+    """A small LM as score-only judge can answer the same digit for every text. Its agreement with the ratings
+    (alpha, Pearson, Spearman) is then undefined: those keys are absent, ``constant`` is true, one log line says so,
+    and no file holds a bare NaN."""
+    from rewarduq_exp.methods import score_judge
+    from rewarduq_exp.runner.evaluation import UNDEFINED_FOR_CONSTANT
+
+    monkeypatch.setattr(score_judge.JudgeResult, "scores",
+                        lambda self, scoring="digit": np.full(len(self.argmax), 3.0))  # always "3"
+    proc = run("train.py", ["method=borp", "probe=borp_contrastive", "dataset=synthetic_ratings",
+                            "model.build.num_layers=4", "dataset.n_train=60", "dataset.n_eval=20", "dataset.n_ood=20",
+                            "metric.diagrams=false", f"hydra.run.dir={tmp_path}/run"], tmp_path, shared_cache)
+    assert_strict_json_files(tmp_path / "run")
+    blocks = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert set(blocks) == {"synthetic_ratings_eval", "synthetic_ratings_ood"}
+    for block in blocks.values():
+        assert block["probe/baseline/score_judge/constant"] is True
+        assert not {f"probe/baseline/score_judge/{k}" for k in UNDEFINED_FOR_CONSTANT} & set(block)
+        assert np.isfinite(block["probe/baseline/score_judge/rmse"])
+        assert block["probe/baseline/mean_pool_ridge/constant"] is False
+        assert np.isfinite(block["probe/baseline/mean_pool_ridge/pearson"])
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "synthetic_ratings_eval: the score_judge baseline answered 3 for all 20 texts (constant)" in log
+    assert "alpha_ridge" in proc.stdout and "alpha_judge" not in proc.stdout  # no judge column: nothing to show
 
 
 def test_helpsteer2_command_runs_on_a_fixture_in_the_hub_schema(tmp_path, shared_cache):

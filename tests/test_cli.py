@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 from conftest import ROOT
 from entry_points import run_entry_point
+from strict_files import assert_strict_json_files
 
 from rewarduq_exp.metrics import METRIC_NAMES
 
@@ -68,6 +69,7 @@ def test_train_writes_complete_run_folder(trained, method, shared_cache):
     # the summary table is printed at the end, with the truth column beside the win rate
     assert "win_rate" in proc.stdout and "bayes_win" in proc.stdout and "synthetic_ood" in proc.stdout
     assert not list(folder.rglob("*.tmp"))
+    assert_strict_json_files(folder)  # no bare NaN / Infinity in any JSON file of the run
     # Every result file and folder has the permissions the umask gives (colleagues on a cluster read run folders
     # and the shared cache); mkstemp's 0600 would hide them.
     umask = os.umask(0)

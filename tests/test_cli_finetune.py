@@ -4,6 +4,7 @@ complete run folders, and evaluate.py reproduces the training metrics from what 
 import json
 
 import pytest
+from strict_files import assert_strict_json_files
 from test_api import assert_api_scores_as_evaluate
 from test_cli import run
 
@@ -32,4 +33,5 @@ def test_fine_tuning_method_end_to_end(tmp_path, shared_cache, method):
     after = json.loads((folder / "metrics.json").read_text())
     assert after["synthetic_eval"] == pytest.approx(metrics["synthetic_eval"], abs=1e-6), again.stdout
     # the Python API rebuilds the same model: the scores evaluate.py just wrote, from plain strings
+    assert_strict_json_files(folder)  # train_history.json, metrics.json (merged by evaluate.py), method.json, ...
     assert_api_scores_as_evaluate(folder, "synthetic_eval", SyntheticWorld(n_train=160, n_eval=60).load("eval"))

@@ -1,7 +1,6 @@
 """CUPED (BoRP section 5.3): theta, variance reduction and sample sizes on constructed cases; the script's output and
 its one-line errors."""
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from rewarduq_exp.analysis.cuped import (
     sample_size_per_arm,
 )
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.strict_json import strict_loads
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cuped.py"
 # y = 2x + e with e orthogonal to x and to the constant: theta = 2, rho^2 = (2 var x)^2 / (var y var x) = 0.8
@@ -88,7 +88,7 @@ def test_script(tmp_path):
     proc = run_entry_point(SCRIPT, args, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "theta = cov(Y, X) / var(X)" in proc.stdout and "with CUPED" in proc.stdout and "group B" in proc.stdout
-    report = json.loads((tmp_path / "out.json").read_text())
+    report = strict_loads((tmp_path / "out.json").read_text())  # strict JSON: no bare NaN / Infinity
     assert report["n_per_arm_cuped"] < report["n_per_arm"] and report["n_users"] == n
     bad = run_entry_point(SCRIPT, [a if a != "borp" else "borp_pre" for a in args], tmp_path)
     assert bad.returncode == 2

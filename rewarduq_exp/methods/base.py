@@ -13,7 +13,6 @@ in it is imported or called), and a missing or damaged file is one line naming i
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import math
 import os
@@ -33,6 +32,7 @@ from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
 from rewarduq_exp.core.checks import check_choice, check_max_grad_norm, check_positive
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.saved_files import load_safetensors, read_json_object
+from rewarduq_exp.core.strict_json import dumps_json, nulls_to_nan
 from rewarduq_exp.models.backbone import resolve_device
 
 log = logging.getLogger("rewarduq_exp")
@@ -118,7 +118,7 @@ def write_method_info(directory: Path, method, **extra) -> None:
     """``method.json`` beside a saved method: what rebuilds it (class, hyperparameters) and what it was fit on."""
     info = {"class": f"{type(method).__module__}.{type(method).__qualname__}", "method": method.name,
             "hyperparameters": method.hyperparameters(), "fit_summary": method.fit_summary, **extra}
-    write_atomic(Path(directory) / "method.json", json.dumps(info, indent=1, default=str))
+    write_atomic(Path(directory) / "method.json", dumps_json(info, what=f"{directory}/method.json"))
 
 
 def read_method_info(directory: Path, name: str | None = None) -> dict:
@@ -321,8 +321,9 @@ class LabelRankingMethod(Method):
         path = directory / "state.safetensors"
         arrays = load_safetensors(path, framework="np")  # a missing or cut-short file: one line naming it
         fitted = info.get("fitted", {})
+        fitted = nulls_to_nan(fitted) if isinstance(fitted, dict) else {}  # null: a NaN/inf scalar, written strictly
         try:
-            self.load_fitted(arrays, fitted if isinstance(fitted, dict) else {})
+            self.load_fitted(arrays, fitted)
         except (KeyError, TypeError, ValueError) as err:  # a tensor or fitted value missing or of the wrong kind
             raise UserError(one_line(f"{path} and {directory / 'method.json'} (field \"fitted\") do not hold a "
                                      f"fitted {self.name} ({type(err).__name__}: {err}); the run folder is "

@@ -125,12 +125,36 @@ def evaluate_method(method, data: pd.DataFrame, name: str, folder: RunFolder, me
 
 # The column of pointwise data with the standard deviation of the human ratings behind each score, where known.
 RATER_STD = "rater_std"
+# Agreement metrics of a baseline that are undefined when it answers one value for every text (a judge that always
+# says "3"): a correlation with a constant does not exist. They are left out of that baseline's metrics and
+# ``probe/baseline/<name>/constant`` (true) says why; it is false for a baseline whose answers vary.
+UNDEFINED_FOR_CONSTANT = ("alpha_interval", "alpha_ordinal", "pearson", "spearman")
+
+
+def baseline_metrics(name: str, baseline: str, y: np.ndarray, values, score_range: tuple) -> dict:
+    """``probe/baseline/<baseline>/...`` metrics of one baseline's predictions ``values`` against the ratings ``y``
+    on dataset ``name``, with ``constant`` (bool): when every prediction is the same value, the agreement metrics of
+    :data:`UNDEFINED_FOR_CONSTANT` are absent (not NaN) and one log line says so."""
+    from rewarduq_exp.metrics.probe import probe_metrics
+
+    values = np.asarray(values, dtype=float)
+    found = probe_metrics(y, values, score_range=score_range)  # checks shapes and finiteness first
+    constant = bool(np.ptp(values) == 0)
+    if constant:
+        for key in UNDEFINED_FOR_CONSTANT:
+            found.pop(f"probe/{key}", None)
+        log.warning("%s: the %s baseline answered %g for all %d texts (constant): its %s are undefined and not "
+                    "reported; probe/baseline/%s/constant is true", name, baseline, float(values[0]), len(values),
+                    ", ".join(UNDEFINED_FOR_CONSTANT), baseline)
+    found["probe/constant"] = constant
+    return {f"probe/baseline/{baseline}/{k.removeprefix('probe/')}": v for k, v in found.items()}
 
 
 def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg) -> tuple[dict, list]:
     """A pointwise eval set (rated responses) for a pointwise method (BoRP): its scores against the ratings
     (``probe/...``: Krippendorff's alpha, Pearson, Spearman, RMSE, RMSE by uncertainty bins), the baselines the
-    method offers on the same rows (``probe/baseline/<name>/...``), the predictions file (one row per response:
+    method offers on the same rows (``probe/baseline/<name>/...``, see :func:`baseline_metrics` for a baseline that
+    answers one value throughout), the predictions file (one row per response:
     ``score``, ``prediction``, ``lower``, ``upper``, ``u`` and each baseline's prediction) and the diagnostic figure."""
     from rewarduq_exp.metrics.probe import plot_probe_diagnostics, probe_metrics, spearman
 
@@ -147,8 +171,7 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
         metrics["probe/u_rater_std_spearman"] = spearman(u, predictions[RATER_STD].to_numpy())
     for baseline, values in method.baselines(data).items():
         predictions[f"prediction_{baseline}"] = values
-        metrics.update({f"probe/baseline/{baseline}/{k.removeprefix('probe/')}": v
-                        for k, v in probe_metrics(y, values, score_range=score_range).items()})
+        metrics.update(baseline_metrics(name, baseline, y, values, score_range))
     folder.write_predictions(name, predictions)
     figures = []
     if getattr(folder, "writer", True) and metric_cfg.get("diagrams", True):

@@ -4,7 +4,8 @@
 error, timings, config hash, owner and heartbeat, library versions), ``metrics.json`` (one object per evaluated
 dataset), ``predictions/<dataset>.parquet``, ``figures/<dataset>/``, ``model/`` (what the method's ``save`` wrote),
 ``data_summary.json``, ``train.log``. Every file is written to a temporary name and renamed, so a killed run never
-leaves a half-written result.
+leaves a half-written result. Every JSON file is strict JSON: an undefined number (NaN, inf) is written as ``null``
+and logged (:mod:`rewarduq_exp.core.strict_json`); :meth:`RunFolder.read_metrics` reads it back as NaN.
 
 One run, one folder: a run writes nothing into its folder before :meth:`RunFolder.start` has claimed it, under a
 lock, from what ``status.json`` says. A folder is free when it holds no run, a failed run, an interrupted one (its
@@ -17,7 +18,6 @@ another config (unless ``force``). That is why Hydra does not write ``.hydra/`` 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
@@ -30,6 +30,7 @@ from filelock import FileLock
 from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.saved_files import read_json_object
+from rewarduq_exp.core.strict_json import nulls_to_nan, write_json  # noqa: F401 (write_json: the runners' writer)
 from rewarduq_exp.runs.run_identity import (  # noqa: F401 (config_hash: API)
     COMPLETED,
     VALIDATION,
@@ -57,10 +58,6 @@ VERSIONED = ("torch", "transformers", "peft", "trl", "accelerate", "datasets", "
 class RunFolderBusy(UserError):
     """The folder holds another live run, or a completed run of another config: this process must not write
     there. Raised before anything is written."""
-
-
-def write_json(path: Path, obj) -> None:
-    write_atomic(path, json.dumps(obj, indent=1, default=str) + "\n")
 
 
 def library_versions() -> dict:
@@ -236,9 +233,11 @@ class RunFolder:
 
     # ------------------------------------------------------------------ results
     def read_metrics(self) -> dict:
+        """``metrics.json`` as written, with a ``null`` metric (NaN/inf when it was computed, see
+        :mod:`rewarduq_exp.core.strict_json`) read back as NaN; ``{}`` when there is none yet."""
         if not self.metrics_path.exists():
             return {}
-        return read_json_object(self.metrics_path)
+        return nulls_to_nan(read_json_object(self.metrics_path))
 
     def write_metrics(self, blocks: dict[str, dict], merge: bool = False) -> None:
         """Write ``metrics.json``; ``merge`` adds/replaces these blocks and keeps the others. The read-merge-write
@@ -250,7 +249,8 @@ class RunFolder:
             return
         self.root.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.root / ".metrics.json.lock")):
-            write_json(self.metrics_path, {**self.read_metrics(), **blocks})
+            kept = read_json_object(self.metrics_path) if self.metrics_path.exists() else {}
+            write_json(self.metrics_path, {**kept, **blocks})
 
     def write_predictions(self, dataset: str, frame: pd.DataFrame) -> Path:
         path = self.predictions_path(dataset)

@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rewarduq_exp.core.errors import UserError, first_line
 from rewarduq_exp.core.saved_files import read_json_object
+from rewarduq_exp.core.strict_json import nulls_to_nan
 from rewarduq_exp.runs.completed_runs import damage
 from rewarduq_exp.runs.run_identity import NOT_HYPERPARAMETERS, VALIDATION
 from rewarduq_exp.runs.run_owner import describe_owner, effective_state
@@ -131,7 +132,8 @@ def read_run(folder: str | os.PathLike) -> RunRecord | None:
         seed=seed,
         hyperparameters=hyperparameters(cfg),
         overrides=overrides,
-        metrics=read_json_object(folder / "metrics.json") if state == "completed" else {},
+        # a null metric was NaN/inf when computed (strict JSON): NaN again here, a missing value for every reader
+        metrics=nulls_to_nan(read_json_object(folder / "metrics.json")) if state == "completed" else {},
         finished_at=str((status or {}).get("finished_at", "")),
     )
 
