@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from scipy.special import gammaln
+from test_ranking_kernel import dense_kernel_errors
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics import ranking as rm
@@ -214,14 +214,7 @@ def test_binary_ece_matches_loop_definition(discrepancy, spacing):
 
 def loop_kernel_ece(f, y, h, p):
     """The Dirichlet-kernel estimator with the whole (n, n) kernel matrix at once."""
-    n, c = f.shape
-    alpha = f / h + 1
-    logk = (gammaln(alpha.sum(1)) - gammaln(alpha).sum(1))[None, :] \
-        + ((alpha - 1)[None, :, :] * np.log(np.maximum(f, 1e-8))[:, None, :]).sum(-1)
-    np.fill_diagonal(logk, -np.inf)
-    w = np.exp(logk - logk.max(axis=1, keepdims=True))
-    yhat = w @ np.eye(c)[y] / (w.sum(axis=1, keepdims=True) + 1e-8)
-    return float(np.mean(np.sum(np.abs(yhat - f) ** p, axis=1) ** (1 / p)))
+    return float(dense_kernel_errors(f, y, h, p).mean())
 
 
 def test_kernel_chunked_equals_unchunked_and_direct_formula():
