@@ -1,4 +1,5 @@
-"""MC-dropout scoring of MCD-DPO: shared backbone (one body forward, K x dropout + LM head) vs K full forward passes.
+"""MC-dropout scoring of MCD-DPO: shared backbone (one body forward, K x dropout + LM head) vs K full forward passes;
+and the reference log-prob pass before training: ours vs TRL's vs a plain forward of the same model.
 
     python scripts/bench_mcd.py                          # tiny offline Qwen3, K=20
     python scripts/bench_mcd.py --large                  # also a random Qwen3 of ~0.1B parameters (no download)
@@ -6,6 +7,12 @@
 Both ways compute the same quantity (K summed completion log-probs per sequence under K dropout masks on the final
 hidden states); the naive way runs the whole model K times with a dropout hook before the LM head and materialises
 full (B, L, V) logits each time. Timings: median of --repeats after one warm-up, ratio from the same run.
+
+Reference pass (summed completion log-probs, no dropout, no gradients): ours runs the body once and the LM head on the
+completion positions only, in chunks (``McdDpo``'s ``compute_ref_log_probs``); TRL's asks the model patched with
+its fused LM head for the completion log-probs (``labels=..., fused_lm_head=True``, what
+``DPOTrainer.compute_ref_log_probs`` does: the head in tiles over the labelled positions); the plain
+forward is ``model(input_ids)`` with its full (B, L, V) logits and nothing else. Printed as sequences per second.
 """
 
 from __future__ import annotations
@@ -65,6 +72,31 @@ def bench(name, model, vocab, batch, length, prompt_len, K, p, chunk, repeats, d
     print(f"{name}: B={batch} L={length} completion={length - prompt_len} K={K} V={vocab}  "
           f"naive {t_naive * 1e3:.1f} ms  shared-backbone {t_shared * 1e3:.1f} ms  ratio {t_naive / t_shared:.1f}x",
           flush=True)
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model)  # as DPOTrainer does: only calls with fused_lm_head=True take the fused head
+    with torch.no_grad():
+        t_plain = timed(lambda: model(input_ids=ids, attention_mask=attn, use_cache=False).logits, repeats, device)
+        t_trl = timed(lambda: trl_reference(model, ids, attn, comp), repeats, device)
+        t_ours = timed(lambda: ours_reference(model, ids, attn, comp, chunk), repeats, device)
+        diff = (trl_reference(model, ids, attn, comp) - ours_reference(model, ids, attn, comp, chunk)).abs().max()
+    rate = {k: batch / t for k, t in (("plain", t_plain), ("trl", t_trl), ("ours", t_ours))}
+    print(f"{name} reference pass: ours {rate['ours']:.1f} seq/s, TRL's {rate['trl']:.1f} seq/s, plain forward "
+          f"{rate['plain']:.1f} seq/s  ratio ours / plain forward {t_plain / t_ours:.2f}x, ours / TRL's "
+          f"{t_trl / t_ours:.2f}x (max |diff| {float(diff):.1e})", flush=True)
+
+
+def trl_reference(model, ids, attn, comp):
+    labels = ids.masked_fill(comp == 0, -100)
+    return model(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False, fused_lm_head=True
+                 ).log_probs.sum(dim=1)
+
+
+def ours_reference(model, ids, attn, comp, chunk):
+    from rewarduq_exp.methods.mcd_dpo import completion_logps
+
+    h = model.model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    return completion_logps(h, model.lm_head, ids, comp, chunk)
 
 
 def main():

@@ -382,3 +382,22 @@ def test_default_tiny_run_learns(tiny_backbone):
     chosen, rejected = method.score_pairs(ev)
     win = float(np.mean(chosen.reward > rejected.reward))
     assert win > 0.5 + 3 * np.sqrt(0.25 / len(ev))             # 3 standard errors above a coin flip (0.606)
+
+
+def test_our_reference_pass_equals_trls(tiny_backbone, data, tmp_path):
+    """The reference log-probs come from the project's forward (LM head on completion positions only); they equal
+    TRL's own computation (LM head on every position) on the same batches, and the pre-computed columns hold them."""
+    method = _method(tiny_backbone)
+    trainer = method._make_trainer(data[0][:12], str(tmp_path))
+    pairs = trainer.train_dataset.remove_columns(["ref_chosen_logps", "ref_rejected_logps"])
+    loader = torch.utils.data.DataLoader(pairs, batch_size=5, collate_fn=trainer.data_collator, shuffle=False)
+    ours, trls = [], []
+    for batch in loader:
+        ours.append(torch.stack(trainer.compute_ref_log_probs(trainer.model, batch)))
+        plain = {k: v for k, v in batch.items() if k != "weight"}
+        trls.append(torch.stack(super(type(trainer), trainer).compute_ref_log_probs(trainer.model, plain)))
+    ours, trls = torch.cat(ours, dim=1), torch.cat(trls, dim=1)
+    torch.testing.assert_close(ours, trls, rtol=1e-5, atol=1e-4)
+    stored = torch.tensor([trainer.train_dataset["ref_chosen_logps"], trainer.train_dataset["ref_rejected_logps"]])
+    torch.testing.assert_close(stored, ours, rtol=1e-5, atol=1e-4)
+    assert (ours < 0).all()

@@ -25,12 +25,12 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
 from rewarduq_exp.core.checks import check_choice, check_max_grad_norm, check_positive
 from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.progress import progress
 from rewarduq_exp.core.saved_files import load_safetensors, read_json_object
 from rewarduq_exp.core.strict_json import dumps_json, nulls_to_nan
 from rewarduq_exp.models.backbone import resolve_device
@@ -548,8 +548,8 @@ def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int,
             meta |= {"optimizer_groups": groups, "scheduler": training_checkpoint.scheduler_state(scheduler)}
         return phase.save(tensors | training_checkpoint.rng_tensors(), meta)
 
-    bar = tqdm(range(first, total), desc=desc, unit="step", leave=False, initial=first, total=total,
-               disable=not (show_progress and distributed.is_main()))
+    bar = progress(range(first, total), desc=desc, show=show_progress, unit="steps", initial=first, total=total,
+                   quiet=not distributed.is_main())
     with job_signals.training_loop():
         for i in bar:
             start = (i % steps_per_epoch) * schedule.batch_size

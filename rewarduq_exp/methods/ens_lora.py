@@ -49,12 +49,12 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.atomic_write import atomic_dir, atomic_path
 from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.progress import progress
 from rewarduq_exp.core.saved_files import check_safetensors, load_safetensors, read_json_object
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.methods.base import (
@@ -451,8 +451,8 @@ class EnsLoRA(RewardMethod):
         seqs = self._tokenize(texts)
         order = np.argsort([len(s) for s in seqs], kind="stable")
         out = torch.empty(self.num_members, len(seqs), dtype=torch.float64)
-        bar = tqdm(range(0, len(seqs), self.score_batch_size), desc=f"{self.name} scoring", unit="batch",
-                   disable=not self.show_progress, leave=False)
+        bar = progress(range(0, len(seqs), self.score_batch_size), desc=f"{self.name} scoring", unit="batches",
+                       show=self.show_progress, quiet=not distributed.is_main())
         for i in bar:
             idx = order[i:i + self.score_batch_size]
             ids, mask = self._pad([seqs[j] for j in idx])

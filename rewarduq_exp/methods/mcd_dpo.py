@@ -19,8 +19,9 @@ Table 1's values hold with it; null = off), passed to TRL's config explicitly.
 Performance:
 - training goes through TRL's ``DPOTrainer`` with ``precompute_ref_log_probs=True``: the reference log-probs are
   computed once per pair before training, never per step, per epoch or per MC sample, and no reference copy stays in
-  memory while training. ``compute_loss`` is overridden (dropout before the LM head, chunked log-softmax); see
-  "Several processes" for ``training_step``.
+  memory while training. That pass is ours (``compute_ref_log_probs``): the body and the chunked LM head of training,
+  without dropout. ``compute_loss`` is overridden (dropout before the LM head, chunked log-softmax); see "Several
+  processes" for ``training_step``.
 - scoring runs the transformer body once per batch; only dropout + LM head + log-softmax are repeated K times, over
   chunks of completion positions, so no (K, B, L, V) logits tensor ever exists. The reference model (no dropout) is
   run once per batch.
@@ -66,13 +67,13 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from tqdm.auto import tqdm
 
 from rewarduq_exp.core import job_signals, training_checkpoint
 from rewarduq_exp.core.atomic_write import atomic_path
 from rewarduq_exp.core.checks import check_max_grad_norm, check_positive
-from rewarduq_exp.core.distributed import max_across, rank, world_size
+from rewarduq_exp.core.distributed import is_main, max_across, rank, world_size
 from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.progress import ProgressClock, progress
 from rewarduq_exp.core.saved_files import check_safetensors
 from rewarduq_exp.methods.base import (
     RewardMethod,
@@ -443,6 +444,29 @@ def _phase_checkpoint_class():
     return PhaseCheckpoint
 
 
+@functools.cache
+def _progress_log_callback_class():
+    from transformers import TrainerCallback
+
+    class ProgressLogCallback(TrainerCallback):
+        """A log line every few minutes while the Trainer trains with bars off (see ``rewarduq_exp.core.progress``)."""
+
+        clock = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.clock = ProgressClock("mcd_dpo training", state.max_steps, "steps", initial=state.global_step)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if self.clock is not None and logs and "loss" in logs:
+                self.clock.values["loss"] = float(logs["loss"])
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.clock is not None:
+                self.clock.update(state.global_step)
+
+    return ProgressLogCallback
+
+
 def _make_trainer_class():
     from trl import DPOTrainer
 
@@ -454,10 +478,18 @@ def _make_trainer_class():
         reference pre-computation, the optimizer, scheduler, accumulation and logging.
         """
 
-        def __init__(self, *args, dropout: float, logprob_chunk: int, **kwargs):
+        def __init__(self, *args, dropout: float, logprob_chunk: int, show_progress: bool = True, **kwargs):
             self.head_dropout = dropout
             self.logprob_chunk = logprob_chunk
+            # With bars off, the reference pass (inside TRL's __init__) and training log a line every few minutes.
+            config, data = kwargs["args"], kwargs["train_dataset"]
+            batches = math.ceil(len(data) / (config.precompute_ref_batch_size or config.per_device_train_batch_size))
+            self._reference_clock = (ProgressClock("mcd_dpo reference log-probs", batches, "batches")
+                                     if not show_progress and is_main() else None)
+            self._reference_batches = 0
             super().__init__(*args, **kwargs)
+            if not show_progress and is_main():
+                self.add_callback(_progress_log_callback_class()())
             # Wrapped only now: TRL's __init__ builds its collator (pad token checks, mirrored onto the model config)
             # and already ran the reference pre-computation with it, whose batches must not carry ``weight``
             # (``compute_ref_log_probs`` passes every non-mask key to the model). Training batches get it.
@@ -501,11 +533,20 @@ def _make_trainer_class():
             return loss
 
         def compute_ref_log_probs(self, model, inputs):
-            # In case TRL computes the reference on the fly (not our setup: precompute_ref_log_probs=True): the
-            # weight is no model input.
-            return super().compute_ref_log_probs(model, {k: v for k, v in inputs.items() if k != "weight"})
+            """The reference's summed completion log-probs of one batch, ``(chosen, rejected)``: the policy's own
+            forward (:meth:`_completion_logps`) without dropout and without gradients."""
+            from trl.models.utils import disable_gradient_checkpointing
 
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                logps = self._completion_logps(model, inputs, dropout=0.0, training=False).chunk(2)
+            self._reference_batches += 1
+            if self._reference_clock is not None:
+                self._reference_clock.update(self._reference_batches)
+            return logps
+
+        def _completion_logps(self, model, inputs, dropout: float, training: bool) -> torch.Tensor:
+            """Summed completion log-probs (2B,) of a [chosen; rejected] batch: the body's final hidden states, then
+            the LM head (with the head dropout when ``training``) on the completion positions only."""
             lm = self.accelerator.unwrap_model(model)
             body = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
             # Accelerate applies mixed precision by wrapping ``model.forward``; the body and the LM head are called
@@ -513,8 +554,11 @@ def _make_trainer_class():
             with self.accelerator.autocast():
                 hidden = body(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                               use_cache=False).last_hidden_state
-                logps = completion_logps(hidden, lm.lm_head, inputs["input_ids"], inputs["completion_mask"],
-                                         self.logprob_chunk, self.head_dropout, training=model.training)
+                return completion_logps(hidden, lm.lm_head, inputs["input_ids"], inputs["completion_mask"],
+                                        self.logprob_chunk, dropout, training=training)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            logps = self._completion_logps(model, inputs, self.head_dropout, training=model.training)
             chosen, rejected = logps.chunk(2)          # the collator stacks [chosen; rejected]
             ref_c, ref_r = inputs["ref_chosen_logps"].float(), inputs["ref_rejected_logps"].float()
             margin = self.beta * ((chosen - ref_c) - (rejected - ref_r))
@@ -718,7 +762,8 @@ class McdDpo(RewardMethod):
             warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated",
                                     category=FutureWarning)
             trainer = Trainer(model=model, ref_model=None, args=args, train_dataset=dataset,
-                              processing_class=self.tokenizer, dropout=self.dropout, logprob_chunk=self.logprob_chunk)
+                              processing_class=self.tokenizer, dropout=self.dropout, logprob_chunk=self.logprob_chunk,
+                              show_progress=self.show_progress)
         if not self.show_progress:
             from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -874,8 +919,8 @@ class McdDpo(RewardMethod):
         prompts, completions = list(prompts), list(completions)
         out = np.zeros((len(prompts), self.num_samples))
         n_batches = math.ceil(len(prompts) / self.score_batch_size)
-        batches = tqdm(self._batches(prompts, completions), total=n_batches, desc="mcd_dpo score",
-                       disable=not self.show_progress, leave=False)
+        batches = progress(self._batches(prompts, completions), total=n_batches, desc="mcd_dpo scoring",
+                           unit="batches", show=self.show_progress, quiet=not is_main())
         for idx, ids, attn, comp, seeds in batches:
             with self._autocast():
                 hidden = policy.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state

@@ -12,9 +12,10 @@ import os
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
+from rewarduq_exp.core import distributed
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.progress import progress
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.feature_cache import FeatureCache
@@ -112,7 +113,8 @@ class FeatureEncoder:
         pad_id = self.tokenizer.pad_token_id
         out = None
         batches = range(0, len(order), self.batch_size)
-        for start in tqdm(batches, desc=desc, unit="batch", disable=not self.show_progress, leave=False):
+        for start in progress(batches, desc=desc, unit="batches", show=self.show_progress,
+                              quiet=not distributed.is_main()):
             idx = order[start : start + self.batch_size]
             width = int(lengths[idx].max())
             input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)

@@ -22,7 +22,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from rewarduq_exp.core import distributed, job_signals, training_checkpoint
+from rewarduq_exp.core import distributed, job_signals, progress, training_checkpoint
 from rewarduq_exp.core.checks import check_integer, check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.training_checkpoint import CHECKPOINT_DIR, TrainingCheckpoints
@@ -185,6 +185,7 @@ class RewardModelTask:
         distributed.setup(resolve_device(cfg.device).type)
         if not distributed.is_main():
             os.environ["TQDM_DISABLE"] = "1"  # one set of progress bars (rank 0's): methods, encoder and TRL read it
+        progress.set_interval(60 * check_positive(cfg.get("progress_log_minutes", 3), "progress_log_minutes"))
         self.backbone = Backbone(cfg.model, cache_dir=cfg.paths.cache_dir, device=cfg.device)
         self.features = FeatureEncoder(self.backbone, cfg.probe, Path(cfg.paths.cache_dir) / "features",
                                       int(cfg.max_length), show_progress=bool(cfg.progress))
