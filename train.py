@@ -32,6 +32,15 @@ def let_sweep_jobs_import_this_repo() -> None:
 if __name__ == "__main__":
     let_sweep_jobs_import_this_repo()
     check_group_choices(sys.argv[1:])
+    from rewarduq_exp.runner import plan
+
+    if plan.wants_plan(sys.argv[1:]):   # what the run needs (memory, FLOPs, time), without loading anything
+        check_setting_keys([a for a in sys.argv[1:] if not plan.wants_plan([a])], "train")
+        guarded_plan = plan.plan_command
+        try:
+            sys.exit(guarded_plan(sys.argv[1:]))
+        except plan.UserError as err:
+            fail(str(err), err.exit_code)
     check_setting_keys(sys.argv[1:], "train")
     # torchrun / accelerate launch: one shared run folder (hydra.run.dir required), .hydra/ written by rank 0 only.
     extra, error = launcher_overrides(sys.argv[1:])

@@ -29,6 +29,7 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher, BasicLauncherConf
 from hydra.core.config_store import ConfigStore
@@ -224,6 +225,11 @@ class SkipCompletedLocalLauncher(SkipCompleted, LocalLauncher):
 
 
 class SkipCompletedSlurmLauncher(SkipCompleted, SlurmLauncher):
+    def __init__(self, **params) -> None:
+        super().__init__(**params)
+        # The profile's GPU (memory) is ours, for the plan check; submitit would refuse it as a parameter.
+        self.plan_limits = {k: self.params.pop(k, None) for k in ("gpu_mem_gb", "gpu")}
+
     def launch(self, job_overrides, initial_job_idx: int):
         from hydra_plugins.rewarduq_launchers import slurm_checks
         from rewarduq_exp.core.errors import UserError
@@ -233,10 +239,26 @@ class SkipCompletedSlurmLauncher(SkipCompleted, SlurmLauncher):
         # reach Hydra, which prints a traceback and exits 1. fail() is the entry points' one line and exit 2.
         try:
             slurm_checks.check_submission(self.params)
+            self._check_plans(job_overrides)
         except UserError as err:
             fail(str(err), err.exit_code)
         with slurm_checks.squeue_fallback_watcher():
             return super().launch(job_overrides, initial_job_idx)
+
+
+    def _check_plans(self, job_overrides) -> None:
+        """The planner's peak memory and time of every job against the profile (``gpu_mem_gb`` / ``gpu``,
+        ``timeout_min`` x (1 + ``max_num_timeout``)); ``plan.force=true`` skips it, as does a method without a plan."""
+        from hydra_plugins.rewarduq_launchers import slurm_checks
+        from rewarduq_exp.runner.plan import PLANNED_METHODS, make_plan, method_name_of_config
+
+        plans = []
+        for overrides in job_overrides:
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            if cfg.get("plan", {}).get("force", False) or method_name_of_config(cfg) not in PLANNED_METHODS:
+                continue
+            plans.append((list(overrides), make_plan(cfg)))
+        slurm_checks.check_plans(plans, {**self.params, **self.plan_limits})
 
 
 @dataclass
@@ -252,6 +274,10 @@ class SkipCompletedLocalConf(LocalQueueConf):
 @dataclass
 class SkipCompletedSlurmConf(SlurmQueueConf):
     _target_: str = "hydra_plugins.rewarduq_launchers.skip_completed.SkipCompletedSlurmLauncher"
+    # The GPU each job gets, for the planner's check before submitting (rewarduq_exp/runner/plan.py): its memory in
+    # GiB, or a name of hydra_plugins/rewarduq_launchers/slurm_checks.KNOWN_GPUS_GIB. Neither: no memory check.
+    gpu_mem_gb: Optional[float] = None
+    gpu: Optional[str] = None
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="rewarduq_basic", node=SkipCompletedBasicConf,

@@ -270,3 +270,63 @@ def squeue_fallback_watcher() -> Iterator:
         yield watcher
     finally:
         SlurmJob.watcher = saved
+
+
+# -- what the jobs need: the planner's peak memory and time against the launcher profile ---------------------------
+
+# GPU memory in GiB (as nvidia-smi reports the usable memory) of the GPUs a profile can name with hydra.launcher.gpu
+# instead of giving hydra.launcher.gpu_mem_gb.
+KNOWN_GPUS_GIB = {"h100": 79.6, "h100-80gb": 79.6, "h100-94gb": 93.1, "h200": 139.8, "a100": 79.1, "a100-80gb": 79.1,
+                  "a100-40gb": 39.4, "l40s": 44.4, "a6000": 47.5, "v100": 31.7, "v100-16gb": 15.8, "a10": 22.0,
+                  "rtx4090": 23.6}
+PLAN_LIMIT_KEYS = ("gpu_mem_gb", "gpu")
+
+
+def gpu_memory_gib(params: Mapping) -> float | None:
+    """The GPU memory the profile promises each job's device: ``gpu_mem_gb`` (GiB), else the known size of ``gpu``
+    (:data:`KNOWN_GPUS_GIB`); None when the profile says neither (no memory check)."""
+    if params.get("gpu_mem_gb") is not None:
+        return float(params["gpu_mem_gb"])
+    gpu = params.get("gpu")
+    if gpu is None:
+        return None
+    key = str(gpu).lower()
+    if key not in KNOWN_GPUS_GIB:
+        raise UserError(f"hydra.launcher.gpu={gpu} is not a GPU this launcher knows; allowed: "
+                        f"{', '.join(KNOWN_GPUS_GIB)}; or give hydra.launcher.gpu_mem_gb=<GiB> instead")
+    return KNOWN_GPUS_GIB[key]
+
+
+def check_plans(plans: list, params: Mapping) -> None:
+    """Raise :class:`UserError` (one line) when a job's planned peak per device exceeds the GPU memory of the profile,
+    or its planned time exceeds ``timeout_min`` x (1 + ``max_num_timeout``) (each requeue resumes from the job's
+    training checkpoint). ``plans`` are (overrides, :class:`rewarduq_exp.runner.plan.Plan`) of the jobs to submit."""
+    from rewarduq_exp.runner.plan import human_bytes, human_seconds
+
+    if not plans:
+        return
+    gib = gpu_memory_gib(params)
+    if gib is not None and int(params.get("gpus_per_node") or 0) > 0:
+        overrides, plan = max(plans, key=lambda item: item[1].peak)
+        if plan.peak > gib * 2**30:
+            other = plan.without_checkpointing
+            hint = (f"; with activation checkpointing switched {'off' if plan.checkpointing else 'on'} it plans "
+                    f"{human_bytes(other)} (method.gradient_checkpointing)" if other is not None and other < gib * 2**30
+                    else "; use a smaller model, batch or max_length, or a larger GPU")
+            raise UserError(f"job {' '.join(overrides) or '(defaults)'} plans a peak of {human_bytes(plan.peak)} per "
+                            f"device ({plan.method} on {plan.model}, {plan.peak_phase}), more than the "
+                            f"{gib:g} GiB of the profile's GPU{hint}; see it with plan=true, or submit anyway with "
+                            "plan.force=true")
+    timeout_min = params.get("timeout_min")
+    if timeout_min is not None:
+        runs = 1 + int(params.get("max_num_timeout") or 0)
+        devices = max(1, int(params.get("gpus_per_node") or 1) * int(params.get("nodes") or 1))
+        budget = float(timeout_min) * 60 * runs
+        overrides, plan = max(plans, key=lambda item: item[1].seconds)
+        seconds = plan.seconds / devices
+        if seconds > budget:
+            raise UserError(f"job {' '.join(overrides) or '(defaults)'} plans {human_seconds(seconds)} at "
+                            f"{plan.tflops:g} TFLOPS per device x {devices} ({plan.method} on {plan.model}), more than "
+                            f"hydra.launcher.timeout_min={timeout_min} x {runs} runs (1 + max_num_timeout requeues) "
+                            f"= {human_seconds(budget)}; raise timeout_min or max_num_timeout, set plan.tflops to "
+                            "your GPU's throughput, or submit anyway with plan.force=true")

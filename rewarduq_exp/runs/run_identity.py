@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from rewarduq_exp.core.hashing import stable_hash
 
 # Top-level config keys that do not change a run's numbers: left out of its identity.
-NON_IDENTITY_KEYS = ("force", "progress", "logger", "paths", "sweep_name", "checkpoint")
+NON_IDENTITY_KEYS = ("force", "progress", "progress_log_minutes", "plan", "logger", "paths", "sweep_name", "checkpoint")
 # The same inside the method node.
 NON_IDENTITY_METHOD_KEYS = ("show_progress",)
 # Method keys that are settings of the execution or the seed, not hyperparameters of the model.

@@ -1,0 +1,490 @@
+"""What a run will need, before it runs: ``python train.py <overrides> plan=true``.
+
+From the composed config alone (no weights, no data) the plan gives, per device, the bytes of every part the
+configured method holds in each of its phases, the expected peak, the FLOPs of feature extraction, training and
+scoring, and a time estimate at ``plan.tflops``. Parameter counts come from the architecture built on the meta device
+(:mod:`rewarduq_exp.models.shapes`); the rest follows what the methods' code holds:
+
+* ENS-MLP / BAY-LIN (``uses_feature_cache``): extraction = the frozen body in the backbone's dtype + one layer's
+  inference activations for ``probe.batch_size`` sequences (all layers' hidden states when ``probe.layer`` is not
+  -1). Training = the train features (chosen and rejected, float32) on the device, the heads with gradients, AdamW
+  states and the anchor copy (ENS-MLP: K stacked MLPs) or the d x d float64 posterior precision and its Cholesky
+  factor (BAY-LIN). The encoder keeps the body loaded after extracting, so in a run that extracts its features
+  the body is counted in training too; with every feature in the cache (``plan.features_cached=true``) it is never
+  loaded. The feature cache on disk: 2 x (train + eval pairs) rows x d x the backbone dtype's bytes.
+* ENS-LoRA: one frozen body + K adapters (LoRA on every Linear, float32) with gradients, AdamW states and the
+  anchor's initial copy, + K linear heads; activations of the training forward: all K members in one mixed batch
+  of K x 2 x batch_size rows (GPU default), or 2 x batch_size rows per member (CPU default, and always with
+  gradient checkpointing, which keeps each layer's input and recomputes one layer at a time).
+* MCD-DPO: the causal LM in float32 (bf16 autocast on a bf16 backbone), its gradients and two AdamW states (the
+  reference log-probs are pre-computed with the policy itself: no reference copy while training), activations of
+  ``micro_batch_size`` pairs (2 x rows), and the completion log-probs (GPU: one checkpointed chunk of
+  ``logprob_chunk`` x vocabulary logits; CPU: every chunk's logits are kept for backward). Scoring holds the policy
+  and a float32 reference copy, with K masked copies of one chunk of hidden states through the LM head.
+
+Activation sizes are counted per token and layer from what a Qwen3 decoder layer saves for backward (two RMSNorms,
+q/k/v with their per-head norms and rotary embedding, attention output, the SwiGLU MLP's four I-sized tensors):
+``6 d + 6 q + 6 kv + 4 I`` elements, stored in the compute dtype; the attention matrix adds ``2 heads x L`` per
+token where the attention runs as a plain softmax (PyTorch's math kernel, the CPU with a padding mask) and nothing
+on a GPU (flash / memory-efficient kernels). Inference keeps one layer alive: ``2 d + max(3 q + 3 kv (+ the
+attention matrix), 3 I)`` per token, + the hidden states passed on.
+Sequences are planned at ``max_length`` tokens (the longest a run keeps), which makes the peak an upper bound; the
+time estimate uses ``plan.mean_tokens`` (null: max_length, again an upper bound).
+
+FLOPs: 2 x params x tokens per forward, 4 x for a backward through frozen weights (ENS-LoRA: activation gradients
+only), 6 x for full training, +2 x for the recomputation under gradient checkpointing, plus the causal attention
+term 2 x layers x L x q per token and pass direction. Time = FLOPs / (plan.tflops x 1e12): the default, 40 % of an
+H100's dense bf16 peak (989 TFLOPS), is 396 TFLOPS.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.models.shapes import Architecture, architecture
+
+H100_BF16_DENSE_TFLOPS = 989.0
+DEFAULT_TFLOPS = 0.4 * H100_BF16_DENSE_TFLOPS
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PLANNED_METHODS = ("ens_mlp", "bay_lin", "ens_lora", "mcd_dpo")
+# Training pairs of the hub datasets whose whole train split a run reads (num_samples: all), as the dataset configs
+# describe them; anything else takes plan.n_train. Eval pairs likewise (plan.n_eval otherwise).
+KNOWN_TRAIN_PAIRS = {"ultrafeedback": 62_135, "skywork_pref": 77_016}
+KNOWN_EVAL_PAIRS = {"ultrafeedback": 1_000, "reward_bench": 2_985}
+GIB = 2**30
+
+
+@dataclass
+class Phase:
+    """One phase of a run (extraction, training, scoring): what it holds at its peak, by part, in bytes."""
+
+    name: str
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        return sum(self.parts.values())
+
+
+@dataclass
+class Plan:
+    method: str
+    model: str
+    device: str
+    dtype: str
+    params_total: int
+    params_trainable: int
+    phases: list[Phase]
+    flops: dict[str, float]
+    tflops: float
+    n_train: int
+    n_eval: int
+    max_length: int
+    disk: dict[str, float] = field(default_factory=dict)
+    without_checkpointing: float | None = None   # peak with activation checkpointing switched the other way
+    checkpointing: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> float:
+        return max(p.peak for p in self.phases)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: p.peak).name
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.flops.values()) / (self.tflops * 1e12)
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "model": self.model, "device": self.device, "dtype": self.dtype,
+                "params_total": self.params_total, "params_trainable": self.params_trainable,
+                "peak_bytes": self.peak, "peak_phase": self.peak_phase,
+                "phases": {p.name: {"peak_bytes": p.peak, **p.parts} for p in self.phases},
+                "flops": self.flops, "tflops": self.tflops, "seconds": self.seconds, "disk_bytes": self.disk,
+                "n_train": self.n_train, "n_eval": self.n_eval, "max_length": self.max_length,
+                "checkpointing": self.checkpointing, "peak_bytes_other_checkpointing": self.without_checkpointing}
+
+
+# ---------------------------------------------------------------------------------------------------- activations
+def train_activation_elems(a: Architecture) -> int:
+    """Elements a decoder layer saves for backward, per token (module docstring)."""
+    return 6 * a.hidden + 6 * a.q_dim + 6 * a.kv_dim + 4 * a.intermediate
+
+
+def inference_activation_elems(a: Architecture, length: int = 0, math_kernel: bool = False) -> int:
+    """Elements alive at once inside one layer of a no-grad forward, per token: the layer's input and its norm, and
+    the larger of the attention block (q, k, v, their normed and rotated copies, the attention matrix) and the MLP
+    block (SiLU(gate), up and their product)."""
+    attention = 3 * a.q_dim + 3 * a.kv_dim + attention_matrix_elems(a, length, math_kernel)
+    return 2 * a.hidden + max(attention, 3 * a.intermediate)
+
+
+def attention_matrix_elems(a: Architecture, length: int, math_kernel: bool) -> int:
+    return 2 * a.heads * length if math_kernel else 0
+
+
+def training_activations(a: Architecture, rows: int, length: int, act_bytes: int, math_kernel: bool,
+                         checkpointing: bool) -> float:
+    """Bytes kept for backward by a forward of ``rows`` sequences of ``length`` tokens through every layer."""
+    per_layer = train_activation_elems(a) + attention_matrix_elems(a, length, math_kernel)
+    tokens = rows * length
+    if checkpointing:   # each layer's input kept, one layer's activations during its recomputation
+        return tokens * (a.layers * a.hidden * act_bytes + per_layer * act_bytes)
+    return tokens * (a.layers * per_layer + 2 * a.hidden) * act_bytes
+
+
+def inference_activations(a: Architecture, rows: int, length: int, act_bytes: int, math_kernel: bool,
+                          all_hidden_states: bool = False) -> float:
+    per_token = inference_activation_elems(a, length, math_kernel)
+    kept = (a.layers + 1) * a.hidden if all_hidden_states else 2 * a.hidden
+    return rows * length * (per_token + kept) * act_bytes
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+def method_name_of_config(cfg: DictConfig) -> str | None:
+    from rewarduq_exp.methods.registry import method_name_of_target
+
+    return method_name_of_target(cfg.method.get("_target_"))
+
+
+def method_name(cfg: DictConfig) -> str:
+    name = method_name_of_config(cfg)
+    if name not in PLANNED_METHODS:
+        raise UserError(f"plan=true covers the methods {', '.join(PLANNED_METHODS)}, not method={name}")
+    return name
+
+
+def plan_device(cfg: DictConfig) -> str:
+    """cuda or cpu: ``plan.device`` (auto: a GPU unless the run says device=cpu; the planner describes the job,
+    not the login node it is typed on)."""
+    wanted = str(OmegaConf.select(cfg, "plan.device", default="auto") or "auto")
+    if wanted == "auto":
+        wanted = "cpu" if str(cfg.get("device", "auto")) == "cpu" else "cuda"
+    if wanted.split(":")[0] not in ("cpu", "cuda"):
+        raise UserError(f"plan.device={wanted} is invalid; allowed: auto, cpu, cuda")
+    return wanted.split(":")[0]
+
+
+def backbone_dtype(cfg: DictConfig, device: str) -> str:
+    """The dtype the backbone is loaded in: model.dtype on a GPU; float32 on a CPU unless model.keep_dtype_on_cpu
+    (as :class:`rewarduq_exp.models.backbone.Backbone` decides)."""
+    dtype = str(cfg.model.get("dtype", "float32"))
+    if device == "cpu" and dtype != "float32" and not cfg.model.get("keep_dtype_on_cpu", False):
+        return "float32"
+    return dtype
+
+
+def dataset_sizes(cfg: DictConfig) -> tuple[int, int]:
+    """(train pairs, eval pairs) without loading data: the dataset config's own sizes (synthetic worlds), a known
+    size of a hub dataset read whole (:data:`KNOWN_TRAIN_PAIRS`), a number of samples it asks for, else
+    ``plan.n_train`` / ``plan.n_eval``."""
+    ds = cfg.dataset
+    name = str(ds.get("name"))
+    n_train = OmegaConf.select(cfg, "plan.n_train", default=None)
+    n_eval = OmegaConf.select(cfg, "plan.n_eval", default=None)
+    if n_train is None:
+        if ds.get("n_train") is not None:
+            n_train = int(ds.n_train)
+        elif name in KNOWN_TRAIN_PAIRS:
+            n_train = _sampled(ds.get("num_samples", "all"), KNOWN_TRAIN_PAIRS[name])
+        elif isinstance(ds.get("num_samples"), int):
+            n_train = int(ds.num_samples)
+        else:
+            raise UserError(f"plan: the size of dataset '{name}' is not known without loading it; set "
+                            "plan.n_train=<training pairs>")
+    if n_eval is None:
+        n_eval = int(ds.get("n_eval") or 0) + int(ds.get("n_ood") or 0)
+        if not n_eval:
+            n_eval = _sampled(ds.get("eval_num_samples", "all"), KNOWN_EVAL_PAIRS.get(name, 0))
+        n_eval += sum(KNOWN_EVAL_PAIRS.get(str(e), 0) for e in (cfg.get("also_evaluate") or []))
+    return int(n_train), int(n_eval)
+
+
+def _sampled(num_samples, total: int) -> int:
+    if num_samples in (None, "all"):
+        return total
+    value = float(num_samples)
+    return int(value * total) if value <= 1 and not float(value).is_integer() else min(int(value), total)
+
+
+def make_plan(cfg: DictConfig) -> Plan:
+    """The plan of the run that ``cfg`` (a composed train config) describes."""
+    name = method_name(cfg)
+    device = plan_device(cfg)
+    dtype = backbone_dtype(cfg, device)
+    a = architecture(cfg.model, OmegaConf.select(cfg, "paths.cache_dir", default=None))
+    n_train, n_eval = dataset_sizes(cfg)
+    length = int(cfg.max_length)
+    mean_tokens = int(OmegaConf.select(cfg, "plan.mean_tokens", default=None) or length)
+    tflops = float(OmegaConf.select(cfg, "plan.tflops", default=None) or DEFAULT_TFLOPS)
+    math_kernel = device == "cpu"
+    builder = {"ens_mlp": _feature_head, "bay_lin": _feature_head, "ens_lora": _ens_lora, "mcd_dpo": _mcd_dpo}[name]
+    plan = builder(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens, tflops, math_kernel)
+    return plan
+
+
+def _attention_flops(a: Architecture, tokens: float, mean_tokens: int) -> float:
+    """Causal attention scores and values: 2 matmuls x 2 FLOPs x L/2 keys x q_dim, per layer and token."""
+    return 2 * a.layers * mean_tokens * a.q_dim * tokens
+
+
+def _feature_head(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens, tflops, math_kernel) -> Plan:
+    wb = DTYPE_BYTES[dtype]
+    m = cfg.method
+    weights = a.params_body * wb
+    probe_batch = int(OmegaConf.select(cfg, "probe.batch_size", default=32))
+    all_hidden = int(OmegaConf.select(cfg, "probe.layer", default=-1)) != -1
+    texts = 2 * n_train
+    extraction = Phase("extraction", {
+        "backbone weights": weights,
+        "activations (inference)": inference_activations(a, probe_batch, length, wb, math_kernel, all_hidden)})
+    if device == "cpu":   # the extracted rows are gathered on the host: the same memory here
+        extraction.parts["features (host)"] = texts * a.hidden * wb
+    cached = bool(OmegaConf.select(cfg, "plan.features_cached", default=False))
+    d = a.hidden
+    training = Phase("training", {})
+    if not cached:
+        training.parts["backbone weights (kept by the encoder)"] = weights
+    training.parts["train features (float32)"] = texts * d * 4
+    if device == "cpu" and wb != 4:
+        training.parts["features as read from the cache"] = texts * d * wb
+    batch = min(int(m.batch_size), n_train)   # a batch never holds more pairs than the data
+    if name == "ens_mlp":
+        k, h, nh = int(m.num_heads), int(m.hidden_dim), int(m.num_hidden_layers)
+        per_head = d * h + (nh - 1) * h * h + h + nh * h
+        trainable = k * per_head
+        training.parts["ENS-MLP heads (weights, grads, AdamW x2, anchor copy)"] = 5 * trainable * 4
+        # each hidden layer's ReLU output is kept for backward, two more (K, 2B, h) tensors are alive while computing
+        training.parts["head activations"] = 2 * batch * (d + k * h * (nh + 2)) * 4
+        train_flops = 6 * trainable * texts * float(m.num_epochs)
+    else:
+        trainable = d
+        training.parts["dz = chosen - rejected (float32)"] = n_train * d * 4
+        # accumulation, + lambda I, kept precision and Cholesky factor (float64), one chunk of 8192 rows in float64
+        training.parts["BAY-LIN Hessian d x d (float64: H, H + lambda I, Cholesky)"] = 3 * d * d * 8
+        training.parts["Hessian chunk (8192 x d, float64, x2)"] = 2 * min(8192, n_train) * d * 8
+        train_flops = 6 * d * n_train * float(m.num_epochs) + 2 * n_train * d * d + d**3 / 3
+    extract_tokens = 2 * (n_train + n_eval) * mean_tokens
+    flops = {"extraction": 2 * a.params_body * extract_tokens + _attention_flops(a, extract_tokens, mean_tokens),
+             "training": train_flops}
+    plan = Plan(name, a.name, device, dtype, a.params_body + trainable, trainable, [extraction, training], flops,
+                tflops, n_train, n_eval, length,
+                disk={"feature cache (one layer)": 2 * (n_train + n_eval) * d * wb})
+    if cached:
+        plan.notes.append("plan.features_cached=true: the backbone is never loaded; extraction is not run")
+        plan.phases = [training]
+        plan.flops["extraction"] = 0.0
+    return plan
+
+
+def _ens_lora(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens, tflops, math_kernel) -> Plan:
+    m = cfg.method
+    wb = DTYPE_BYTES[dtype]
+    act = wb   # bf16 autocast on a bf16 backbone, float32 otherwise
+    k, rank, batch = int(m.num_members), int(m.lora_rank), min(int(m.batch_size), n_train)
+    if m.get("target_modules", "all-linear") != "all-linear":
+        raise UserError("plan: ENS-LoRA is planned for method.target_modules=all-linear only")
+    lora = a.lora_params(rank)
+    trainable = k * (lora + a.hidden)
+    checkpointing = bool(m.get("gradient_checkpointing", False))
+
+    def mixed(key):
+        value = m.get(key, "auto")
+        return device == "cuda" if value == "auto" else bool(value)
+
+    def training_phase(ckpt: bool) -> Phase:
+        mixed_training = mixed("mixed_adapter_training") and not ckpt
+        rows = (k if mixed_training else 1) * 2 * batch
+        return Phase("training", {
+            "frozen body": a.params_body * wb,
+            f"{k} LoRA adapters + heads (float32: weights, grads, AdamW x2, anchor copy)": 5 * trainable * 4,
+            f"activations ({rows} rows x {length} tokens{', checkpointed' if ckpt else ''})":
+                training_activations(a, rows, length, act, math_kernel, ckpt)})
+
+    score_rows = int(m.get("score_batch_size", 16)) * (k if mixed("mixed_adapter_scoring") else 1)
+    scoring = Phase("scoring", {"frozen body": a.params_body * wb,
+                                f"{k} LoRA adapters + heads": trainable * 4,
+                                f"activations (inference, {score_rows} rows)":
+                                    inference_activations(a, score_rows, length, act, math_kernel)})
+    train_tokens = 2 * n_train * mean_tokens * float(m.num_epochs)
+    per_member = 4 * a.params_body + 6 * lora + (2 * a.params_body if checkpointing else 0)
+    flops = {"training": k * (per_member * train_tokens + 2 * _attention_flops(a, train_tokens, mean_tokens)),
+             "scoring": k * (2 * a.params_body + 2 * lora) * 2 * n_eval * mean_tokens}
+    plan = Plan(name, a.name, device, dtype, a.params_body + trainable, trainable, [training_phase(checkpointing),
+                scoring], flops, tflops, n_train, n_eval, length, checkpointing=checkpointing)
+    plan.without_checkpointing = max(training_phase(not checkpointing).peak, scoring.peak)
+    return plan
+
+
+def _mcd_dpo(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens, tflops, math_kernel) -> Plan:
+    m = cfg.method
+    if a.classifier and not a.tied:
+        raise UserError(f"plan: model '{a.name}' is a sequence classifier without tied embeddings: it has no LM head "
+                        "and method=mcd_dpo refuses it")
+    p = a.params_causal_lm
+    act = 2 if dtype == "bfloat16" else 4   # bf16 autocast on a bf16 backbone; float32 weights either way
+    micro = min(int(m.micro_batch_size), int(m.batch_size), n_train)
+    rows = 2 * micro
+    gc = m.get("gradient_checkpointing", "auto")
+    checkpointing = device == "cuda" if str(gc) == "auto" else bool(gc)
+    chunk, v = int(m.get("logprob_chunk", 64)), a.vocab
+    completion = float(OmegaConf.select(cfg, "plan.completion_fraction", default=1.0) or 1.0)
+
+    def training_phase(ckpt: bool) -> Phase:
+        parts = {"policy weights (float32)": p * 4, "gradients (float32)": p * 4,
+                 "AdamW states (2 x float32)": 2 * p * 4,
+                 f"activations ({rows} rows x {length} tokens{', checkpointed' if ckpt else ''})":
+                     training_activations(a, rows, length, act, math_kernel, ckpt)}
+        if device == "cuda":   # one checkpointed chunk of logits at a time (+ its log-softmax)
+            parts[f"logits of one chunk ({chunk} x {v})"] = 3 * chunk * v * 4
+        else:                  # no checkpoint on CPU: every chunk's logits and log-softmax kept for backward
+            parts["completion logits kept for backward"] = 2 * rows * length * completion * v * 4
+        return Phase("training", parts)
+
+    score_rows = int(m.get("score_batch_size", 8))
+    k = int(m.num_samples)
+    scoring = Phase("scoring", {"policy weights (float32)": p * 4, "reference weights (float32)": p * 4,
+                                f"activations (inference, {score_rows} rows)":
+                                    inference_activations(a, score_rows, length, act, math_kernel),
+                                f"{k} masked chunks through the LM head ({chunk} x {v})": 3 * k * chunk * v * 4})
+    train_tokens = 2 * n_train * mean_tokens * float(m.num_epochs)
+    eval_tokens = 2 * n_eval * mean_tokens
+    flops = {"reference pass": 2 * p * train_tokens + _attention_flops(a, train_tokens, mean_tokens),
+             "training": (8 if checkpointing else 6) * p * train_tokens
+             + 3 * _attention_flops(a, train_tokens, mean_tokens),
+             "scoring": 2 * 2 * p * eval_tokens + 2 * (k - 1) * a.hidden * v * eval_tokens * completion}
+    plan = Plan(name, a.name, device, dtype, p, p, [training_phase(checkpointing), scoring], flops, tflops, n_train,
+                n_eval, length, checkpointing=checkpointing)
+    plan.without_checkpointing = max(training_phase(not checkpointing).peak, scoring.peak)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------- output
+def human_bytes(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= 0.1 * GIB else f"{n / 2**20:.1f} MiB"
+
+
+def human_seconds(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s"
+
+
+def format_plan(plan: Plan) -> str:
+    rows = [f"plan: method={plan.method} model={plan.model} on {plan.device} ({plan.dtype} backbone), "
+            f"{plan.n_train} train pairs, {plan.n_eval} eval pairs, sequences at max_length={plan.max_length}",
+            f"  parameters: {plan.params_total:,} total, {plan.params_trainable:,} trainable"]
+    for phase in plan.phases:
+        rows.append(f"  {phase.name}:")
+        for part, value in phase.parts.items():
+            rows.append(f"    {part:<72} {human_bytes(value):>12}")
+        rows.append(f"    {'peak of the phase':<72} {human_bytes(phase.peak):>12}")
+    for what, value in plan.disk.items():
+        rows.append(f"  disk: {what:<66} {human_bytes(value):>12}")
+    if plan.without_checkpointing is not None:
+        state = "on" if plan.checkpointing else "off"
+        other = "off" if plan.checkpointing else "on"
+        rows.append(f"  activation checkpointing {state} (as configured); {other}: peak "
+                    f"{human_bytes(plan.without_checkpointing)}")
+    for what, value in plan.flops.items():
+        rows.append(f"  FLOPs {what:<66} {value:12.3e}")
+    rows.append(f"  expected peak per device: {human_bytes(plan.peak)} ({plan.peak_phase}); time at "
+                f"{plan.tflops:g} TFLOPS: {human_seconds(plan.seconds)}")
+    rows += [f"  note: {n}" for n in plan.notes]
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------------------- commands
+def sweep_points(cfg: DictConfig, overrides: list[str]) -> list[list[str]]:
+    """The command-line overrides of every point of a sweep (the cartesian product of comma lists on the command
+    line and of ``hydra.sweeper.params``); one point for a single run."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    params = OmegaConf.select(cfg, "hydra.sweeper.params", default=None) or {}
+    items = [(k, str(v)) for k, v in OmegaConf.to_container(params).items()] if params else []
+    given = []
+    for arg in overrides:
+        parsed = parser.parse_override(arg)
+        if parsed.is_sweep_override():
+            items.append((parsed.get_key_element(), None))
+            given.append((parsed.get_key_element(), list(parsed.sweep_string_iterator())))
+        else:
+            given.append((parsed.get_key_element(), [arg.split("=", 1)[1]]))
+    choices = dict(given)
+    for key, value in items:
+        if key not in choices and value is not None:
+            choices[key] = [s.strip() for s in value.split(",")]
+    keys = list(choices)
+    return [[f"{k}={v}" for k, v in zip(keys, combo)] for combo in itertools.product(*(choices[k] for k in keys))]
+
+
+def plan_sweep(cfgs: list[DictConfig]) -> list[Plan]:
+    return [make_plan(c) for c in cfgs]
+
+
+def largest(plans: list[Plan]) -> Plan:
+    return max(plans, key=lambda p: (p.peak, p.seconds))
+
+
+def bytes_in_gb(n: float) -> float:
+    return n / 1e9
+
+
+def fits(plan: Plan, gpu_bytes: float) -> bool:
+    return math.isfinite(plan.peak) and plan.peak <= gpu_bytes
+
+
+PLAN_SWITCHES = ("plan=true", "plan=True", "plan=1")
+
+
+def wants_plan(args: list[str]) -> bool:
+    return any(a in PLAN_SWITCHES for a in args)
+
+
+def compose_points(args: list[str], config_name: str = "train") -> list[tuple[list[str], DictConfig]]:
+    """(overrides, composed config) of every point of the run or sweep that ``args`` describe."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from rewarduq_exp.data.registry import CONF_DIR
+    from rewarduq_exp.runner.cli import register_resolvers
+
+    register_resolvers()
+    parser = OverridesParser.create()
+    args = [a for a in args if not a.startswith("-") and "=" in a and a not in PLAN_SWITCHES]
+    fixed = [a for a in args if not parser.parse_override(a).is_sweep_override()]
+    points = []
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            first = compose(config_name, overrides=fixed, return_hydra_config=True)
+            task_args = [a for a in args if not a.split("=", 1)[0].lstrip("+~").startswith("hydra")]
+            for point in sweep_points(first, task_args):
+                points.append((point, compose(config_name, overrides=[*fixed, *point])))
+    finally:
+        GlobalHydra.instance().clear()
+    return points
+
+
+def plan_command(args: list[str]) -> int:
+    """``train.py ... plan=true``: print the plan of the run (of every distinct point of a sweep, and which one
+    peaks highest); nothing is loaded, created or submitted."""
+    points = compose_points(args)
+    plans = []
+    for overrides, cfg in points:
+        plans.append((overrides, make_plan(cfg)))
+    top_overrides, top = max(plans, key=lambda item: (item[1].peak, item[1].seconds))
+    print(format_plan(top), flush=True)
+    if len(plans) > 1:
+        print(f"  sweep: {len(plans)} points planned; the largest peak is the point above "
+              f"({' '.join(top_overrides)})", flush=True)
+    return 0
