@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-real test test-all test-slurm bench clean
+.PHONY: setup demo demo-real test test-all test-slurm bench bench-gpu clean
 
 # torch==2.13.0 first: a bare "torch" requirement would pull several GB of CUDA wheels on a CPU machine.
 # Byte-compiled once, on all cores, instead of file by file inside pip (100 s -> 80 s on 2 cores); the .pyc files
@@ -80,6 +80,10 @@ bench: setup
 	$(PY) scripts/bench_checkpoint.py
 	$(PY) scripts/bench_ranking.py
 	$(PY) scripts/bench_feature_cache.py
+
+# The GPU benchmark (random-init Qwen3-0.6B and -4B shapes, bf16); without a GPU the same code at the tiny shape.
+bench-gpu: setup
+	$(PY) scripts/bench_gpu.py
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -1,0 +1,577 @@
+"""A GPU benchmark of the four methods' heavy paths at the paper's backbone shapes, against the planner.
+
+    python scripts/bench_gpu.py                                  # on a GPU: Qwen3-0.6B and Qwen3-4B shapes, bf16
+    python scripts/bench_gpu.py --shapes qwen3-4b --batch 8 --length 1024 --members 8 --masks 20
+    python scripts/bench_gpu.py --smoke                          # tiny sizes (what a machine without a GPU runs)
+
+The backbones are random-init Qwen3 models built from their shape files (``conf/model/shapes/<name>.json``, the same
+configs :mod:`rewarduq_exp.models.shapes` builds on the meta device for the planner): nothing is downloaded. Per
+shape, in one process, each measured after a warm-up as the median of ``--repeats`` runs (``torch.cuda.synchronize``
+around each), with its peak memory (``torch.cuda.max_memory_allocated``, reset before each measurement, so it counts
+what is alive then: the measured phase's weights included):
+
+* extraction: the frozen body (backbone dtype) over ``--batch`` x ``--length`` tokens, last-token pooling, as the
+  feature encoder runs it; tokens/s and model FLOPs utilisation (MFU = achieved FLOPs / the GPU's dense bf16 peak:
+  H100 SXM and H200 989 TFLOPS, A100 312; FLOPs = 2 x non-embedding parameters per token + the causal attention
+  term of the planner). Planned: ENS-MLP / BAY-LIN's extraction phase.
+* ENS-LoRA scoring (``EnsLoRA.member_rewards_ids``): all K members in one mixed-adapter forward of K x ``--batch``
+  rows against K sequential ``set_adapter`` passes of ``--batch`` rows (tokens/s counts member-tokens: K x the
+  batch's). Planned: the scoring phase with ``mixed_adapter_scoring`` true / false.
+* MCD-DPO: one training step of the policy (float32 weights, bf16 autocast on a bf16 backbone, activation
+  checkpointing on a GPU as ``gradient_checkpointing=auto`` does; ``--batch`` rows = ``--batch / 2`` pairs): the
+  body, the chunked completion log-probs with head dropout (``completion_logps``), the DPO loss against fixed
+  reference log-probs, backward, gradient clipping and an AdamW step: the work of ``compute_loss`` and the optimizer
+  step, without the Trainer around it. Planned: the training phase. Then scoring with K = ``--masks`` dropout masks
+  on one body forward (``mc_completion_logps``, ``row_generators``) against K full forward passes with full logits
+  (``naive`` of scripts/bench_mcd.py), and one whole scoring batch as ``sample_rewards`` runs it (policy with K masks
+  + the float32 reference copy's ``completion_logps``). Planned: the scoring phase (the K full passes: n/a, no
+  configuration runs them).
+* BAY-LIN: the Laplace posterior precision and its Cholesky factor (``posterior_precision``, ``BayLin.set_precision``)
+  at the backbone's hidden size over ``--pairs`` training pairs (default: UltraFeedback's 62,135), features on the
+  device. Planned: the training phase with every feature cached (``plan.features_cached=true``).
+
+The planned peaks come from the planner itself (``rewarduq_exp.runner.plan.make_plan`` on the composed config of the
+same method, model, max_length, batch sizes, K and device). The table prints each measurement and the ratios measured
+in this run: K sequential passes / mixed-adapter batch, K full passes / shared backbone, measured / planned peak. The
+JSON (``--out``) holds the same numbers, every sample time and every planned phase.
+
+Without a GPU (or with ``--smoke``) the same code runs at the offline tiny shape (``conf/model/tiny-qwen3.yaml``,
+built by ``ensure_tiny_qwen3``) on the CPU in float32 at tiny sizes, as a smoke test: MFU is n/a there, and memory is
+the process's peak resident set (``VmHWM``, reset before each measurement), which counts the interpreter and its
+libraries, so measured / planned is n/a on a CPU. The CPU runs one torch thread unless ``--threads`` says otherwise
+(on a busy machine more threads than free cores make every kernel many times slower).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs without install
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import copy  # noqa: E402
+import gc  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+GPU_SHAPES = "qwen3-0.6b,qwen3-4b"
+TINY = "tiny-qwen3"
+# Dense bf16 peak TFLOPS by a substring of torch.cuda.get_device_name (first match wins: PCIe before SXM).
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+# Sizes when none are given: (GPU, smoke)
+DEFAULTS = {"batch": (8, 4), "length": (512, 32), "members": (8, 4), "masks": (20, 4), "repeats": (5, 2),
+            "pairs": (None, 2048)}
+DROPOUT, CHUNK, LORA_RANK, DPO_BETA = 0.1, 64, 16, 0.1
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, repeats: int, device: torch.device) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+class Memory:
+    """Peak memory of one measurement: CUDA's allocator peak, or the process's peak resident set on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.kind = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "process peak RSS (VmHWM)"
+
+    def reset(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        with contextlib.suppress(OSError):   # "5" resets the peak resident set (Linux); elsewhere it is process-wide
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def peak(self) -> float | None:
+        if self.device.type == "cuda":
+            return float(torch.cuda.max_memory_allocated(self.device))
+        try:
+            status = Path("/proc/self/status").read_text()
+        except OSError:
+            return None
+        found = re.search(r"VmHWM:\s+(\d+)\s+kB", status)
+        return float(found.group(1)) * 1024 if found else None
+
+
+def oom(err: BaseException) -> str:
+    return f"out of memory: {(str(err).splitlines() or [''])[0]}"
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def peak_tflops(device: torch.device, override: float | None) -> tuple[str, float | None]:
+    if device.type != "cuda":
+        return "cpu", None
+    name = torch.cuda.get_device_name(device)
+    if override:
+        return name, float(override)
+    return name, next((tflops for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
+
+
+# ---------------------------------------------------------------------------------------------------- the planner
+class Planner:
+    """Planned peaks of one shape: ``make_plan`` on the composed train config of each measured configuration."""
+
+    def __init__(self, model: str, device: str, length: int, pairs: int, cache_dir: str):
+        self.base = [f"model={model}", f"max_length={length}", f"plan.device={device}", f"plan.n_train={pairs}",
+                     "plan.n_eval=1", f"paths.cache_dir={cache_dir}"]
+        self.plans: dict[str, dict] = {}
+
+    def phase(self, key: str, overrides: list[str], phase: str) -> tuple[float | None, str | None]:
+        """(planned peak of ``phase`` in bytes, None) or (None, why the planner cannot say)."""
+        from rewarduq_exp.core.errors import UserError
+        from rewarduq_exp.runner.plan import compose_points, make_plan
+
+        try:
+            (_, cfg), = compose_points([*self.base, *overrides])
+            plan = make_plan(cfg)
+        except UserError as err:
+            return None, str(err)
+        self.plans[key] = {"overrides": [*self.base, *overrides], **plan.as_dict()}
+        found = [p for p in plan.phases if p.name == phase]
+        if not found:
+            return None, f"the {plan.method} plan has no {phase} phase"
+        return found[0].peak, None
+
+
+# ---------------------------------------------------------------------------------------------------- models
+class RandomBackbone:
+    """What ``EnsLoRA`` reads of its encoder's backbone, serving an already built random-init body."""
+
+    def __init__(self, name: str, dtype: torch.dtype, body):
+        self.name, self.dtype, self.body = name, dtype, body
+
+    def require_decoder(self, method: str) -> None:   # a Qwen3 body is a decoder
+        pass
+
+    def from_pretrained(self, auto_class, what: str = "weights", **kwargs):
+        return self.body
+
+
+class Encoder:
+    def __init__(self, backbone):
+        self.backbone = backbone
+
+
+def random_model(auto_class, config, dtype: torch.dtype, device: torch.device):
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)
+        model = auto_class.from_config(config, dtype=dtype)
+    return model
+
+
+def checkpointing_on(model, on: bool) -> None:
+    """Activation checkpointing on or off (transformers 5.24 renamed gradient_checkpointing_*; the old names warn)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    if dtype != torch.float32:
+        return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, enabled=False)
+
+
+# ---------------------------------------------------------------------------------------------------- one shape
+class ShapeBench:
+    def __init__(self, name: str, args, device: torch.device, memory: Memory, tflops: float | None, cache_dir: str):
+        from omegaconf import OmegaConf
+        from transformers import AutoConfig
+
+        from rewarduq_exp.data.registry import CONF_DIR
+        from rewarduq_exp.models.backbone import DTYPES
+        from rewarduq_exp.models.shapes import architecture, shape_config
+        from rewarduq_exp.runner.plan import backbone_dtype
+
+        self.name, self.args, self.device, self.memory, self.tflops = name, args, device, memory, tflops
+        model_cfg = OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml")
+        if model_cfg.get("builder") == "tiny-qwen3":
+            from rewarduq_exp.models.tiny_qwen3 import ensure_tiny_qwen3
+
+            ensure_tiny_qwen3(cache_dir, **dict(model_cfg.build))   # its config.json is the tiny shape
+        self.arch = architecture(model_cfg, cache_dir)
+        fields = shape_config(model_cfg, cache_dir)
+        fields.pop("architectures", None)
+        self.config = AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
+        self.dtype = DTYPES[backbone_dtype(OmegaConf.create({"model": model_cfg}), device.type)]
+        self.checkpointing = device.type == "cuda"   # MCD-DPO's gradient_checkpointing=auto
+        self.planner = Planner(name, device.type, args.length, args.pairs, cache_dir)
+        self.results: dict[str, dict] = {}
+        self.ratios: dict[str, float] = {}
+        g = torch.Generator().manual_seed(0)
+        b, n = args.batch, args.length
+        self.ids = torch.randint(3, self.arch.vocab, (b, n), generator=g).to(device)
+        self.attn = torch.ones_like(self.ids)
+        self.comp = torch.zeros_like(self.ids)
+        self.comp[:, n // 2:] = 1            # the second half of each sequence is its completion
+        self.n_completion = int(self.comp[:, 1:].sum())
+
+    # FLOPs ------------------------------------------------------------------------------------------------
+    def body_flops(self, tokens: float) -> float:
+        from rewarduq_exp.runner.plan import _attention_flops
+
+        a = self.arch
+        return 2 * (a.params_body - a.params_embedding) * tokens + _attention_flops(a, tokens, self.args.length)
+
+    def head_flops(self, positions: float) -> float:
+        return 2 * self.arch.vocab * self.arch.hidden * positions
+
+    # one measurement ---------------------------------------------------------------------------------------
+    def measure(self, key: str, label: str, fn, *, tokens: float | None = None, flops: float | None = None,
+                planned: tuple[float | None, str | None] = (None, "no plan"), repeats: int | None = None) -> None:
+        """Time ``fn`` (median after a warm-up) with its peak memory, into ``self.results[key]``."""
+        self.memory.reset()
+        row = {"label": label}
+        try:
+            times = timed(fn, repeats or self.args.repeats, self.device)
+        except torch.cuda.OutOfMemoryError as err:
+            row.update(error=oom(err))
+            times = None
+        if times is None:   # out of the except block: its traceback no longer holds the failed call's tensors
+            free(self.device)
+            row.update(self._planned(None, planned))
+            self.results[key] = row
+            return
+        peak = self.memory.peak()
+        median = statistics.median(times)
+        row.update(median_s=median, times_s=times, peak_bytes=peak, memory=self.memory.kind)
+        if tokens:
+            row["tokens_per_s"] = tokens / median
+        if flops:
+            row["flops"] = flops
+            row["achieved_tflops"] = flops / median / 1e12
+            row["mfu"] = flops / median / (self.tflops * 1e12) if self.tflops else None
+        row.update(self._planned(peak, planned))
+        self.results[key] = row
+
+    def _planned(self, peak, planned) -> dict:
+        planned_peak, why = planned
+        out = {"planned_peak_bytes": planned_peak, "planned_note": why}
+        cuda = self.device.type == "cuda"
+        out["measured_over_planned"] = peak / planned_peak if (cuda and peak and planned_peak) else None
+        return out
+
+    # the methods ---------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.bay_lin_hessian()
+        self.extraction_and_lora()
+        free(self.device)
+        self.mcd_dpo()
+        free(self.device)
+
+    def bay_lin_hessian(self) -> None:
+        from rewarduq_exp.methods.bay_lin import BayLin, posterior_precision
+
+        n, d = self.args.pairs, self.arch.hidden
+        planned = self.planner.phase("bay_lin_hessian", ["method=bay_lin", "plan.features_cached=true"], "training")
+        method = BayLin(device=str(self.device), show_progress=False)
+        state = {}
+        try:
+            g = torch.Generator(device=self.device).manual_seed(0)
+            state["zc"] = torch.randn(n, d, generator=g, device=self.device)
+            state["zr"] = torch.randn(n, d, generator=g, device=self.device)
+            state["w"] = torch.ones(n, device=self.device)
+        except torch.cuda.OutOfMemoryError as err:
+            self.results["bay_lin_hessian"] = {"label": "BAY-LIN Hessian", "error": oom(err)}
+            return
+
+        def hessian():   # stage 2 of BayLin._fit_features (hessian=unweighted)
+            dz = state["zc"] - state["zr"]
+            method.set_precision(posterior_precision(dz, state["w"].double(), method.reg_lambda))
+
+        self.measure("bay_lin_hessian", f"BAY-LIN Hessian + Cholesky (n={n:,}, d={d})", hessian,
+                     flops=None, planned=planned)
+        self.results["bay_lin_hessian"]["flops_float64"] = 2 * n * d * d + d**3 / 3
+
+    def extraction_and_lora(self) -> None:
+        from transformers import AutoModel
+
+        from rewarduq_exp.methods.ens_lora import EnsLoRA
+        from rewarduq_exp.models.features import pool
+
+        b, n, k = self.args.batch, self.args.length, self.args.members
+        tokens = b * n
+        try:
+            body = random_model(AutoModel, self.config, self.dtype, self.device).eval().requires_grad_(False)
+        except torch.cuda.OutOfMemoryError as err:
+            self.results["extraction"] = {"label": "extraction", "error": oom(err)}
+            return
+
+        @torch.no_grad()
+        def extract():
+            hidden = body(input_ids=self.ids, attention_mask=self.attn, use_cache=False).last_hidden_state
+            return pool(hidden, self.attn, "last").to("cpu")
+
+        planned = self.planner.phase("extraction", ["method=bay_lin", f"probe.batch_size={b}"], "extraction")
+        self.measure("extraction", f"extraction ({b} x {n} tokens)", extract, tokens=tokens,
+                     flops=self.body_flops(tokens), planned=planned)
+
+        method = EnsLoRA(encoder=Encoder(RandomBackbone(self.name, self.dtype, body)), num_members=k,
+                         lora_rank=LORA_RANK, lora_alpha=2 * LORA_RANK, score_batch_size=b, device=str(self.device),
+                         show_progress=False)
+        try:
+            method._build()
+        except torch.cuda.OutOfMemoryError as err:
+            self.results["lora_mixed"] = {"label": "ENS-LoRA scoring", "error": oom(err)}
+            return
+        flops = k * (self.body_flops(tokens) + 2 * self.arch.lora_params(LORA_RANK) * tokens)
+        lora = ["method=ens_lora", f"method.num_members={k}", f"method.lora_rank={LORA_RANK}",
+                f"method.score_batch_size={b}"]
+        for key, mixed in (("lora_mixed", True), ("lora_sequential", False)):
+            planned = self.planner.phase(key, [*lora, f"method.mixed_adapter_scoring={str(mixed).lower()}"],
+                                         "scoring")
+            label = (f"ENS-LoRA scoring, K={k} mixed ({k * b} rows)" if mixed
+                     else f"ENS-LoRA scoring, K={k} sequential passes")
+
+            @torch.no_grad()
+            def score(mixed=mixed):
+                return method.member_rewards_ids(self.ids, self.attn, mixed=mixed)
+
+            self.measure(key, label, score, tokens=k * tokens, flops=flops, planned=planned)
+        self._ratio("lora_sequential_over_mixed", "lora_sequential", "lora_mixed")
+
+    def mcd_dpo(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from rewarduq_exp.methods.mcd_dpo import completion_logps
+
+        b, n, k = self.args.batch, self.args.length, self.args.masks
+        if b < 2 or b % 2:
+            raise SystemExit("--batch must be even for MCD-DPO ([chosen; rejected] rows)")
+        tokens = b * n
+        mcd = ["method=mcd_dpo", f"method.micro_batch_size={b // 2}", f"method.batch_size={b // 2}",
+               f"method.num_samples={k}", f"method.score_batch_size={b}", f"method.logprob_chunk={CHUNK}",
+               f"method.dropout={DROPOUT}", f"method.gradient_checkpointing={str(self.checkpointing).lower()}",
+               f"plan.completion_fraction={self.n_completion / tokens}"]
+        try:
+            policy = random_model(AutoModelForCausalLM, self.config, torch.float32, self.device)
+        except torch.cuda.OutOfMemoryError as err:
+            self.results["mcd_train_step"] = {"label": "MCD-DPO training step", "error": oom(err)}
+            return
+        cast = autocast(self.device, self.dtype)
+        self.mcd_train_step(policy, cast, mcd)   # its optimizer states are gone when it returns
+        # scoring: the trained policy (no optimizer states, no gradients) and a float32 reference copy
+        policy.zero_grad(set_to_none=True)
+        if self.checkpointing:
+            checkpointing_on(policy, False)
+        policy.eval()
+        free(self.device)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_mcd import naive, shared
+
+        @torch.no_grad()
+        def k_masks():
+            with cast:
+                return shared(policy, self.ids, self.attn, self.comp, k, DROPOUT, CHUNK)
+
+        @torch.no_grad()
+        def k_passes():
+            with cast:
+                return naive(policy, self.ids, self.attn, self.comp, k, DROPOUT)
+
+        head = self.head_flops(self.n_completion)
+        self.measure("mcd_k_masks", f"MCD-DPO scoring, K={k} masks, shared backbone", k_masks, tokens=tokens,
+                     flops=self.body_flops(tokens) + k * head,
+                     planned=(None, "policy only: the planned scoring phase holds the reference too (next row)"))
+        self.measure("mcd_k_passes", f"MCD-DPO scoring, K={k} full passes", k_passes, tokens=tokens,
+                     flops=k * (self.body_flops(tokens) + self.head_flops(b * (n - 1))),
+                     planned=(None, "no configuration runs K full passes"))
+        self._ratio("mcd_passes_over_masks", "mcd_k_passes", "mcd_k_masks")
+        try:
+            reference = copy.deepcopy(policy).requires_grad_(False)
+        except torch.cuda.OutOfMemoryError as err:
+            self.results["mcd_scoring"] = {"label": "MCD-DPO scoring batch", "error": oom(err)}
+            return
+
+        @torch.no_grad()
+        def scoring_batch():   # McdDpo.sample_rewards on one batch
+            logps = k_masks()
+            with cast:
+                h = reference.model(input_ids=self.ids, attention_mask=self.attn, use_cache=False).last_hidden_state
+                ref_lp = completion_logps(h, reference.lm_head, self.ids, self.comp, CHUNK)
+            return DPO_BETA * (logps - ref_lp.unsqueeze(0))
+
+        planned = self.planner.phase("mcd_scoring", mcd, "scoring")
+        self.measure("mcd_scoring", f"MCD-DPO scoring batch (K={k} masks + reference)", scoring_batch,
+                     tokens=tokens, flops=2 * self.body_flops(tokens) + (k + 1) * head, planned=planned)
+
+    def mcd_train_step(self, policy, cast, mcd: list[str]) -> None:
+        """One optimizer step of ``compute_loss`` + AdamW, timed; the optimizer lives only in here."""
+        from rewarduq_exp.methods.mcd_dpo import completion_logps, weighted_dpo_loss
+
+        b, tokens = self.args.batch, self.args.batch * self.args.length
+        if self.checkpointing:
+            checkpointing_on(policy, True)
+        policy.train()
+        opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=self.device.type == "cuda")
+        ref = torch.zeros(b, device=self.device)   # reference log-probs: precomputed once per pair in the method
+
+        def step():
+            with cast:
+                hidden = policy.model(input_ids=self.ids, attention_mask=self.attn, use_cache=False).last_hidden_state
+                logps = completion_logps(hidden, policy.lm_head, self.ids, self.comp, CHUNK, DROPOUT, training=True)
+            chosen, rejected = logps.float().chunk(2)
+            ref_c, ref_r = ref.chunk(2)
+            weighted_dpo_loss(DPO_BETA * ((chosen - ref_c) - (rejected - ref_r)), None).backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        planned = self.planner.phase("mcd_train_step", mcd, "training")
+        passes = 3 + self.checkpointing   # forward, backward (2x), + the recomputation when checkpointed
+        flops = passes * (self.body_flops(tokens) + self.head_flops(self.n_completion))
+        label = f"MCD-DPO training step ({b // 2} pairs{', checkpointed' if self.checkpointing else ''})"
+        self.measure("mcd_train_step", label, step, tokens=tokens, flops=flops, planned=planned)
+
+    def _ratio(self, name: str, slow: str, fast: str) -> None:
+        s, f = self.results.get(slow, {}), self.results.get(fast, {})
+        if "median_s" in s and "median_s" in f:
+            self.ratios[name] = s["median_s"] / f["median_s"]
+
+
+# ---------------------------------------------------------------------------------------------------- output
+def gib(n) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2**30:.2f} GiB" if n >= 0.1 * 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def table(shapes: dict[str, ShapeBench]) -> str:
+    head = f"{'shape':<12} {'measurement':<52} {'median':>10} {'tokens/s':>12} {'MFU':>6} {'peak':>11} " \
+           f"{'planned':>11} {'meas/plan':>9}"
+    lines = [head, "-" * len(head)]
+    for name, bench in shapes.items():
+        for row in bench.results.values():
+            if "error" in row:
+                lines.append(f"{name:<12} {row['label']:<52} {row['error'][:60]}")
+                continue
+            tps = f"{row['tokens_per_s']:,.0f}" if row.get("tokens_per_s") else "-"
+            mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "n/a"
+            ratio = f"{row['measured_over_planned']:.2f}" if row.get("measured_over_planned") else "n/a"
+            lines.append(f"{name:<12} {row['label']:<52} {row['median_s'] * 1e3:>8.1f}ms {tps:>12} {mfu:>6} "
+                         f"{gib(row['peak_bytes']):>11} {gib(row['planned_peak_bytes']):>11} {ratio:>9}")
+    for name, bench in shapes.items():
+        a = bench.args
+        if "lora_sequential_over_mixed" in bench.ratios:
+            lines.append(f"ratio ({name}): ENS-LoRA K={a.members} sequential passes / mixed-adapter batch: "
+                         f"{bench.ratios['lora_sequential_over_mixed']:.2f}x")
+        if "mcd_passes_over_masks" in bench.ratios:
+            lines.append(f"ratio ({name}): MCD-DPO K={a.masks} full passes / shared backbone with K masks: "
+                         f"{bench.ratios['mcd_passes_over_masks']:.2f}x")
+        plan_ratios = [f"{k} {r['measured_over_planned']:.2f}" for k, r in bench.results.items()
+                       if r.get("measured_over_planned")]
+        lines.append(f"ratio ({name}): measured / planned peak: "
+                     + (", ".join(plan_ratios) if plan_ratios else "n/a (no CUDA memory statistics on a CPU)"))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=None,
+                        help=f"comma-separated model names with a shape (default on a GPU: {GPU_SHAPES}; "
+                             f"without one: {TINY})")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per forward (GPU 8, smoke 4)")
+    parser.add_argument("--length", type=int, default=None, help="tokens per sequence (GPU 512, smoke 32)")
+    parser.add_argument("--members", type=int, default=None, help="ENS-LoRA K (GPU 8, smoke 4)")
+    parser.add_argument("--masks", type=int, default=None, help="MCD-DPO K dropout masks (GPU 20, smoke 4)")
+    parser.add_argument("--pairs", type=int, default=None,
+                        help="BAY-LIN training pairs (GPU: UltraFeedback's 62,135; smoke 2,048)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs after the warm-up (GPU 5, smoke 2)")
+    parser.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
+    parser.add_argument("--smoke", action="store_true", help="the tiny shape at tiny sizes, whatever the device")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if not known")
+    parser.add_argument("--cache-dir", default="outputs/cache", help="where the tiny model is built")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: 1 on a CPU, where a busy machine's cores make more slower)")
+    parser.add_argument("--out", default="outputs/bench_gpu.json")
+    args = parser.parse_args()
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    threads = torch.get_num_threads()
+    try:
+        run(args)
+    finally:
+        torch.set_num_threads(threads)   # a caller running this in its own process keeps its setting
+
+
+def run(args) -> None:
+
+    from rewarduq_exp.core.strict_json import write_json
+    from rewarduq_exp.models.backbone import resolve_device
+    from rewarduq_exp.runner.plan import KNOWN_TRAIN_PAIRS
+
+    device = resolve_device(args.device)
+    smoke = args.smoke or device.type == "cpu"
+    if args.threads or device.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    for key, (gpu, tiny) in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, tiny if smoke else gpu)
+    if args.pairs is None:
+        args.pairs = KNOWN_TRAIN_PAIRS["ultrafeedback"]
+    shapes = [TINY] if args.smoke else (args.shapes or (TINY if smoke else GPU_SHAPES)).split(",")
+    gpu_name, tflops = peak_tflops(device, args.peak_tflops)
+    memory = Memory(device)
+    print(f"device {device} ({gpu_name}), dense bf16 peak {f'{tflops:g} TFLOPS' if tflops else 'n/a'}; "
+          f"batch {args.batch} x {args.length} tokens, ENS-LoRA K={args.members}, MCD-DPO K={args.masks}, "
+          f"BAY-LIN {args.pairs:,} pairs, median of {args.repeats} after a warm-up, torch threads "
+          f"{torch.get_num_threads()}; memory: {memory.kind}",
+          flush=True)
+    t0 = time.perf_counter()
+    done: dict[str, ShapeBench] = {}
+    for name in shapes:
+        bench = ShapeBench(name.strip(), args, device, memory, tflops, args.cache_dir)
+        print(f"{bench.name}: {bench.arch.params_causal_lm:,} parameters, hidden {bench.arch.hidden}, "
+              f"{bench.arch.layers} layers, {str(bench.dtype).removeprefix('torch.')}", flush=True)
+        bench.run()
+        done[bench.name] = bench
+    print(table(done), flush=True)
+    result = {"device": str(device), "device_name": gpu_name, "peak_bf16_tflops": tflops, "memory": memory.kind,
+              "settings": {k: getattr(args, k) for k in ("batch", "length", "members", "masks", "pairs", "repeats")}
+              | {"lora_rank": LORA_RANK, "dropout": DROPOUT, "logprob_chunk": CHUNK, "smoke": smoke},
+              "torch": torch.__version__, "seconds": time.perf_counter() - t0,
+              "shapes": {name: {"dtype": str(b.dtype).removeprefix("torch."), "params_causal_lm":
+                                b.arch.params_causal_lm, "params_body": b.arch.params_body,
+                                "measurements": b.results, "ratios": b.ratios, "plans": b.planner.plans}
+                         for name, b in done.items()}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    write_json(args.out, result)
+    print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
