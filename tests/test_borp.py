@@ -283,11 +283,11 @@ def test_a_probe_file_read_as_the_ridge_or_the_reverse_is_one_line(tmp_path, fit
     rng = np.random.default_rng(0)
     ridge = MeanPoolRidge().fit(rng.normal(size=(30, 4)), rng.uniform(1, 5, size=30))
     probe_file, ridge_file = fitted.save(tmp_path / "probe.npz"), ridge.save(tmp_path / "mean_pool_ridge.npz")
-    with pytest.raises(UserError, match=r"probe.npz holds a BoRP probe, not a mean-pooled ridge baseline; read it "
+    with pytest.raises(UserError, match=r"probe.npz holds a BoRP probe, not a ridge baseline; read it "
                                         r"with BorpProbe.load") as error:
         MeanPoolRidge.load(probe_file)
     assert "\n" not in str(error.value)
-    with pytest.raises(UserError, match=r"mean_pool_ridge.npz holds a mean-pooled ridge baseline, not a BoRP probe"):
+    with pytest.raises(UserError, match=r"mean_pool_ridge.npz holds a ridge baseline, not a BoRP probe"):
         BorpProbe.load(ridge_file)
     assert BorpProbe.load(probe_file).layers == fitted.layers  # the right way round still loads
 

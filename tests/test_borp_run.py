@@ -58,6 +58,37 @@ def test_probe_beats_the_baselines_and_its_uncertainty_tracks_the_error(borp_run
     assert ev["probe/baseline/score_judge/constant"] is False and ev["probe/baseline/mean_pool_ridge/constant"] is False
 
 
+def test_length_baselines_are_reported_beside_the_probe(borp_run):
+    """The length ridge (characters, words, tokens; raw and log) fitted like the mean-pooled ridge, and what the probe
+    knows beyond length: its partial correlation with the ratings given length, recomputed here by lstsq from the
+    predictions file; the saved ridge reproduces the run's length-ridge predictions."""
+    from rewarduq_exp.methods.borp import RidgeBaseline
+    from rewarduq_exp.metrics.probe import LENGTH_COLUMNS, length_covariates
+
+    _, folder, proc = borp_run
+    assert "alpha_len" in proc.stdout
+    blocks = json.loads((folder / "metrics.json").read_text())
+    ridge = RidgeBaseline.load(folder / "model" / "length_ridge.npz")
+    assert ridge.inputs == "length features"
+    for name in ("synthetic_ratings_eval", "synthetic_ratings_ood"):
+        block = blocks[name]
+        for key in ("alpha_interval", "alpha_ordinal", "pearson", "spearman", "rmse", "mae", "n"):
+            assert f"probe/baseline/length_ridge/{key}" in block
+        predictions = pd.read_parquet(folder / "predictions" / f"{name}.parquet")
+        lengths = predictions[list(LENGTH_COLUMNS)].to_numpy()
+        assert (lengths > 0).all() and (predictions["n_chars"] >= predictions["n_words"]).all()
+        design = np.c_[np.ones(len(lengths)), length_covariates(lengths)]
+        res = [v - design @ np.linalg.lstsq(design, v, rcond=None)[0]
+               for v in (predictions["prediction"].to_numpy(), predictions["score"].to_numpy())]
+        assert block["probe/partial_pearson_given_length"] == pytest.approx(np.corrcoef(*res)[0, 1], abs=1e-9)
+        assert block["probe/pearson_with_log_length"] == pytest.approx(
+            np.corrcoef(predictions["prediction"], np.log1p(predictions["n_chars"]))[0, 1], abs=1e-9)
+        np.testing.assert_allclose(ridge.predict(length_covariates(lengths)),
+                                   predictions["prediction_length_ridge"], atol=1e-9)
+    # "the longer completion wins" beside the probe's win rate on the preference pairs
+    assert 0 <= blocks["synthetic_eval"]["baseline/longer_wins/win_rate"] <= 1
+
+
 def test_probe_scores_preferences_with_rewarduq_metrics(borp_run):
     _, folder, _ = borp_run
     pairs = json.loads((folder / "metrics.json").read_text())["synthetic_eval"]
@@ -83,7 +114,8 @@ def test_evaluate_and_the_python_api_rebuild_the_probe(borp_run, shared_cache):
     trained = json.loads((folder / "metrics.json").read_text())["synthetic_ratings_ood"]
     run("evaluate.py", [f"run={folder}", "eval_datasets=[synthetic_ratings_ood]"], cwd, shared_cache)
     again = json.loads((folder / "metrics.json").read_text())
-    for key in ("probe/alpha_interval", "probe/pearson", "probe/u_abs_error_spearman"):
+    for key in ("probe/alpha_interval", "probe/pearson", "probe/u_abs_error_spearman",
+                "probe/baseline/length_ridge/alpha_interval", "probe/partial_pearson_given_length"):
         assert again["synthetic_ratings_ood"][key] == pytest.approx(trained[key], abs=1e-6)
     assert again["synthetic_eval"] == written
 
@@ -107,11 +139,11 @@ def test_a_second_run_reads_every_backbone_output_from_the_feature_cache(borp_ru
     assert second["cache_hits"] == first["cache_hits"] + first["cache_misses"]
     a = json.loads((folder / "metrics.json").read_text())["synthetic_ratings_eval"]
     b = json.loads((ablation_run / "metrics.json").read_text())["synthetic_ratings_eval"]
-    for name in ("score_judge", "mean_pool_ridge"):  # same cached inputs, same baselines
+    for name in ("score_judge", "mean_pool_ridge", "length_ridge"):  # same cached inputs, same baselines
         key = f"probe/baseline/{name}/pearson"
         assert a[key] == pytest.approx(b[key], abs=1e-12)
     assert sorted(p.name for p in (folder / "model").iterdir() if p.suffix == ".npz") == [
-        "mean_pool_ridge.npz", "probe.npz"]
+        "length_ridge.npz", "mean_pool_ridge.npz", "probe.npz"]
 
 
 def test_selection_and_table1_pick_up_borp_runs(borp_run, ablation_run):
@@ -162,8 +194,12 @@ def test_refined_probe_with_two_rubrics_trains(tmp_path, shared_cache):
         flags=["--config-dir", str(tmp_path / "mine")])
     fit = json.loads((tmp_path / "run" / "status.json").read_text())["fit"]
     assert fit["feature_dim"] == 2 * 256
-    assert np.isfinite(json.loads((tmp_path / "run" / "metrics.json").read_text())[
-        "synthetic_ratings_eval"]["probe/pearson"])
+    block = json.loads((tmp_path / "run" / "metrics.json").read_text())["synthetic_ratings_eval"]
+    assert np.isfinite(block["probe/pearson"])
+    # method.baselines=false: no judge, no mean-pooled ridge; the length ridge (no backbone pass) is still there
+    assert not any(k.startswith(("probe/baseline/score_judge/", "probe/baseline/mean_pool_ridge/")) for k in block)
+    assert np.isfinite(block["probe/baseline/length_ridge/rmse"]) and "probe/pearson_with_log_length" in block
+    assert sorted(p.name for p in (tmp_path / "run" / "model").glob("*.npz")) == ["length_ridge.npz", "probe.npz"]
 
 
 def test_a_judge_that_answers_one_digit_is_reported_as_constant(tmp_path, shared_cache, monkeypatch):

@@ -271,3 +271,36 @@ def test_mismatched_lengths_raise():
 def test_alpha_out_of_range_raises(alphas):
     with pytest.raises(UserError, match="alpha"):
         compute_metrics(random_table(0), alphas=alphas)
+
+
+def test_longer_wins_by_hand_ties_count_half():
+    from rewarduq_exp.metrics.preference import longer_wins_rate
+
+    # longer chosen -> 1, equal -> 0.5, longer rejected -> 0, equal -> 0.5
+    chosen, rejected = [10, 5, 7, 3], [4, 5, 9, 3]
+    assert longer_wins_rate(chosen, rejected) == pytest.approx(2 / 4)
+    assert longer_wins_rate(chosen, rejected, [2, 1, 1, 1]) == pytest.approx((2 + 0.5 + 0 + 0.5) / 5)
+    assert longer_wins_rate(chosen, rejected, [0, 0, 1, 0]) == 0.0
+    with pytest.raises(UserError, match="one chosen length, rejected length and weight per pair"):
+        longer_wins_rate([1, 2], [1])
+    with pytest.raises(UserError, match="positive sum"):
+        longer_wins_rate([1], [2], [0])
+
+
+def test_longer_wins_of_an_eval_set_counts_the_characters_of_each_completion():
+    from omegaconf import OmegaConf
+
+    from rewarduq_exp.data.contract import make_preference_frame
+    from rewarduq_exp.runner.evaluation import longer_wins_metrics
+
+    def reply(*texts):
+        return [{"role": "assistant", "content": t} for t in texts]
+
+    data = make_preference_frame(
+        ["a", "b", "c"], [[{"role": "user", "content": "hi"}]] * 3,
+        [reply("longer one"), reply("abc"), reply("ab", "cd")],   # 10, 3 and 2 + 2 characters
+        [reply("short"), reply("abcdef"), reply("wxyz")],         # 5, 6, 4: chosen wins, loses, ties
+        weight=[1.0, 1.0, 2.0])
+    predictions = make_table([((1.0, 1.0, 1.0), (0.0, 0.0, 0.0))] * 3, weights=[1.0, 1.0, 2.0])
+    found = longer_wins_metrics(data, predictions, OmegaConf.create({"scoring": "auto"}))
+    assert found == {"baseline/longer_wins/win_rate": pytest.approx((1 + 0 + 2 * 0.5) / 4)}

@@ -190,3 +190,53 @@ def test_figure_mean_line_has_one_point_per_level_or_per_quantile_bin(tmp_path, 
     else:
         np.testing.assert_array_equal(x, [1, 2, 3, 4, 5])
         assert means[2] == pytest.approx(pred[y == 3].mean())
+
+
+def test_partial_correlation_by_hand_and_against_lstsq():
+    from rewarduq_exp.metrics.probe import length_covariates, length_metrics, partial_pearson
+
+    # x = 1..4; e and f are orthogonal to 1, to x and to each other, so the residuals on [1, x] are e and e + f:
+    # corr = e.(e + f) / (|e| |e + f|) = 4 / (2 * sqrt(24)) = 1 / sqrt(6)
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    e, f = np.array([1.0, -1.0, -1.0, 1.0]), np.array([-1.0, 3.0, -3.0, 1.0])
+    assert partial_pearson(x + e, 2 * x + e + f, x[:, None]) == pytest.approx(1 / np.sqrt(6))
+    assert np.isnan(partial_pearson(3 * x, 2 * x + e, x[:, None]))  # length explains the first entirely
+
+    rng = np.random.default_rng(0)
+    lengths = np.c_[rng.integers(5, 400, 60), rng.integers(1, 80, 60), rng.integers(2, 120, 60)].astype(float)
+    y = 1 + np.log1p(lengths[:, 0]) / 2 + rng.normal(0, 0.5, 60)
+    pred = y + rng.normal(0, 0.5, 60)
+    design = np.c_[np.ones(60), lengths, np.log1p(lengths)]
+    assert np.allclose(length_covariates(lengths), design[:, 1:])
+
+    def residual(v):
+        return v - design @ np.linalg.lstsq(design, v, rcond=None)[0]
+
+    found = length_metrics(y, pred, lengths)
+    assert found["probe/partial_pearson_given_length"] == pytest.approx(
+        np.corrcoef(residual(pred), residual(y))[0, 1], abs=1e-10)
+    assert found["probe/pearson_with_log_length"] == pytest.approx(
+        np.corrcoef(pred, np.log1p(lengths[:, 0]))[0, 1], abs=1e-10)
+    with pytest.raises(UserError, match=r"\(n, 3\) array of counts"):
+        length_covariates(lengths[:, :2])
+
+
+def test_figure_compares_the_probe_with_the_baselines(tmp_path, monkeypatch):
+    from rewarduq_exp.metrics import probe
+
+    metrics = {"probe/alpha_interval": 0.7, "probe/pearson": 0.8, "probe/rmse": 0.5,
+               "probe/baseline/length_ridge/alpha_interval": 0.6, "probe/baseline/length_ridge/pearson": 0.65,
+               "probe/baseline/length_ridge/rmse": 0.6, "probe/baseline/score_judge/rmse": 1.5,
+               "probe/baseline/score_judge/constant": True}  # a constant judge: no alpha, no Pearson
+    compare = probe.comparison(metrics)
+    assert list(compare) == ["probe", "length_ridge", "score_judge"]
+    assert compare["length_ridge"]["pearson"] == 0.65 and np.isnan(compare["score_judge"]["alpha_interval"])
+    figures = []
+    monkeypatch.setattr(probe, "save_figure", lambda fig, path: figures.append(fig))
+    rng = np.random.default_rng(1)
+    y = rng.integers(1, 6, 50).astype(float)
+    plot_probe_diagnostics(y, y + rng.normal(0, 0.5, 50), rng.uniform(0, 1, 50), tmp_path / "p.png",
+                           compare=compare)
+    panel = figures[0].axes[2]
+    assert len(panel.patches) == 3 * 3  # three models x (alpha, Pearson, RMSE)
+    assert "n/a" in [t.get_text() for t in panel.texts]

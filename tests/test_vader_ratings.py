@@ -255,6 +255,9 @@ def test_borp_sentiment_probe_on_vader_ratings_through_train_py(tmp_path, shared
         # tiny LM does), which ``constant`` says instead of an undefined correlation
         judge = "probe/baseline/score_judge/"
         assert (judge + "alpha_interval" in block) is not block[judge + "constant"]
+        # the length baselines: a ridge on the sentence's length, the probe's correlation beyond length
+        assert np.isfinite(block["probe/baseline/length_ridge/rmse"])
+        assert {"probe/partial_pearson_given_length", "probe/pearson_with_log_length"} <= set(block)
     predictions = pd.read_parquet(folder / "predictions" / "vader_ratings_eval.parquet")
     assert predictions["rater_std"].between(0, 4).all() and len(predictions) > 10
     status = json.loads((folder / "status.json").read_text())

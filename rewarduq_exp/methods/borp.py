@@ -56,8 +56,9 @@ figures' captions:
 A fitted head is reduced to its linear map ``y = [d, N, D] · w + b`` (both PLS and PCA + OLS are linear in their
 input), so a saved probe holds arrays only and loads without scikit-learn objects.
 
-Also here: :class:`MeanPoolRidge`, the mean-pooled-hidden-states + ridge baseline. The generative "score-only" judge
-baseline is :mod:`rewarduq_exp.methods.score_judge`.
+Also here: :class:`RidgeBaseline` (alias :class:`MeanPoolRidge`), the ridge of the baselines: on mean-pooled hidden
+states, and on the response's length features (no backbone pass). The generative "score-only" judge baseline is
+:mod:`rewarduq_exp.methods.score_judge`.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ POLARITY = "{polarity}"
 SAVE_FORMAT = "borp-probe"
 SAVE_VERSION = 2  # 2: .npz + JSON (1 was a joblib pickle)
 PROBE_KIND, RIDGE_KIND = "borp_probe", "mean_pool_ridge"
-SAVED_KINDS = {PROBE_KIND: "BoRP probe", RIDGE_KIND: "mean-pooled ridge baseline"}
+# RIDGE_KIND names every RidgeBaseline file (mean-pooled states or length features, see its ``inputs``): the string is
+# the file format's, kept from when the mean-pooled ridge was the only one.
+SAVED_KINDS = {PROBE_KIND: "BoRP probe", RIDGE_KIND: "ridge baseline"}
 
 # The generic ("blind") probe of phase 1; our own wording of the idea in section 3.2 ("Performance is
 # Excellent/Terrible"), not the paper's figure 4, which was lost.
@@ -676,7 +679,7 @@ def load_arrays(path: str | Path, kind: str) -> tuple[dict, dict[str, np.ndarray
     # Files from before the kind was stored: a probe is the one with heads.
     found = meta.get("kind") or (PROBE_KIND if "heads" in meta else RIDGE_KIND)
     if found != kind:
-        loader = {PROBE_KIND: "BorpProbe.load", RIDGE_KIND: "MeanPoolRidge.load"}[found]
+        loader = {PROBE_KIND: "BorpProbe.load", RIDGE_KIND: "RidgeBaseline.load"}[found]
         raise UserError(f"{path} holds a {SAVED_KINDS.get(found, found)}, not a {what}; read it with {loader}")
     return meta, arrays
 
@@ -698,27 +701,32 @@ def mean_pooled_prefixes(tokenizer, model, prefixes: Sequence[str], layer: int =
 
 
 @dataclass(eq=False)
-class MeanPoolRidge:
-    """Baseline: standardised mean-pooled hidden states -> ridge regression, the penalty chosen over ``alphas`` by
-    ``RidgeCV``: ``cv_folds``-fold CV grouped by prompt when ``fit`` gets ``groups`` (leave-one-out, the efficient
-    default, lets a response's sibling of the same prompt inform its prediction and picks too small a penalty), else
-    efficient leave-one-out; predictions clipped to ``score_range``. Like the probe's heads,
-    the fitted pipeline is reduced to its linear map ``y = x · w + b`` (standardising then ridge is linear in x)."""
+class RidgeBaseline:
+    """A baseline: standardised features -> ridge regression, the penalty chosen over ``alphas`` by ``RidgeCV``:
+    ``cv_folds``-fold CV grouped by prompt when ``fit`` gets ``groups`` (leave-one-out, the efficient default, lets a
+    response's sibling of the same prompt inform its prediction and picks too small a penalty), else efficient
+    leave-one-out; predictions clipped to ``score_range``. Like the probe's heads, the fitted pipeline is reduced to
+    its linear map ``y = x · w + b`` (standardising then ridge is linear in x).
+
+    One class for every ridge baseline of a BoRP run; ``inputs`` names what ``x`` holds (messages, the saved file):
+    mean-pooled hidden states (``MeanPoolRidge``, the default) or the response's length features (the length ridge,
+    :func:`rewarduq_exp.metrics.probe.length_covariates`)."""
 
     alphas: Sequence[float] = (0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
     score_range: tuple[float, float] = (1.0, 5.0)
     cv_folds: int = 5
     seed: int = 0
+    inputs: str = "mean-pooled features"
     coef_: np.ndarray | None = field(default=None, repr=False)
     intercept_: float = 0.0
     alpha_: float | None = None
 
-    def fit(self, x, y, groups=None) -> MeanPoolRidge:
+    def fit(self, x, y, groups=None) -> RidgeBaseline:
         from sklearn.linear_model import RidgeCV
         from sklearn.pipeline import make_pipeline
         from sklearn.preprocessing import StandardScaler
 
-        x = _as_matrix(x, "mean-pooled features")
+        x = _as_matrix(x, self.inputs)
         y = np.asarray(y, dtype=np.float64).ravel()
         if len(y) != len(x) or len(y) < 3:
             raise UserError(f"the ridge baseline needs >= 3 samples with one score each (got {len(x)} and {len(y)})")
@@ -733,20 +741,25 @@ class MeanPoolRidge:
     def predict(self, x) -> np.ndarray:
         if self.coef_ is None:
             raise UserError("the ridge baseline is not fitted; call fit(features, scores) first")
-        return np.clip(_as_matrix(x, "mean-pooled features") @ self.coef_ + self.intercept_, *self.score_range)
+        return np.clip(_as_matrix(x, self.inputs) @ self.coef_ + self.intercept_, *self.score_range)
 
     def save(self, path: str | Path) -> Path:
-        meta = {"format": SAVE_FORMAT, "version": SAVE_VERSION, "kind": RIDGE_KIND,
+        meta = {"format": SAVE_FORMAT, "version": SAVE_VERSION, "kind": RIDGE_KIND, "inputs": self.inputs,
                 "intercept": self.intercept_, "alpha": self.alpha_, "alphas": [float(a) for a in self.alphas],
                 "score_range": list(self.score_range)}
         return save_arrays(path, meta, {"coef": self.coef_})
 
     @classmethod
-    def load(cls, path: str | Path) -> MeanPoolRidge:
+    def load(cls, path: str | Path) -> RidgeBaseline:
         meta, arrays = load_arrays(path, RIDGE_KIND)
         try:
             return cls(alphas=tuple(meta["alphas"]), score_range=tuple(meta["score_range"]), coef_=arrays["coef"],
-                       intercept_=float(meta["intercept"]), alpha_=meta["alpha"])
+                       intercept_=float(meta["intercept"]), alpha_=meta["alpha"],
+                       inputs=str(meta.get("inputs", cls.inputs)))  # files from before ``inputs``: mean-pooled
         except (KeyError, TypeError, ValueError) as err:  # an array or a meta field missing or odd
             raise UserError(f"{path}: not a complete saved {SAVED_KINDS[RIDGE_KIND]} ({type(err).__name__}: "
                             f"{first_line(err)})") from None
+
+
+# The mean-pooled-states ridge: the name the baseline had before the length ridge shared its class.
+MeanPoolRidge = RidgeBaseline

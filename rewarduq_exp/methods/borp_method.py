@@ -5,8 +5,9 @@ any other method's predictions.
 
 The probe reads its suffix template, layers and batch size from ``probe=borp_contrastive`` (the run's probe config,
 given through the encoder); ``method.*`` holds the regressor. On pointwise eval sets the runner also asks
-:meth:`BorpMethod.baselines` for the two baselines of the same backbone (the generative score-only judge and a
-mean-pooled ridge), so the three are compared in one run.
+:meth:`BorpMethod.baselines` for the baselines of the same run: the two of the same backbone (the generative
+score-only judge and a mean-pooled ridge; ``method.baselines=false`` leaves them out) and a ridge on the response's
+length (characters, words, backbone tokens; no backbone pass, always there), so they are compared in one run.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rewarduq_exp.methods.borp import (
     ContrastiveExtractor,
     MeanPoolRidge,
     ProbeTemplate,
+    RidgeBaseline,
     by_layer,
     mean_pooled_prefixes,
     render_prefixes,
@@ -45,10 +47,16 @@ SGLANG_NOT_BUILT = ("probe.backend=sglang is not available: SGLang's engine retu
                     "also reuses the conversation's KV cache for every suffix")
 PROBE_FILE = "probe.npz"
 RIDGE_FILE = "mean_pool_ridge.npz"
+LENGTH_RIDGE_FILE = "length_ridge.npz"
 
 
 def _messages(values) -> list:
     return [list(v) for v in values]
+
+
+def response_text(messages) -> str:
+    """The text of a response (its messages' contents, one per line), as its length is counted."""
+    return "\n".join(str(m["content"]) for m in messages)
 
 
 # A column of pointwise data naming the cross-validation group of each row, where the prompt does not.
@@ -92,6 +100,7 @@ class BorpMethod(RewardMethod):
         self.fit_summary: dict = {}
         self._extractor = None
         self._ridge: MeanPoolRidge | None = None
+        self._length_ridge: RidgeBaseline | None = None
         self._judge = None
 
     def hyperparameters(self) -> dict:
@@ -207,6 +216,25 @@ class BorpMethod(RewardMethod):
             self.encoder.tokenizer, self.extractor().model, texts, final, int(self._probe_cfg().batch_size),
             stats=self.extractor().stats))
 
+    def response_lengths(self, responses) -> np.ndarray:
+        """(n, 3) lengths of the responses (:data:`~rewarduq_exp.metrics.probe.LENGTH_COLUMNS`): characters,
+        whitespace-separated words and tokens of the backbone's tokenizer (the response's text alone, no template
+        or special tokens). Tokenizer only: no backbone pass."""
+        texts = [response_text(r) for r in _messages(responses)]
+        tokens = self.encoder.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        return np.array([[len(t), len(t.split()), len(ids)] for t, ids in zip(texts, tokens)],
+                        dtype=float).reshape(len(texts), 3)
+
+    def length_features(self, responses) -> np.ndarray:
+        """The length ridge's input: :func:`~rewarduq_exp.metrics.probe.length_covariates` of the lengths."""
+        from rewarduq_exp.metrics.probe import length_covariates  # matplotlib with it: only once a run fits
+
+        return length_covariates(self.response_lengths(responses))
+
+    def _ridge_baseline(self, inputs: str) -> RidgeBaseline:
+        return RidgeBaseline(score_range=self.settings["score_range"], cv_folds=self.settings["cv_folds"],
+                             seed=self.settings["seed"], inputs=inputs)
+
     # ------------------------------------------------------------------ contract
     def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> BorpMethod:  # noqa: A002
         if "response" not in train.columns or "score" not in train.columns:
@@ -226,11 +254,13 @@ class BorpMethod(RewardMethod):
                             "layers": [final, intermediate],
                             "feature_dim": int(features[final].shape[1]), "seconds_features": round(t_features, 3),
                             "seconds_regression": round(time.perf_counter() - t0 - t_features, 3)}
+        y = train["score"].to_numpy(dtype=float)
+        # The length baseline: the same ridge and grouped penalty search on the response's length covariates.
+        self._length_ridge = self._ridge_baseline("length features").fit(
+            self.length_features(train["response"]), y, groups=groups)
         if self.use_baselines:
             x = self.mean_pooled(train["prompt"], train["response"])
-            self._ridge = MeanPoolRidge(score_range=self.settings["score_range"], cv_folds=self.settings["cv_folds"],
-                                        seed=self.settings["seed"]).fit(x, train["score"].to_numpy(dtype=float),
-                                                                         groups=groups)
+            self._ridge = self._ridge_baseline("mean-pooled features").fit(x, y, groups=groups)
         return self
 
     def predict(self, prompts, responses) -> BorpPrediction:
@@ -261,11 +291,15 @@ class BorpMethod(RewardMethod):
                                  scale=str(cfg.get("judge_scale") or JUDGE_SCALE))
 
     def baselines(self, frame: pd.DataFrame) -> dict[str, np.ndarray]:
-        """Scores of the two baselines on a pointwise frame: the generative score-only judge, asked the probe's own
+        """Scores of the baselines on a pointwise frame: the generative score-only judge, asked the probe's own
         question (the decoded digit; ``judge_scoring=expected``: the mean of its distribution over the digits), and
-        the mean-pooled ridge fitted on the training split."""
+        the mean-pooled ridge fitted on the training split (both only with ``baselines=true``), and the length ridge
+        fitted on the training split (whenever the run has one: a model saved before it existed has none)."""
+        out = {}
+        if self._length_ridge is not None:
+            out["length_ridge"] = self._length_ridge.predict(self.length_features(frame["response"]))
         if not self.use_baselines:
-            return {}
+            return out
         if self._judge is None:  # the causal LM is loaded once per run, and only if a judgment is not cached
             low, high = (int(round(v)) for v in self.settings["score_range"])
             self._judge = ScoreOnlyJudge.from_backbone(
@@ -273,7 +307,7 @@ class BorpMethod(RewardMethod):
                 batch_size=int(self._probe_cfg().batch_size), think=str(self._probe_cfg().think))
         prefixes = self._prefixes(frame["prompt"], frame["response"])
         raw = self._cached(self._judge.identity(), prefixes, self._judge.raw)
-        out = {"score_judge": self._judge.result(raw).scores(self.judge_scoring)}
+        out["score_judge"] = self._judge.result(raw).scores(self.judge_scoring)
         if self._ridge is not None:
             out["mean_pool_ridge"] = self._ridge.predict(self.mean_pooled(frame["prompt"], frame["response"]))
         return out
@@ -284,6 +318,8 @@ class BorpMethod(RewardMethod):
         self.probe.save(directory / PROBE_FILE)
         if self._ridge is not None:
             self._ridge.save(directory / RIDGE_FILE)
+        if self._length_ridge is not None:
+            self._length_ridge.save(directory / LENGTH_RIDGE_FILE)
         extra = {"backbone": self.encoder.backbone.identity(), "probe": dict(self._probe_cfg())} \
             if self.encoder is not None else {}
         write_method_info(directory, self, **extra)
@@ -294,5 +330,7 @@ class BorpMethod(RewardMethod):
         self.probe = BorpProbe.load(directory / PROBE_FILE)
         if (directory / RIDGE_FILE).exists():
             self._ridge = MeanPoolRidge.load(directory / RIDGE_FILE)
+        if (directory / LENGTH_RIDGE_FILE).exists():
+            self._length_ridge = RidgeBaseline.load(directory / LENGTH_RIDGE_FILE)
         self.fit_summary = info.get("fit_summary", {})
         return self

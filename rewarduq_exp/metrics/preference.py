@@ -221,3 +221,19 @@ def accuracy_metrics(
 def bound_width(c: np.ndarray, r: np.ndarray, w: np.ndarray) -> float:
     """Weighted mean of ``upper - lower`` over the 2N responses (chosen and rejected, each with the pair weight)."""
     return float(np.dot(w, (c[:, 2] - c[:, 1]) + (r[:, 2] - r[:, 1])) / (2.0 * w.sum()))
+
+
+def longer_wins_rate(chosen_length, rejected_length, weight=None) -> float:
+    """Win rate of the length baseline "the longer completion wins": the weighted mean over pairs of 1 where the
+    chosen completion is longer, 0.5 where both are equally long, 0 where the rejected one is longer (compare with
+    ``win_rate``, where a tie counts as false). Lengths in any unit (the runner counts characters)."""
+    c = np.asarray(chosen_length, dtype=float).ravel()
+    r = np.asarray(rejected_length, dtype=float).ravel()
+    w = np.ones(len(c)) if weight is None else np.asarray(weight, dtype=float).ravel()
+    if not (len(c) == len(r) == len(w)) or len(c) == 0:
+        raise UserError(f"longer-wins needs one chosen length, rejected length and weight per pair (got {len(c)}, "
+                        f"{len(r)} and {len(w)}; at least one pair)")
+    if not (np.isfinite(c).all() and np.isfinite(r).all() and np.isfinite(w).all()) or (w < 0).any() \
+            or w.sum() <= 0:
+        raise UserError("longer-wins needs finite lengths and finite weights >= 0 with a positive sum")
+    return float(np.dot(w, np.sign(c - r) * 0.5 + 0.5) / w.sum())

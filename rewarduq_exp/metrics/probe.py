@@ -15,7 +15,15 @@ and uncertainties. Names are flat under ``probe/…``.
 * RMSE by uncertainty bins (figure 3b): :func:`rmse_by_uncertainty` returns the per-bin table; the first and last
   bins' RMSE are reported as ``probe/rmse_low_u`` and ``probe/rmse_high_u``.
 
-:func:`plot_probe_diagnostics` draws the predicted-vs-human panel and the RMSE-by-u panel into one PNG (matplotlib
+* Length (for data where each response's length is known; computed where the eval set is scored):
+  ``probe/partial_pearson_given_length``: the Pearson correlation of prediction and score after removing from each
+  its least-squares fit on the length covariates (:func:`length_covariates`: characters, words and backbone tokens
+  of the response, raw and ``log1p``) with an intercept, on the eval set itself: what the probe knows beyond length.
+  ``probe/pearson_with_log_length``: Pearson of the prediction with ``log1p(characters)``. A ridge on the same
+  covariates is the length baseline (``probe/baseline/length_ridge/...``).
+
+:func:`plot_probe_diagnostics` draws the predicted-vs-human panel and the RMSE-by-u panel into one PNG, and with
+``compare`` a third panel with the probe's and the baselines' alpha, Pearson and RMSE side by side (matplotlib
 ``Figure`` on the Agg canvas, written atomically through :func:`rewarduq_exp.metrics.diagrams.save_figure`).
 """
 
@@ -158,19 +166,79 @@ def probe_metrics(y_true, y_pred, u=None, *, score_range: tuple[float, float] = 
     return out
 
 
+# The length of each response, in the order :func:`length_covariates` reads them.
+LENGTH_COLUMNS = ("n_chars", "n_words", "n_tokens")
+
+
+def length_covariates(lengths) -> np.ndarray:
+    """(n, 6) covariates of an (n, 3) array of response lengths (:data:`LENGTH_COLUMNS`): the raw counts and their
+    ``log1p``, so a linear fit on them follows both a linear and a saturating effect of length."""
+    lengths = np.asarray(lengths, dtype=float)
+    if lengths.ndim != 2 or lengths.shape[1] != len(LENGTH_COLUMNS) or not np.isfinite(lengths).all() \
+            or (lengths < 0).any():
+        raise UserError(f"length covariates need an (n, {len(LENGTH_COLUMNS)}) array of counts >= 0 "
+                        f"({', '.join(LENGTH_COLUMNS)}); got shape {lengths.shape}")
+    return np.hstack([lengths, np.log1p(lengths)])
+
+
+def _residual(v: np.ndarray, design: np.ndarray) -> np.ndarray:
+    coef, *_ = np.linalg.lstsq(design, v, rcond=None)
+    return v - design @ coef
+
+
+def partial_pearson(a, b, covariates) -> float:
+    """Pearson correlation of ``a`` and ``b`` controlling for ``covariates`` (n, k): the correlation of the residuals
+    of each after its least-squares fit on ``[1, covariates]`` (rank-deficient covariates are fine: ``lstsq``). NaN
+    where a residual is (numerically) zero: the covariates explain that variable entirely."""
+    a, b = _pair(a, b)
+    cov = np.asarray(covariates, dtype=float).reshape(len(a), -1)
+    design = np.hstack([np.ones((len(a), 1)), cov])
+    ra, rb = _residual(a - a.mean(), design), _residual(b - b.mean(), design)
+    scale = max(np.abs(a - a.mean()).max(), np.abs(b - b.mean()).max(), 1.0)
+    if len(a) < 3 or min(np.abs(ra).max(), np.abs(rb).max()) <= 1e-9 * scale:
+        return float("nan")
+    return float(np.dot(ra, rb) / np.sqrt(np.dot(ra, ra) * np.dot(rb, rb)))
+
+
+def length_metrics(y_true, y_pred, lengths) -> dict:
+    """``probe/partial_pearson_given_length`` and ``probe/pearson_with_log_length`` (module docstring) of the
+    predictions against the scores, given the (n, 3) response lengths (:data:`LENGTH_COLUMNS`)."""
+    y, p = _pair(y_true, y_pred)
+    covariates = length_covariates(lengths)
+    return {"probe/partial_pearson_given_length": partial_pearson(p, y, covariates),
+            "probe/pearson_with_log_length": pearson(np.log1p(covariates[:, 0]), p)}
+
+
+# The bars of the comparison panel: (metric key under probe/, label).
+COMPARED = (("alpha_interval", "K-alpha"), ("pearson", "Pearson"), ("rmse", "RMSE"))
+
+
+def comparison(metrics: dict) -> dict[str, dict[str, float]]:
+    """``{"probe": {...}, "<baseline>": {...}}`` of :data:`COMPARED` read from a dataset's probe metrics
+    (``probe/<key>`` and ``probe/baseline/<name>/<key>``); a metric a baseline lacks (a constant answer) is NaN."""
+    def read(prefix: str) -> dict[str, float]:
+        values = {key: metrics.get(f"{prefix}{key}") for key, _ in COMPARED}
+        return {key: float("nan") if v is None else float(v) for key, v in values.items()}
+
+    names = sorted({k.split("/")[2] for k in metrics if k.startswith("probe/baseline/")})
+    return {"probe": read("probe/"), **{name: read(f"probe/baseline/{name}/") for name in names}}
+
+
 # Scores on more distinct values than this (means over raters) are binned in panel (a) instead of one point per value.
 MAX_SCORE_LEVELS = 10
 
 
 def plot_probe_diagnostics(y_true, y_pred, u, path: str | Path, *, n_bins: int = 5, title: str = "",
-                           score_range: tuple[float, float] = (1, 5), seed: int = 0) -> Path:
+                           score_range: tuple[float, float] = (1, 5), seed: int = 0,
+                           compare: dict[str, dict[str, float]] | None = None) -> Path:
     """Write a PNG with (a) predicted vs human score (jittered points, per-score mean) and (b) RMSE per quantile bin
-    of ``u`` with the bin counts (figure 3b). Returns the path."""
+    of ``u`` with the bin counts (figure 3b); with ``compare`` (:func:`comparison`: the probe and the baselines of the
+    same rows) also (c) their alpha, Pearson and RMSE side by side. Returns the path."""
     y, p = _pair(y_true, y_pred)
     table = rmse_by_uncertainty(y, p, u, n_bins)
     path = Path(path)
-    fig = Figure(figsize=(10, 4.2))
-    ax_a, ax_b = fig.subplots(1, 2)
+    fig = Figure(figsize=(15.5 if compare else 10, 4.2))
+    ax_a, ax_b, *ax_c = fig.subplots(1, 3 if compare else 2)
     levels = np.unique(y)
     if len(levels) <= MAX_SCORE_LEVELS:  # ratings on a few levels: jittered, the mean prediction per level
         jitter = np.random.default_rng(seed).uniform(-0.15, 0.15, len(y))
@@ -198,8 +266,35 @@ def plot_probe_diagnostics(y_true, y_pred, u, path: str | Path, *, n_bins: int =
     ax_b.set_ylabel("RMSE")
     ax_b.set_title("(b) RMSE by uncertainty")
     ax_b.grid(alpha=0.3, axis="y")
+    if compare:
+        _plot_comparison(ax_c[0], compare)
     if title:
         fig.suptitle(title)
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.2, top=0.85 if title else 0.9, wspace=0.25)
+    fig.subplots_adjust(left=0.05 if compare else 0.07, right=0.98, bottom=0.2, top=0.85 if title else 0.9,
+                        wspace=0.25)
     save_figure(fig, path)
     return path
+
+
+def _plot_comparison(ax, compare: dict[str, dict[str, float]]) -> None:
+    """Panel (c): one group of bars per metric of :data:`COMPARED`, one bar per model; a missing value says n/a."""
+    names = list(compare)
+    width = 0.8 / len(names)
+    found = np.array([v for m in compare.values() for v in m.values()], dtype=float)
+    found = found[np.isfinite(found)]
+    colors = ["tab:blue", "tab:green", "tab:purple", "tab:gray", "tab:brown", "tab:olive"]
+    for i, name in enumerate(names):
+        xs = np.arange(len(COMPARED)) + (i - (len(names) - 1) / 2) * width
+        values = np.array([compare[name].get(key, float("nan")) for key, _ in COMPARED], dtype=float)
+        ax.bar(xs, np.nan_to_num(values), width, label=name.replace("_", " "), color=colors[i % len(colors)],
+               edgecolor="0.25")
+        for x, v in zip(xs, values):
+            ax.annotate("n/a" if np.isnan(v) else f"{v:.2f}", (x, 0 if np.isnan(v) else v), ha="center",
+                        va="top" if v < 0 else "bottom", fontsize=6, rotation=90)
+    ax.axhline(0, color="0.3", linewidth=0.8)
+    ax.set_xticks(np.arange(len(COMPARED)), [label for _, label in COMPARED])
+    ax.set_title("(c) probe vs baselines, same rows")
+    low, high = (min(found.min(), 0.0), max(found.max(), 0.0)) if len(found) else (0.0, 1.0)
+    ax.set_ylim(low - 0.2 * (high - low) * (low < 0), high + 0.2 * (high - low))  # room for the labels
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(names), fontsize=7, frameon=False)
+    ax.grid(alpha=0.3, axis="y")

@@ -112,11 +112,37 @@ def _score_rows(method, data: pd.DataFrame) -> pd.DataFrame:
     return predictions_frame(data, chosen, rejected)
 
 
+def completion_chars(completions) -> np.ndarray:
+    """Characters of each completion's message contents (a completion is a list of messages)."""
+    return np.array([sum(len(str(m["content"])) for m in c) for c in completions], dtype=float)
+
+
+def longer_wins_metrics(data: pd.DataFrame, predictions: pd.DataFrame, metric_cfg) -> dict:
+    """``baseline/longer_wins/win_rate`` of a pairwise eval set (:func:`~rewarduq_exp.metrics.preference.
+    longer_wins_rate`, ties 0.5), weighted as the model's ``win_rate`` is: the pairs' ``weight``, or under RewardBench
+    scoring its row weights (each category sums to 1, so the weighted mean is the mean over categories, as the
+    official win rate). Nothing for K-wise data."""
+    from rewarduq_exp.metrics.preference import longer_wins_rate
+    from rewarduq_exp.metrics.scoring import scoring_kind
+
+    if data_kind(data) != "pairs" or not {"chosen", "rejected"} <= set(data.columns):
+        return {}
+    weight = data["weight"].to_numpy(dtype=float)
+    if scoring_kind(predictions, metric_cfg.get("scoring", "auto")) == "reward_bench":
+        from rewarduq_exp.metrics.reward_bench import reward_bench_row_weights
+
+        weight = reward_bench_row_weights(predictions, metric_cfg.get("reward_bench_weighting", "official"))
+    rate = longer_wins_rate(completion_chars(data["chosen"]), completion_chars(data["rejected"]), weight)
+    return {"baseline/longer_wins/win_rate": rate}
+
+
 def evaluate_method(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg) -> tuple[dict, list]:
-    """Score ``data`` with ``method``; write predictions and diagrams into ``folder``; return (metrics, figures)."""
+    """Score ``data`` with ``method``; write predictions and diagrams into ``folder``; return (metrics, figures).
+    Pairwise sets also get the win rate of "the longer completion wins" (:func:`longer_wins_metrics`)."""
     predictions = score_method(method, data)
     folder.write_predictions(name, predictions)
     metrics = score_predictions(predictions, metric_cfg)
+    metrics.update(longer_wins_metrics(data, predictions, metric_cfg))
     # Diagrams are files of the run folder: only its writer (rank 0 under torchrun) draws them.
     figures = (diagrams(predictions, folder.figures_dir(name), metric_cfg, title=name, metrics=metrics)
                if getattr(folder, "writer", True) else [])
@@ -152,11 +178,21 @@ def baseline_metrics(name: str, baseline: str, y: np.ndarray, values, score_rang
 
 def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg) -> tuple[dict, list]:
     """A pointwise eval set (rated responses) for a pointwise method (BoRP): its scores against the ratings
-    (``probe/...``: Krippendorff's alpha, Pearson, Spearman, RMSE, RMSE by uncertainty bins), the baselines the
-    method offers on the same rows (``probe/baseline/<name>/...``, see :func:`baseline_metrics` for a baseline that
-    answers one value throughout), the predictions file (one row per response:
-    ``score``, ``prediction``, ``lower``, ``upper``, ``u`` and each baseline's prediction) and the diagnostic figure."""
-    from rewarduq_exp.metrics.probe import plot_probe_diagnostics, probe_metrics, spearman
+    (``probe/...``: Krippendorff's alpha, Pearson, Spearman, RMSE, RMSE by uncertainty bins; for a method that
+    counts response lengths also ``probe/partial_pearson_given_length`` and ``probe/pearson_with_log_length``), the
+    baselines the method offers on the same rows (``probe/baseline/<name>/...``, e.g. ``length_ridge``; see
+    :func:`baseline_metrics` for a baseline that answers one value throughout), the predictions file (one row per
+    response: ``score``, ``prediction``, ``lower``, ``upper``, ``u``, the lengths ``n_chars``, ``n_words``,
+    ``n_tokens`` and each baseline's prediction) and the diagnostic figure (with the probe and the baselines' alpha,
+    Pearson and RMSE side by side)."""
+    from rewarduq_exp.metrics.probe import (
+        LENGTH_COLUMNS,
+        comparison,
+        length_metrics,
+        plot_probe_diagnostics,
+        probe_metrics,
+        spearman,
+    )
 
     y = data["score"].to_numpy(dtype=float)
     scores = method.score(list(data["prompt"]), list(data["response"]))
@@ -169,12 +205,19 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
     if RATER_STD in data.columns:  # human disagreement per response (e.g. vader_ratings): does u track it?
         predictions[RATER_STD] = data[RATER_STD].to_numpy(dtype=float)
         metrics["probe/u_rater_std_spearman"] = spearman(u, predictions[RATER_STD].to_numpy())
-    for baseline, values in method.baselines(data).items():
+    if hasattr(method, "response_lengths"):  # what the probe knows beyond length (tokenizer only, no backbone pass)
+        lengths = method.response_lengths(data["response"])
+        for i, col in enumerate(LENGTH_COLUMNS):
+            predictions[col] = lengths[:, i]
+        metrics.update(length_metrics(y, scores.reward, lengths))
+    baselines = method.baselines(data)
+    for baseline, values in baselines.items():
         predictions[f"prediction_{baseline}"] = values
         metrics.update(baseline_metrics(name, baseline, y, values, score_range))
     folder.write_predictions(name, predictions)
     figures = []
     if getattr(folder, "writer", True) and metric_cfg.get("diagrams", True):
         figures.append(plot_probe_diagnostics(y, scores.reward, u, folder.figures_dir(name) / "probe.png",
-                                              title=name, score_range=score_range))
+                                              title=name, score_range=score_range,
+                                              compare=comparison(metrics) if baselines else None))
     return metrics, figures

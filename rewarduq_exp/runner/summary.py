@@ -6,6 +6,7 @@ from __future__ import annotations
 COLUMNS = (
     ("n_pairs", "pairs"),
     ("win_rate", "win_rate"),
+    ("baseline/longer_wins/win_rate", "longer"),   # "the longer completion wins" (ties 0.5), same pairs
     ("best_of_k_accuracy", "best_of_K"),
     ("rb2_score", "RB2"),
     ("truth/bayes_win_rate", "bayes_win"),
@@ -33,6 +34,7 @@ COLUMNS = (
     ("probe/u_rater_std_spearman", "rho(u,rater_sd)"),
     ("probe/baseline/score_judge/alpha_interval", "alpha_judge"),
     ("probe/baseline/mean_pool_ridge/alpha_interval", "alpha_ridge"),
+    ("probe/baseline/length_ridge/alpha_interval", "alpha_len"),
 )
 
 
