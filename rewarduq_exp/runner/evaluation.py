@@ -205,11 +205,11 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
     if RATER_STD in data.columns:  # human disagreement per response (e.g. vader_ratings): does u track it?
         predictions[RATER_STD] = data[RATER_STD].to_numpy(dtype=float)
         metrics["probe/u_rater_std_spearman"] = spearman(u, predictions[RATER_STD].to_numpy())
-    if hasattr(method, "response_lengths"):  # what the probe knows beyond length (tokenizer only, no backbone pass)
-        lengths = method.response_lengths(data["response"])
-        for i, col in enumerate(LENGTH_COLUMNS):
-            predictions[col] = lengths[:, i]
-        metrics.update(length_metrics(y, scores.reward, lengths))
+    # What the probe knows beyond length: the pointwise method's response lengths (tokenizer only, no backbone pass).
+    lengths = method.response_lengths(data["response"])
+    for i, col in enumerate(LENGTH_COLUMNS):
+        predictions[col] = lengths[:, i]
+    metrics.update(length_metrics(y, scores.reward, lengths))
     baselines = method.baselines(data)
     for baseline, values in baselines.items():
         predictions[f"prediction_{baseline}"] = values
