@@ -16,7 +16,7 @@ SMOKE = {
     "bench_feature_cache.py": (["--smoke"], "speed-up"),
     "bench_gpu.py": (["--smoke"], "sequential passes / mixed-adapter batch"),
     "bench_heads.py": (["--pairs", "128", "--dim", "16", "--heads", "3", "--repeats", "1"], "speed-up"),
-    "bench_lora.py": (["--members", "2", "--texts", "4", "--repeats", "1", "--train-pairs", "0"], "speed-up"),
+    "bench_lora.py": (["--members", "2", "--texts", "4", "--repeats", "1", "--train-pairs", "4"], "training speed-up"),
     "bench_mcd.py": (["--samples", "2", "--batch", "2", "--length", "12", "--repeats", "1"], "ratio"),
     "bench_probe.py": (["--smoke"], "fraction of ideal"),
     "bench_ranking.py": (["--smoke"], "speed-up"),
