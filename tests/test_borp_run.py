@@ -56,6 +56,7 @@ def test_probe_beats_the_baselines_and_its_uncertainty_tracks_the_error(borp_run
     # every JSON file of the run (metrics, status, data summary, method.json) parses with a strict parser
     assert_strict_json_files(folder)
     assert ev["probe/baseline/score_judge/constant"] is False and ev["probe/baseline/mean_pool_ridge/constant"] is False
+    assert ev["probe/judge_constant"] is False
 
 
 def test_length_baselines_are_reported_beside_the_probe(borp_run):
@@ -218,7 +219,7 @@ def test_a_judge_that_answers_one_digit_is_reported_as_constant(tmp_path, shared
     blocks = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert set(blocks) == {"synthetic_ratings_eval", "synthetic_ratings_ood"}
     for block in blocks.values():
-        assert block["probe/baseline/score_judge/constant"] is True
+        assert block["probe/baseline/score_judge/constant"] is True and block["probe/judge_constant"] is True
         assert not {f"probe/baseline/score_judge/{k}" for k in UNDEFINED_FOR_CONSTANT} & set(block)
         assert np.isfinite(block["probe/baseline/score_judge/rmse"])
         assert block["probe/baseline/mean_pool_ridge/constant"] is False

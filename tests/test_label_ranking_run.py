@@ -224,3 +224,12 @@ def test_ranking_options_reach_the_metrics():
                                         "kernel, binning") as info:
         validate_ranking_options(cfg)
     assert "\n" not in str(info.value)
+
+
+def test_the_other_learners_write_strict_json(tmp_path, data_dir):
+    """PL-RPC and RankClassifier runs (the learners the tests above do not run): every results file is strict JSON."""
+    run("train.py", ["-m", "dataset=label_ranking/iris", "method=pl_rpc,rank_classifier",
+                     f"paths.label_ranking_dir={data_dir}", "metric.diagrams=false", "sweep_name=others"], tmp_path)
+    folders = sorted(p.parent for p in (tmp_path / "outputs" / "multirun" / "others").glob("*/metrics.json"))
+    assert len(folders) == 2
+    assert_strict_json_files(*folders)

@@ -214,6 +214,8 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
     for baseline, values in baselines.items():
         predictions[f"prediction_{baseline}"] = values
         metrics.update(baseline_metrics(name, baseline, y, values, score_range))
+    if "score_judge" in baselines:  # the flag a reader looks for first: did the judge say anything at all?
+        metrics["probe/judge_constant"] = metrics["probe/baseline/score_judge/constant"]
     folder.write_predictions(name, predictions)
     figures = []
     if getattr(folder, "writer", True) and metric_cfg.get("diagrams", True):
