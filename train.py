@@ -7,6 +7,7 @@ from pathlib import Path
 import hydra
 
 from rewarduq_exp.core.distributed import launcher_overrides
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.runner.cli import check_group_choices, check_setting_keys, fail, register_resolvers
 from rewarduq_exp.runs import sweep_outcome
 
@@ -36,10 +37,9 @@ if __name__ == "__main__":
 
     if plan.wants_plan(sys.argv[1:]):   # what the run needs (memory, FLOPs, time), without loading anything
         check_setting_keys([a for a in sys.argv[1:] if not plan.wants_plan([a])], "train")
-        guarded_plan = plan.plan_command
         try:
-            sys.exit(guarded_plan(sys.argv[1:]))
-        except plan.UserError as err:
+            sys.exit(plan.plan_command(sys.argv[1:]))
+        except UserError as err:
             fail(str(err), err.exit_code)
     check_setting_keys(sys.argv[1:], "train")
     # torchrun / accelerate launch: one shared run folder (hydra.run.dir required), .hydra/ written by rank 0 only.

@@ -40,7 +40,6 @@ H100's dense bf16 peak (989 TFLOPS), is 396 TFLOPS.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
@@ -426,22 +425,6 @@ def sweep_points(cfg: DictConfig, overrides: list[str]) -> list[list[str]]:
     return [[f"{k}={v}" for k, v in zip(keys, combo)] for combo in itertools.product(*(choices[k] for k in keys))]
 
 
-def plan_sweep(cfgs: list[DictConfig]) -> list[Plan]:
-    return [make_plan(c) for c in cfgs]
-
-
-def largest(plans: list[Plan]) -> Plan:
-    return max(plans, key=lambda p: (p.peak, p.seconds))
-
-
-def bytes_in_gb(n: float) -> float:
-    return n / 1e9
-
-
-def fits(plan: Plan, gpu_bytes: float) -> bool:
-    return math.isfinite(plan.peak) and plan.peak <= gpu_bytes
-
-
 PLAN_SWITCHES = ("plan=true", "plan=True", "plan=1")
 
 
@@ -478,10 +461,7 @@ def compose_points(args: list[str], config_name: str = "train") -> list[tuple[li
 def plan_command(args: list[str]) -> int:
     """``train.py ... plan=true``: print the plan of the run (of every distinct point of a sweep, and which one
     peaks highest); nothing is loaded, created or submitted."""
-    points = compose_points(args)
-    plans = []
-    for overrides, cfg in points:
-        plans.append((overrides, make_plan(cfg)))
+    plans = [(overrides, make_plan(cfg)) for overrides, cfg in compose_points(args)]
     top_overrides, top = max(plans, key=lambda item: (item[1].peak, item[1].seconds))
     print(format_plan(top), flush=True)
     if len(plans) > 1:
