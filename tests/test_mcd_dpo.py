@@ -113,14 +113,15 @@ def test_backbone_runs_once_per_batch(trained, data):
     finally:
         for h in hooks:
             h.remove()
-    assert counts == {"policy": 2, "reference": 2, "head": 0}   # not K=6 per batch
+    # at most two body calls per batch (the batch's distinct prompts, then the completions on their cache), not K=6
+    assert counts["policy"] == counts["reference"] and 2 <= counts["policy"] <= 4 and counts["head"] == 0
 
 
 def test_chunked_mc_logps_equal_naive_full_logits(trained, data, tokenizer):
     method, _, _ = trained
     _, ev = data
     batch = next(method._batches(list(ev["prompt"][:5]), list(ev["chosen"][:5])))
-    _, ids, attn, comp, seeds = batch
+    _, ids, attn, comp, seeds, _ = batch
     K, p = 4, 0.2
     policy = method.policy
     with torch.no_grad():
@@ -262,7 +263,9 @@ def test_gradient_checkpointing_on_cpu_gives_the_same_losses(tiny_backbone, data
         del mlp.forward
         losses[gc] = [h["loss"] for h in method.history]
         recomputed[gc] = len(calls)
-    assert recomputed == {False: 2 + 2, True: 2 + 2 * 2}   # 2 reference batches + 2 steps (x2: recomputed in backward)
+    # 2 reference batches and 2 steps. Without checkpointing each forward is two passes (the pairs' shared prompts,
+    # then the completions); with it training runs one plain pass (the cache is off), recomputed in the backward.
+    assert recomputed == {False: 2 * 2 + 2 * 2, True: 2 * 2 + 2 * 1 * 2}
     np.testing.assert_allclose(losses[True], losses[False], atol=1e-5, rtol=0)
 
 

@@ -181,33 +181,47 @@ class ContrastiveExtractor:
     def states(self, prompts, responses) -> np.ndarray:
         """(n, 2R, n_layers, d) hidden states of R templates: [:, 2r] under template r's positive suffix,
         [:, 2r + 1] under its negative one."""
-        return self._states(render_prefixes(self.tokenizer, prompts, responses))
+        return self._states(render_prefixes(self.tokenizer, prompts, responses), render_heads(self.tokenizer, prompts))
 
-    def _states(self, prefixes: Sequence[str]) -> np.ndarray:
+    def _states(self, prefixes: Sequence[str], heads: Sequence[str] | None = None) -> np.ndarray:
         pre_ids = prefix_cache.tokenize_pieces(self.tokenizer, prefixes)
         suffixes = [text for t in self.templates for text in t.suffixes(self.tokenizer)]
         suf_ids = prefix_cache.tokenize_pieces(self.tokenizer, suffixes)
-        run = prefix_cache.suffix_states if self.reuse else prefix_cache.full_recompute
-        h = run(self.model, pre_ids, suf_ids, self.layers, pad_id=self.tokenizer.pad_token_id,
-                batch_size=self.batch_size, stats=self.stats)
+        if self.reuse:
+            h = prefix_cache.suffix_states(self.model, pre_ids, suf_ids, self.layers,
+                                           pad_id=self.tokenizer.pad_token_id, batch_size=self.batch_size,
+                                           stats=self.stats,
+                                           share_lengths=prefix_cache.share_lengths(self.tokenizer, pre_ids, heads))
+        else:
+            h = prefix_cache.full_recompute(self.model, pre_ids, suf_ids, self.layers,
+                                            pad_id=self.tokenizer.pad_token_id, batch_size=self.batch_size,
+                                            stats=self.stats)
         return h.numpy()
 
-    def differences(self, prefixes: Sequence[str]) -> np.ndarray:
+    def differences(self, prefixes: Sequence[str], heads: Sequence[str] | None = None) -> np.ndarray:
         """(n, n_layers, R d) difference vectors (eq. 1) of rendered conversations (:func:`render_prefixes`), the R
-        templates' vectors side by side."""
-        h = self._states(prefixes)
+        templates' vectors side by side. ``heads[i]``: the start of ``prefixes[i]`` that conversations with the same
+        prompt share (its prompt rendered alone), run once per batch."""
+        h = self._states(prefixes, heads)
         diff = h[:, 0::2] - h[:, 1::2]                                 # (n, R, n_layers, d)
         return np.concatenate(list(diff.transpose(1, 0, 2, 3)), axis=-1)  # (n, n_layers, R d)
 
     def extract(self, prompts, responses) -> dict[int, np.ndarray]:
         """{layer (as given): (n, d) difference vectors d = h(positive) - h(negative)} (eq. 1)."""
-        return by_layer(self.differences(render_prefixes(self.tokenizer, prompts, responses)), self.layers)
+        prefixes = render_prefixes(self.tokenizer, prompts, responses)
+        return by_layer(self.differences(prefixes, render_heads(self.tokenizer, prompts)), self.layers)
 
 
 def render_prefixes(tokenizer, prompts, responses, system_prompt: str = "keep") -> list[str]:
     """The conversations as the shared prefixes of the probe suffixes (``system_prompt``: keep or drop a template's
     default system prompt, :func:`~rewarduq_exp.models.prefix_cache.render_prefix`)."""
     return [prefix_cache.render_prefix(tokenizer, p, r, system_prompt) for p, r in zip(prompts, responses)]
+
+
+def render_heads(tokenizer, prompts, system_prompt: str = "keep") -> list[str]:
+    """Each prompt rendered alone, as :func:`render_prefixes` renders it before the response: the start of the
+    conversation that conversations asking the same share."""
+    return [prefix_cache.render_prefix(tokenizer, p, [], system_prompt) for p in prompts]
 
 
 def by_layer(diff, layers: Sequence[int]) -> dict[int, np.ndarray]:
@@ -687,16 +701,18 @@ def load_arrays(path: str | Path, kind: str) -> tuple[dict, dict[str, np.ndarray
 # ---------------------------------------------------------------------------------------------------- baseline
 def mean_pooled_features(tokenizer, model, prompts, responses, layer: int = -1, batch_size: int = 32) -> np.ndarray:
     """(n, d) mean over the real tokens of the rendered conversation at ``layer`` (the ridge baseline's input)."""
-    return mean_pooled_prefixes(tokenizer, model, render_prefixes(tokenizer, prompts, responses), layer, batch_size)
+    return mean_pooled_prefixes(tokenizer, model, render_prefixes(tokenizer, prompts, responses), layer, batch_size,
+                                heads=render_heads(tokenizer, prompts))
 
 
 def mean_pooled_prefixes(tokenizer, model, prefixes: Sequence[str], layer: int = -1, batch_size: int = 32,
-                         stats: dict | None = None) -> np.ndarray:
-    """:func:`mean_pooled_features` of already rendered conversations."""
+                         stats: dict | None = None, heads: Sequence[str] | None = None) -> np.ndarray:
+    """:func:`mean_pooled_features` of already rendered conversations (``heads`` as in
+    :meth:`ContrastiveExtractor.differences`)."""
     check_layers([layer], prefix_cache.num_layers_of(model))
     ids = prefix_cache.tokenize_pieces(tokenizer, prefixes)
     h = prefix_cache.mean_pooled_states(model, ids, [layer], pad_id=tokenizer.pad_token_id, batch_size=batch_size,
-                                        stats=stats)
+                                        stats=stats, share_lengths=prefix_cache.share_lengths(tokenizer, ids, heads))
     return h[:, 0].numpy()
 
 

@@ -32,6 +32,7 @@ from rewarduq_exp.methods.borp import (
     RidgeBaseline,
     by_layer,
     mean_pooled_prefixes,
+    render_heads,
     render_prefixes,
 )
 from rewarduq_exp.methods.score_judge import JUDGE_SCALE, JUDGE_SCORINGS, ScoreOnlyJudge, judge_instruction
@@ -181,14 +182,18 @@ class BorpMethod(RewardMethod):
                 reuse=bool(cfg.get("reuse_prefix", True)))
         return self._extractor
 
-    def _cached(self, what: dict, prefixes: list[str], compute) -> np.ndarray:
-        """``compute(prefixes)`` (a numpy array or tensor, one row per prefix) through the feature cache; its forward
-        passes are counted in the encoder's stats."""
+    def _cached(self, what: dict, conversations: tuple[list[str], list[str]], compute) -> np.ndarray:
+        """``compute(prefixes, heads)`` (a numpy array or tensor, one row per prefix) through the feature cache, for
+        the ``(prefixes, heads)`` of :meth:`_conversations`; its forward passes are counted in the encoder's
+        stats."""
         import torch
+
+        prefixes, heads = conversations
 
         def rows(idx):
             before = self._forward_passes()
-            out = torch.as_tensor(np.asarray(compute([prefixes[i] for i in idx]), dtype=np.float32))
+            out = torch.as_tensor(np.asarray(compute([prefixes[i] for i in idx], [heads[i] for i in idx]),
+                                             dtype=np.float32))
             self.encoder.stats["backbone_forward_passes"] += self._forward_passes() - before
             return out
 
@@ -197,24 +202,27 @@ class BorpMethod(RewardMethod):
     def _forward_passes(self) -> int:
         return sum(part.stats.get("forward_passes", 0) for part in (self._extractor, self._judge) if part is not None)
 
-    def _prefixes(self, prompts, responses) -> list[str]:
+    def _conversations(self, prompts, responses) -> tuple[list[str], list[str]]:
+        """The rendered conversations and their heads: each prompt rendered alone, the part that conversations asking
+        the same share (run once per batch)."""
         system_prompt = str(self._probe_cfg().get("default_system_prompt", "keep"))
-        return render_prefixes(self.encoder.tokenizer, _messages(prompts), _messages(responses), system_prompt)
+        tok, prompts = self.encoder.tokenizer, _messages(prompts)
+        return (render_prefixes(tok, prompts, _messages(responses), system_prompt),
+                render_heads(tok, prompts, system_prompt))
 
     def features(self, prompts, responses) -> dict[int, np.ndarray]:
         layers = self.probe_layers()
         what = self.identity(layers)
-        prefixes = self._prefixes(prompts, responses)
-        return by_layer(self._cached(what, prefixes, lambda texts: self.extractor().differences(texts)), layers)
+        conversations = self._conversations(prompts, responses)
+        return by_layer(self._cached(what, conversations, self.extractor().differences), layers)
 
     def mean_pooled(self, prompts, responses) -> np.ndarray:
         """The ridge baseline's input: mean-pooled final-layer states of the conversations (cached)."""
         final, _ = self.layers()
-        prefixes = self._prefixes(prompts, responses)
         what = {"kind": "mean_pooled_conversation", "layer": final}
-        return self._cached(what, prefixes, lambda texts: mean_pooled_prefixes(
+        return self._cached(what, self._conversations(prompts, responses), lambda texts, heads: mean_pooled_prefixes(
             self.encoder.tokenizer, self.extractor().model, texts, final, int(self._probe_cfg().batch_size),
-            stats=self.extractor().stats))
+            stats=self.extractor().stats, heads=heads))
 
     def response_lengths(self, responses) -> np.ndarray:
         """(n, 3) lengths of the responses (:data:`~rewarduq_exp.metrics.probe.LENGTH_COLUMNS`): characters,
@@ -305,8 +313,8 @@ class BorpMethod(RewardMethod):
             self._judge = ScoreOnlyJudge.from_backbone(
                 self.encoder.backbone, self.judge_instruction(), scores=[str(v) for v in range(low, high + 1)],
                 batch_size=int(self._probe_cfg().batch_size), think=str(self._probe_cfg().think))
-        prefixes = self._prefixes(frame["prompt"], frame["response"])
-        raw = self._cached(self._judge.identity(), prefixes, self._judge.raw)
+        raw = self._cached(self._judge.identity(), self._conversations(frame["prompt"], frame["response"]),
+                           self._judge.raw)
         out["score_judge"] = self._judge.result(raw).scores(self.judge_scoring)
         if self._ridge is not None:
             out["mean_pool_ridge"] = self._ridge.predict(self.mean_pooled(frame["prompt"], frame["response"]))

@@ -22,6 +22,9 @@ Performance:
   memory while training. That pass is ours (``compute_ref_log_probs``): the body and the chunked LM head of training,
   without dropout. ``compute_loss`` is overridden (dropout before the LM head, chunked log-softmax); see "Several
   processes" for ``training_step``.
+- every body forward (reference pass, training, scoring) runs each distinct prompt of a batch once: chosen and
+  rejected share theirs, and so do pairs that ask the same (``rewarduq_exp.models.shared_prefix``; exact, gradients
+  included; not under FSDP or DeepSpeed, which expect one forward per step).
 - scoring runs the transformer body once per batch; only dropout + LM head + log-softmax are repeated K times, over
   chunks of completion positions, so no (K, B, L, V) logits tensor ever exists. The reference model (no dropout) is
   run once per batch.
@@ -83,6 +86,7 @@ from rewarduq_exp.methods.base import (
     write_method_info,
 )
 from rewarduq_exp.models.backbone import resolve_device
+from rewarduq_exp.models.shared_prefix import batch_order, shared_prefix_hidden
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -551,9 +555,13 @@ def _make_trainer_class():
             body = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
             # Accelerate applies mixed precision by wrapping ``model.forward``; the body and the LM head are called
             # directly here, so the bf16 autocast is entered explicitly (a no-op without mixed precision).
+            ids, attention = inputs["input_ids"], inputs["attention_mask"]
             with self.accelerator.autocast():
-                hidden = body(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                              use_cache=False).last_hidden_state
+                if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # sharded: one forward, as they expect
+                    hidden = body(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+                else:  # chosen and rejected (and pairs asking the same) share their prompt: run once
+                    prompt_lengths = inputs["completion_mask"].argmax(1).tolist()
+                    hidden = shared_prefix_hidden(body, ids, attention, prompt_lengths)
                 return completion_logps(hidden, lm.lm_head, inputs["input_ids"], inputs["completion_mask"],
                                         self.logprob_chunk, dropout, training=training)
 
@@ -885,10 +893,12 @@ class McdDpo(RewardMethod):
 
     # ------------------------------------------------------------------ scoring
     def _batches(self, prompts, completions):
-        """(indices, ids, attention, completion mask, mask seeds) per batch of ``score_batch_size`` sequences."""
+        """(indices, ids, attention, completion mask, mask seeds, completion starts) per batch of
+        ``score_batch_size`` sequences."""
         tok = self.tokenizer
         encoded = [tokenize_completion(tok, _messages(p), _messages(c)) for p, c in zip(prompts, completions)]
-        order = np.argsort([len(ids) for ids, _ in encoded], kind="stable")   # little padding
+        # little padding, and where prompts repeat, batches of one prompt (run once per batch)
+        order = batch_order([ids for ids, _ in encoded], [start for _, start in encoded], self.score_batch_size)
         pad = tok.pad_token_id
         for s in range(0, len(order), self.score_batch_size):
             idx = order[s:s + self.score_batch_size]
@@ -902,7 +912,8 @@ class McdDpo(RewardMethod):
                 attn[row, :len(seq)] = 1
                 comp[row, start:len(seq)] = 1
             seeds = [row_seed(self.seed, encoded[i][0]) for i in idx]
-            yield idx, ids.to(self.device), attn.to(self.device), comp.to(self.device), seeds
+            starts = [encoded[i][1] for i in idx]
+            yield idx, ids.to(self.device), attn.to(self.device), comp.to(self.device), seeds, starts
 
     def _autocast(self):
         # The same bf16 autocast as training (accelerate's, see _make_trainer), on the model's device type: CPU
@@ -921,13 +932,12 @@ class McdDpo(RewardMethod):
         n_batches = math.ceil(len(prompts) / self.score_batch_size)
         batches = progress(self._batches(prompts, completions), total=n_batches, desc="mcd_dpo scoring",
                            unit="batches", show=self.show_progress, quiet=not is_main())
-        for idx, ids, attn, comp, seeds in batches:
+        for idx, ids, attn, comp, seeds, starts in batches:
             with self._autocast():
-                hidden = policy.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+                hidden = shared_prefix_hidden(policy.get_decoder(), ids, attn, starts)
                 logps = mc_completion_logps(hidden, policy.lm_head, ids, comp, self.num_samples, self.dropout,
                                             row_generators(seeds, self.device), self.logprob_chunk)  # (K, B)
-                ref_hidden = reference.get_decoder()(input_ids=ids, attention_mask=attn,
-                                                     use_cache=False).last_hidden_state
+                ref_hidden = shared_prefix_hidden(reference.get_decoder(), ids, attn, starts)
                 ref = completion_logps(ref_hidden, reference.lm_head, ids, comp, self.logprob_chunk)  # (B,)
             out[idx] = (self.dpo_beta * (logps - ref.unsqueeze(0))).T.double().cpu().numpy()
         return out

@@ -121,19 +121,24 @@ class ScoreOnlyJudge:
 
     def judge(self, prompts, responses) -> JudgeResult:
         prefixes = [prefix_cache.render_prefix(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
-        return self.result(self.raw(prefixes))
+        heads = [prefix_cache.render_prefix(self.tokenizer, p, []) for p in prompts]
+        return self.result(self.raw(prefixes, heads))
 
     @torch.no_grad()
-    def raw(self, prefixes: Sequence[str]) -> torch.Tensor:
+    def raw(self, prefixes: Sequence[str], heads: Sequence[str] | None = None) -> torch.Tensor:
         """(n, K + 1) float32: the logits of the K score tokens after each rendered conversation + the judge suffix,
         then the log of the probability the full softmax puts on them (what :meth:`result` needs, and all the cache
-        keeps)."""
+        keeps). ``heads[i]``: the start of ``prefixes[i]`` shared by conversations with the same prompt."""
         pre_ids = prefix_cache.tokenize_pieces(self.tokenizer, prefixes)
         suf_ids = prefix_cache.tokenize_pieces(self.tokenizer, [self.suffix])
-        run = prefix_cache.suffix_states if self.reuse else prefix_cache.full_recompute
         decoder = self.lm.get_decoder()
-        h = run(decoder, pre_ids, suf_ids, [-1], pad_id=self.tokenizer.pad_token_id, batch_size=self.batch_size,
-                stats=self.stats)
+        if self.reuse:
+            h = prefix_cache.suffix_states(decoder, pre_ids, suf_ids, [-1], pad_id=self.tokenizer.pad_token_id,
+                                           batch_size=self.batch_size, stats=self.stats,
+                                           share_lengths=prefix_cache.share_lengths(self.tokenizer, pre_ids, heads))
+        else:
+            h = prefix_cache.full_recompute(decoder, pre_ids, suf_ids, [-1], pad_id=self.tokenizer.pad_token_id,
+                                            batch_size=self.batch_size, stats=self.stats)
         head = self.lm.get_output_embeddings()
         logits = head(h[:, 0, 0].to(head.weight.device, head.weight.dtype)).float().cpu()
         log_mass = torch.logsumexp(torch.log_softmax(logits, -1)[:, self.score_ids], -1, keepdim=True)

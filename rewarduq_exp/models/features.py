@@ -2,8 +2,9 @@
 
 A probe chooses the layer (``-1``: the last hidden state, after the final norm; ``k``: ``hidden_states[k]``, where 0
 is the embedding output) and the pooling (``last``: the last real token, i.e. the final ``\\n`` after the closing
-``<|im_end|>`` for ChatML; ``mean``: the mean over real tokens). Sequences are sorted by length before batching so
-that padding stays small, and every result goes through the shared :class:`FeatureCache`.
+``<|im_end|>`` for ChatML; ``mean``: the mean over real tokens). Sequences are batched so that padding stays small
+(by length, or by prompt where prompts repeat), each batch's distinct prompts are run once
+(:mod:`rewarduq_exp.models.shared_prefix`), and every result goes through the shared :class:`FeatureCache`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rewarduq_exp.core.progress import progress
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.feature_cache import FeatureCache
+from rewarduq_exp.models.shared_prefix import batch_order, common_prefix_lengths, shared_prefix_hidden
 
 POOLINGS = ("last", "mean")
 
@@ -71,7 +73,14 @@ class FeatureEncoder:
     def encode(self, prompts, completions, desc: str = "features") -> torch.Tensor:
         """Features (N, d) as float32 on the CPU, in input order."""
         texts = render_all(self.tokenizer, prompts, completions)
-        return self.cached(self.probe_identity(), texts, lambda rows: self._extract([texts[i] for i in rows], desc))
+
+        def compute(rows):
+            # The prompt as the template opens the reply: the part of a text that texts with its prompt share.
+            heads = [self.tokenizer.apply_chat_template(list(prompts[i]), tokenize=False, add_generation_prompt=True)
+                     for i in rows]
+            return self._extract([texts[i] for i in rows], desc, heads)
+
+        return self.cached(self.probe_identity(), texts, compute)
 
     def cached(self, what: dict, texts: list[str], compute_rows) -> torch.Tensor:
         """Features of ``texts`` through the store, keyed by the backbone, ``what`` (how they are read: the probe's
@@ -101,14 +110,18 @@ class FeatureEncoder:
         return self._model
 
     @torch.no_grad()  # not inference_mode: the features leave this function and feed autograd
-    def _extract(self, texts: list[str], desc: str) -> torch.Tensor:
+    def _extract(self, texts: list[str], desc: str, heads: list[str] | None = None) -> torch.Tensor:
+        """Features of ``texts``; ``heads[i]``, when given, is the start of ``texts[i]`` that texts with the same
+        prompt share (computed once per batch)."""
         model = self._model_or_load()
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
         if lengths.max() > self.max_length:
             raise UserError(f"a sequence of {lengths.max()} tokens exceeds max_length={self.max_length}; "
                             "filter the data first")
-        order = np.argsort(-lengths, kind="stable")  # longest first: an OOM shows up at once, not at the end
+        cut = (common_prefix_lengths(ids, self.tokenizer(heads, add_special_tokens=False)["input_ids"])
+               if heads is not None else np.zeros(len(ids), dtype=np.int64))
+        order = batch_order(ids, cut, self.batch_size)
         device = self.backbone.device
         pad_id = self.tokenizer.pad_token_id
         out = None
@@ -123,11 +136,9 @@ class FeatureEncoder:
                 input_ids[row, : lengths[i]] = torch.as_tensor(ids[i])
                 attention[row, : lengths[i]] = 1
             input_ids, attention = input_ids.to(device), attention.to(device)
-            want_all = self.layer != -1
-            output = model(input_ids=input_ids, attention_mask=attention, output_hidden_states=want_all,
-                           use_cache=False)
+            hidden = shared_prefix_hidden(model, input_ids, attention, cut[idx],
+                                          layer=None if self.layer == -1 else self.layer, stats=self.stats)
             self.stats["backbone_forward_passes"] += 1
-            hidden = output.hidden_states[self.layer] if want_all else output.last_hidden_state
             pooled = pool(hidden, attention, self.pooling).to("cpu")
             if out is None:
                 out = torch.empty((len(texts), pooled.shape[1]), dtype=pooled.dtype)

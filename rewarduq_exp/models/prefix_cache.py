@@ -44,38 +44,28 @@ on the CPU, in input order.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
-from functools import lru_cache
 
 import torch
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import render
+from rewarduq_exp.models.shared_prefix import (  # noqa: F401  (packed_supported: part of this API)
+    PACKED_ATTENTION,
+    _cache_keyword,
+    _returned_cache,
+    _with_cache,
+    batch_order,
+    common_prefix_lengths,
+    packed_supported,
+    shared_pass,
+)
 
 THINK_MODES = ("auto", "always", "never")
 SUFFIX_MODES = ("auto", "packed", "repeat")
-PACKED_ATTENTION = ("sdpa", "eager")
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 SYSTEM_PROMPT_MODES = ("keep", "drop")  # a template's default system prompt: as the template renders it | without
 _PROBE_SYSTEM = {"role": "system", "content": "S"}  # a stand-in system turn, to find where the template's own text ends
-
-
-@lru_cache(maxsize=None)
-def _cache_keyword(model_class: type) -> str:
-    """The forward keyword that takes a KV cache: transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old
-    name warns on every call and goes in 5.40); earlier 5.x releases know only ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-def _with_cache(model, cache) -> dict:
-    return {_cache_keyword(type(model)): cache}
-
-
-def _returned_cache(output):
-    """The cache a forward returned, under either release's name."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
 
 
 def _without_system_block(tokenizer, messages: list[dict], **kwargs) -> str:
@@ -141,6 +131,14 @@ def tokenize_pieces(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
 
+def share_lengths(tokenizer, ids: Sequence[Sequence[int]], heads: Sequence[str] | None) -> list[int] | None:
+    """Per tokenised text, how many leading tokens it shares with its head (its prompt rendered alone): the part that
+    texts with the same prompt may share; ``None`` without heads."""
+    if heads is None:
+        return None
+    return common_prefix_lengths(ids, tokenize_pieces(tokenizer, heads)).tolist()
+
+
 # ---------------------------------------------------------------------------------------------------- layers
 def num_layers_of(model) -> int:
     return int(model.config.num_hidden_layers)
@@ -195,11 +193,6 @@ def _prefix_order(prefix_ids) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------- scoring
-def packed_supported(model) -> bool:
-    """Packed suffixes need a custom 4D attention mask, which the sdpa and eager attention paths take as given."""
-    return getattr(model.config, "_attn_implementation", None) in PACKED_ATTENTION
-
-
 def _packed_mask(pre_mask: torch.Tensor, suffix_ids, dtype: torch.dtype, boolean: bool) -> torch.Tensor:
     """(B, 1, T, P + T): a query of suffix j at offset t sees the real prefix tokens and suffix j up to offset t."""
     seg = torch.cat([torch.full((len(s),), j) for j, s in enumerate(suffix_ids)]).to(pre_mask.device)
@@ -246,7 +239,7 @@ def _suffix_forward_repeat(model, cache, pre_mask, suffix_ids, layers, pad_id):
 @torch.no_grad()
 def suffix_states(model, prefix_ids: Sequence[Sequence[int]], suffix_ids: Sequence[Sequence[int]],
                   layers: Sequence[int], *, pad_id: int = 0, batch_size: int = 32, mode: str = "auto",
-                  stats: dict | None = None) -> torch.Tensor:
+                  stats: dict | None = None, share_lengths: Sequence[int] | None = None) -> torch.Tensor:
     """Hidden states (n_prefixes, n_suffixes, n_layers, d) at the final token of every ``prefix + suffix``, each
     prefix run once and its KV cache reused by all suffixes (module docstring).
 
@@ -255,6 +248,11 @@ def suffix_states(model, prefix_ids: Sequence[Sequence[int]], suffix_ids: Sequen
     (one row per prefix holding all suffixes, a 4D mask; sdpa/eager attention), ``repeat`` (the cache repeated per
     suffix), ``auto`` (packed where supported). ``stats`` (optional dict) is incremented with ``forward_passes`` and
     the token positions computed (``prefix_tokens``, ``suffix_tokens``, padding included).
+
+    ``share_lengths`` (optional): per prefix, how many of its leading tokens other prefixes may share (its prompt,
+    :func:`~rewarduq_exp.models.shared_prefix.common_prefix_lengths`); prefixes are then batched by prompt where that
+    runs fewer positions, and each batch's distinct prompts are run once
+    (:func:`~rewarduq_exp.models.shared_prefix.shared_pass`).
     """
     _check_ids("prefixes", prefix_ids)
     _check_ids("suffixes", suffix_ids)
@@ -268,13 +266,19 @@ def suffix_states(model, prefix_ids: Sequence[Sequence[int]], suffix_ids: Sequen
     device = _device(model)
     n_suf = len(suffix_ids)
     per_batch = max(1, int(batch_size) // n_suf)
-    order = _prefix_order(prefix_ids)
+    order = _prefix_order(prefix_ids) if share_lengths is None else batch_order(prefix_ids, share_lengths, per_batch)
     out = None
     for start in range(0, len(order), per_batch):
         idx = order[start:start + per_batch]
         pre, pre_mask = _right_pad([prefix_ids[i] for i in idx], pad_id)
         pre, pre_mask = pre.to(device), pre_mask.to(device)
-        cache = _returned_cache(model(input_ids=pre, attention_mask=pre_mask, use_cache=True))
+        shared = None if share_lengths is None else shared_pass(model, pre, pre_mask, [share_lengths[i] for i in idx])
+        if shared is None:
+            cache = _returned_cache(model(input_ids=pre, attention_mask=pre_mask, use_cache=True))
+            prefix_tokens = pre.numel()
+        else:  # the cache of the whole conversations, prompt rows picked per row: its mask has holes
+            cache, pre_mask = shared.cache, shared.mask
+            prefix_tokens = shared.tokens
         if packed:
             h, n_tokens = _suffix_forward_packed(model, cache, pre_mask, suffix_ids, layers)
         else:
@@ -283,8 +287,8 @@ def suffix_states(model, prefix_ids: Sequence[Sequence[int]], suffix_ids: Sequen
             out = torch.empty((len(prefix_ids), n_suf, len(layers), h.shape[-1]), dtype=torch.float32)
         out[torch.as_tensor(idx)] = h
         if stats is not None:
-            stats["forward_passes"] = stats.get("forward_passes", 0) + 2
-            stats["prefix_tokens"] = stats.get("prefix_tokens", 0) + pre.numel()
+            stats["forward_passes"] = stats.get("forward_passes", 0) + (2 if shared is None else 3)
+            stats["prefix_tokens"] = stats.get("prefix_tokens", 0) + prefix_tokens
             stats["suffix_tokens"] = stats.get("suffix_tokens", 0) + n_tokens
         del cache
     return out
@@ -323,23 +327,30 @@ def full_recompute(model, prefix_ids: Sequence[Sequence[int]], suffix_ids: Seque
 
 @torch.no_grad()
 def mean_pooled_states(model, ids: Sequence[Sequence[int]], layers: Sequence[int], *, pad_id: int = 0,
-                       batch_size: int = 32, stats: dict | None = None) -> torch.Tensor:
+                       batch_size: int = 32, stats: dict | None = None,
+                       share_lengths: Sequence[int] | None = None) -> torch.Tensor:
     """Mean over the real tokens of each sequence, (n, n_layers, d) float32 on the CPU (the mean-pooled baseline's
-    features). ``stats`` counts ``forward_passes`` as in :func:`suffix_states`."""
+    features). ``stats`` counts ``forward_passes`` as in :func:`suffix_states`; ``share_lengths`` as there."""
     _check_ids("sequences", ids)
     layers = normalize_layers(layers, num_layers_of(model))
     device = _device(model)
-    order = _prefix_order(ids)
+    order = _prefix_order(ids) if share_lengths is None else batch_order(ids, share_lengths, int(batch_size))
     out = None
     for start in range(0, len(order), int(batch_size)):
         idx = order[start:start + int(batch_size)]
         x, mask = _right_pad([ids[i] for i in idx], pad_id)
         x, mask = x.to(device), mask.to(device)
-        res = model(input_ids=x, attention_mask=mask, use_cache=False, output_hidden_states=True)
+        shared = None if share_lengths is None else shared_pass(model, x, mask, [share_lengths[i] for i in idx],
+                                                                 hidden_states=True)
+        if shared is None:
+            res = model(input_ids=x, attention_mask=mask, use_cache=False, output_hidden_states=True)
+            states = [res.hidden_states[k] for k in layers]
+        else:
+            states = [shared.states(k) for k in layers]
         if stats is not None:
-            stats["forward_passes"] = stats.get("forward_passes", 0) + 1
+            stats["forward_passes"] = stats.get("forward_passes", 0) + (1 if shared is None else 2)
         w = mask.unsqueeze(-1).float()
-        pooled = torch.stack([(res.hidden_states[k].float() * w).sum(1) / w.sum(1) for k in layers], 1).cpu()
+        pooled = torch.stack([(h.float() * w).sum(1) / w.sum(1) for h in states], 1).cpu()
         if out is None:
             out = torch.empty((len(ids), len(layers), pooled.shape[-1]), dtype=torch.float32)
         out[torch.as_tensor(idx)] = pooled

@@ -1,0 +1,203 @@
+"""One forward of a batch whose rows start with the same tokens: each distinct prefix (the prompt) is run once.
+
+Preference data repeats prompts: chosen and rejected share theirs, K completions share one, and a dataset may ask
+the same instruction thousands of times (VADER's four prompts behind the default system prompt of SmolLM2: 40 of a
+text's 67 tokens). A plain right-padded forward runs the prompt once per row. :func:`shared_prefix_hidden` runs a
+batch in two passes of the same model instead:
+
+1. the batch's distinct prefixes (right-padded), with ``use_cache=True``;
+2. every row's remainder (its suffix, right-padded) on that cache, whose rows are picked from the distinct prefixes
+   (``Cache.batch_select_indices`` with an index that repeats), with ``position_ids = P_b + offset`` (the positions
+   of a plain forward) and the 2D mask ``[prefix mask | suffix mask]``, so no row sees another prefix's padding.
+
+The hidden states of both passes are put back into the ``(B, L, H)`` layout of the plain forward, so a caller
+(pooling, completion log-probs, the DPO loss) gets the same tensor, equal to float rounding; gradients flow through
+the cache into the prefix pass, so training is exact too. Work drops from ``B * L`` token positions to
+``U * P + B * S`` (``U`` distinct prefixes of ``P`` tokens, suffixes of ``S``).
+
+Where it does not apply the plain forward runs: every prefix in the batch distinct (nothing to share), attention
+other than sdpa/eager (the mask has holes, which e.g. flash-attention's unpadding does not take), or activation
+checkpointing in training (transformers turns the cache off there).
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+PACKED_ATTENTION = ("sdpa", "eager")  # attention that takes a custom mask (with holes, or 4D)
+
+
+@lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    """The forward keyword that takes a KV cache: transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old
+    name warns on every call and goes in 5.40); earlier 5.x releases know only ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _with_cache(model, cache) -> dict:
+    return {_cache_keyword(type(model)): cache}
+
+
+def _returned_cache(output):
+    """The cache a forward returned, under either release's name."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def packed_supported(model) -> bool:
+    """Packed suffixes need a custom 4D attention mask, which the sdpa and eager attention paths take as given."""
+    return getattr(model.config, "_attn_implementation", None) in PACKED_ATTENTION
+
+
+def common_prefix_lengths(full_ids, prefix_ids) -> np.ndarray:
+    """Per row, how many leading tokens of ``full_ids[i]`` equal ``prefix_ids[i]`` (e.g. the prompt rendered with
+    the generation prompt): the shareable part, cut where the two tokenisations diverge, and always leaving at least
+    one token of the row to its suffix."""
+    out = np.zeros(len(full_ids), dtype=np.int64)
+    for i, (full, pre) in enumerate(zip(full_ids, prefix_ids)):
+        n = 0
+        for a, b in zip(full, pre):
+            if a != b:
+                break
+            n += 1
+        out[i] = min(n, len(full) - 1)
+    return out
+
+
+def _positions(order: np.ndarray, lengths: np.ndarray, keys: list, cut: np.ndarray, batch_size: int) -> int:
+    """Token positions that batches of ``order`` run: per batch the cheaper of a plain forward and the shared one."""
+    total = 0
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        plain = len(idx) * int(lengths[idx].max())
+        distinct = {keys[i]: int(cut[i]) for i in idx}
+        shared = (len(distinct) * max(distinct.values()) + len(idx) * int((lengths[idx] - cut[idx]).max())
+                  if len(distinct) < len(idx) else plain)
+        total += min(plain, shared)
+    return total
+
+
+def batch_order(ids, cut, batch_size: int) -> np.ndarray:
+    """The order in which to batch sequences ``ids`` (shareable prefix lengths ``cut``): longest first (little
+    padding, as a plain forward wants), or grouped by prefix and longest suffix first within a group (rows of one
+    batch share their prefix), whichever runs fewer token positions (:func:`shared_prefix_hidden`). Longest first
+    either way, so an out-of-memory error shows in the first batch."""
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    cut = np.asarray(cut, dtype=np.int64)
+    by_length = np.argsort(-lengths, kind="stable")
+    keys = [tuple(x[:c]) for x, c in zip(ids, cut)]
+    rank = {k: r for r, k in enumerate(sorted(set(keys), key=lambda k: (-len(k), k)))}
+    grouped = np.lexsort((-(lengths - cut), np.fromiter((rank[k] for k in keys), dtype=np.int64, count=len(keys))))
+    if _positions(grouped, lengths, keys, cut, batch_size) < _positions(by_length, lengths, keys, cut, batch_size):
+        return grouped
+    return by_length
+
+
+def prefix_groups(input_ids: torch.Tensor, prefix_lengths) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The distinct prefixes of a batch and, per row, the index of its prefix among them."""
+    ids = input_ids.tolist()
+    index: dict[tuple[int, ...], int] = {}
+    rows = [index.setdefault(tuple(r[:int(p)]), len(index)) for r, p in zip(ids, prefix_lengths)]
+    return list(index), rows
+
+
+def can_share(model) -> bool:
+    """Whether the two-pass forward is exact for this model as it runs now (module docstring)."""
+    checkpointing = getattr(model, "is_gradient_checkpointing", False) and model.training
+    return packed_supported(model) and not checkpointing
+
+
+class SharedPass:
+    """The two passes of one batch (module docstring): the hidden states in the plain forward's layout, and the KV
+    cache of the whole rows (prefix rows picked per row, then the suffixes) with its 2D mask, for a caller that
+    appends more tokens (BoRP's probe suffixes after a conversation)."""
+
+    def __init__(self, first, second, pick, cut, width: int, cache, mask, tokens: int):
+        self.first, self.second, self.pick = first, second, pick
+        self.cache, self.mask = cache, mask
+        self.tokens = tokens  # token positions the two passes ran
+        p_width, s_width = first.last_hidden_state.shape[1], second.last_hidden_state.shape[1]
+        # Row b's position t: from the prefix pass while t < cut_b, then from the suffix pass at t - cut_b.
+        t = torch.arange(width, device=cut.device)[None]
+        self.where = torch.where(t < cut[:, None], t, p_width + (t - cut[:, None]).clamp(max=s_width - 1))
+
+    def states(self, layer: int | None = None) -> torch.Tensor:
+        """(B, L, H) at ``layer`` (``None``: the last hidden state, after the final norm; ``k``: hidden_states[k],
+        which needs ``output_hidden_states``)."""
+        if layer is None:
+            h_prefix, h_suffix = self.first.last_hidden_state, self.second.last_hidden_state
+        else:
+            h_prefix, h_suffix = self.first.hidden_states[layer], self.second.hidden_states[layer]
+        both = torch.cat([h_prefix[self.pick], h_suffix], 1)                          # (B, P + S, H)
+        return both.gather(1, self.where[..., None].expand(-1, -1, both.shape[-1]))
+
+
+def _count(stats: dict | None, run: int, plain: int) -> None:
+    if stats is not None:
+        stats["tokens_run"] = stats.get("tokens_run", 0) + run
+        stats["tokens_without_sharing"] = stats.get("tokens_without_sharing", 0) + plain
+
+
+def shared_pass(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_lengths,
+                hidden_states: bool = False, stats: dict | None = None) -> SharedPass | None:
+    """Both passes of a right-padded batch, each distinct prefix run once; ``None`` where that does not apply
+    (every prefix distinct, or :func:`can_share` false), for the caller to run its plain forward.
+
+    ``prefix_lengths[b]``: how many leading tokens of row ``b`` may be shared (1 .. its length - 1; clipped to that);
+    rows share a prefix when those tokens are equal. ``hidden_states``: keep every layer's states (for
+    ``SharedPass.states(k)``). ``stats`` (optional dict) adds the token positions run (``tokens_run``) and those a
+    plain forward runs (``tokens_without_sharing``), also when ``None`` is returned.
+    """
+    lengths = attention_mask.sum(1).tolist()
+    batch, width = input_ids.shape
+    cut = [max(1, min(int(p), n - 1)) if n > 1 else n for p, n in zip(prefix_lengths, lengths)]
+    prefixes, row_prefix = prefix_groups(input_ids, cut)
+    if len(prefixes) == batch or not can_share(model):
+        _count(stats, batch * width, batch * width)
+        return None
+    device = input_ids.device
+    p_width = max(len(p) for p in prefixes)
+    pre_ids = torch.zeros((len(prefixes), p_width), dtype=torch.long)  # padding: any id, masked out
+    pre_mask = torch.zeros((len(prefixes), p_width), dtype=attention_mask.dtype)
+    for u, p in enumerate(prefixes):
+        pre_ids[u, :len(p)] = torch.tensor(p)
+        pre_mask[u, :len(p)] = 1
+    pre_ids, pre_mask = pre_ids.to(device), pre_mask.to(device)
+    first = model(input_ids=pre_ids, attention_mask=pre_mask, use_cache=True, output_hidden_states=hidden_states)
+    cache = _returned_cache(first)
+    pick = torch.tensor(row_prefix, device=device)
+    cache.batch_select_indices(pick)  # row b: its prefix's keys and values (rows may repeat one prefix)
+
+    cut_t = torch.tensor(cut, device=device)
+    suffix_len = torch.tensor(lengths, device=device) - cut_t
+    s_width = max(int(suffix_len.max()), 1)
+    offset = torch.arange(s_width, device=device)
+    source = (cut_t[:, None] + offset[None]).clamp(max=width - 1)          # position in the row of suffix token j
+    suf_mask = (offset[None] < suffix_len[:, None]).to(attention_mask.dtype)
+    mask = torch.cat([pre_mask[pick], suf_mask], 1)
+    second = model(input_ids=input_ids.gather(1, source), attention_mask=mask,
+                   position_ids=cut_t[:, None] + offset[None], use_cache=True, output_hidden_states=hidden_states,
+                   **_with_cache(model, cache))
+    tokens = pre_ids.numel() + batch * s_width
+    _count(stats, tokens, batch * width)
+    return SharedPass(first, second, pick, cut_t, width, _returned_cache(second), mask, tokens)
+
+
+def shared_prefix_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_lengths,
+                         layer: int | None = None, stats: dict | None = None) -> torch.Tensor:
+    """Hidden states ``(B, L, H)`` of right-padded rows, as one plain forward of ``model`` (a headless decoder)
+    gives them, with each distinct prefix computed once (:func:`shared_pass`; arguments as there).
+
+    ``layer``: ``None`` = the last hidden state (after the final norm), ``k`` = ``hidden_states[k]``. Positions past
+    a row's length hold an arbitrary row's state, as padding does.
+    """
+    run = shared_pass(model, input_ids, attention_mask, prefix_lengths, hidden_states=layer is not None, stats=stats)
+    if run is not None:
+        return run.states(layer)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                output_hidden_states=layer is not None)
+    return out.last_hidden_state if layer is None else out.hidden_states[layer]
