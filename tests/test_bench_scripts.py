@@ -20,6 +20,7 @@ SMOKE = {
     "bench_mcd.py": (["--samples", "2", "--batch", "2", "--length", "12", "--repeats", "1"], "ratio"),
     "bench_probe.py": (["--smoke"], "fraction of ideal"),
     "bench_ranking.py": (["--smoke"], "speed-up"),
+    "bench_shared_prefix.py": (["--smoke"], "speed-up"),
 }
 
 

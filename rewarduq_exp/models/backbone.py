@@ -50,7 +50,8 @@ class Backbone:
             raise UserError(f"model.dtype={model_cfg.dtype} is invalid; allowed: {', '.join(DTYPES)}")
         self.dtype = DTYPES[str(model_cfg.dtype)]
         if self.device.type == "cpu" and self.dtype != torch.float32 and not model_cfg.get("keep_dtype_on_cpu", False):
-            # bf16 matmuls on CPU are slow and inexact; GPUs get the configured dtype.
+            # bf16 on a CPU is inexact, and slow unless the CPU multiplies bf16 natively (AVX512-BF16, AMX: about 2x
+            # float32 there, which make demo-real uses through keep_dtype_on_cpu); GPUs get the configured dtype.
             self.dtype = torch.float32
 
     # -------------------------------------------------------------------- where the weights live
