@@ -72,12 +72,16 @@ def test_feature_cache_size_on_disk_and_bay_lin_hessian(tmp_path):
 
 
 def fake_sbatch(tmp_path: Path) -> dict:
-    """A PATH with an sbatch that records that it was called and refuses (no sinfo beside it: no cluster check)."""
+    """A PATH with an sbatch that records that it was called and refuses (no sinfo beside it: no cluster check), and
+    an srun that submitit only looks for (a machine without Slurm has none)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    tool = bin_dir / "sbatch"
-    tool.write_text(f"#!/bin/sh\ntouch {tmp_path / 'submitted'}\necho 'sbatch: error: dry run' >&2\nexit 1\n")
-    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    scripts = {"sbatch": f"touch {tmp_path / 'submitted'}\necho 'sbatch: error: dry run' >&2\nexit 1",
+               "srun": "echo 'srun: not expected in this test' >&2\nexit 1"}
+    for name, body in scripts.items():
+        tool = bin_dir / name
+        tool.write_text(f"#!/bin/sh\n{body}\n")
+        tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
     return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
