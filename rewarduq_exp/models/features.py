@@ -72,6 +72,7 @@ class FeatureEncoder:
 
     def encode(self, prompts, completions, desc: str = "features") -> torch.Tensor:
         """Features (N, d) as float32 on the CPU, in input order."""
+        prompts = list(prompts)  # a pandas column is indexed by its labels, not by position
         texts = render_all(self.tokenizer, prompts, completions)
 
         def compute(rows):
