@@ -177,3 +177,28 @@ def test_suffix_states_and_mean_pooling_with_shared_prompts_equal_without(body, 
     pooled = prefix_cache.mean_pooled_states(body, conversations, [2], batch_size=4)
     pooled_shared = prefix_cache.mean_pooled_states(body, conversations, [2], batch_size=4, share_lengths=shares)
     torch.testing.assert_close(pooled_shared, pooled, atol=2e-5, rtol=1e-5)
+
+
+def test_rows_of_very_different_suffix_lengths_run_in_two_halves_with_equal_states_and_gradients(body):
+    """A training batch in random order: short and long completions mixed. Two forwards by suffix length run fewer
+    positions than one; states and gradients stay those of one plain forward, rows in the batch's order."""
+    rng = np.random.default_rng(1)
+    prompts = [[5, 6, 7, 8, 9, 10], [20, 21, 22]]
+    rows = [(prompts[k % 2], [int(t) for t in rng.integers(50, 99, 1 if k % 3 else 20)]) for k in range(8)]
+    ids, mask, lengths = batch(rows)
+    one, two = {}, {}
+    with torch.no_grad():
+        expected = body(input_ids=ids, attention_mask=mask).last_hidden_state
+        shared_prefix_hidden(body, ids, mask, lengths, stats=one, split=False)
+        got = shared_prefix_hidden(body, ids, mask, lengths, stats=two)
+    torch.testing.assert_close(real(got, mask), real(expected, mask), atol=2e-5, rtol=1e-5)
+    assert two["tokens_run"] <= 0.8 * one["tokens_run"] and two["tokens_without_sharing"] == ids.numel()
+    trained = copy.deepcopy(body).requires_grad_(True).train()
+    weights = torch.randn(*ids.shape, body.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for split in (False, True):
+        trained.zero_grad(set_to_none=True)
+        hidden = shared_prefix_hidden(trained, ids, mask, lengths, split=split)
+        (hidden * weights * mask[..., None]).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in trained.parameters() if p.grad is not None]))
+    assert (grads[1] - grads[0]).abs().max() <= 1e-4 * grads[0].abs().max()

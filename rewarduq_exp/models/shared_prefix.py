@@ -142,6 +142,25 @@ def _count(stats: dict | None, run: int, plain: int) -> None:
         stats["tokens_without_sharing"] = stats.get("tokens_without_sharing", 0) + plain
 
 
+def _clipped(prefix_lengths, lengths) -> list[int]:
+    """Shareable lengths within 1 .. length - 1: a prefix of at least one token, a suffix of at least one."""
+    return [max(1, min(int(p), n - 1)) if n > 1 else n for p, n in zip(prefix_lengths, lengths)]
+
+
+def _halves(input_ids: torch.Tensor, lengths: np.ndarray, cut: np.ndarray):
+    """The rows split in two by suffix length, where two shared forwards run at most 80 % of the positions of one:
+    rows in random order (a training batch) pad every suffix to the longest one."""
+    batch = len(cut)
+    if batch < 4:
+        return None
+    keys = [tuple(r[:c]) for r, c in zip(input_ids.tolist(), cut)]
+    order = np.argsort(lengths - cut, kind="stable")
+    halves = order[: batch // 2], order[batch // 2:]
+    one = _positions(np.arange(batch), lengths, keys, cut, batch)
+    two = sum(_positions(h, lengths, keys, cut, len(h)) for h in halves)
+    return halves if two <= 0.8 * one else None
+
+
 def shared_pass(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_lengths,
                 hidden_states: bool = False, stats: dict | None = None) -> SharedPass | None:
     """Both passes of a right-padded batch, each distinct prefix run once; ``None`` where that does not apply
@@ -154,7 +173,7 @@ def shared_pass(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
     """
     lengths = attention_mask.sum(1).tolist()
     batch, width = input_ids.shape
-    cut = [max(1, min(int(p), n - 1)) if n > 1 else n for p, n in zip(prefix_lengths, lengths)]
+    cut = _clipped(prefix_lengths, lengths)
     prefixes, row_prefix = prefix_groups(input_ids, cut)
     if len(prefixes) == batch or not can_share(model):
         _count(stats, batch * width, batch * width)
@@ -188,14 +207,30 @@ def shared_pass(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
 
 
 def shared_prefix_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_lengths,
-                         layer: int | None = None, stats: dict | None = None) -> torch.Tensor:
+                         layer: int | None = None, stats: dict | None = None, split: bool = True) -> torch.Tensor:
     """Hidden states ``(B, L, H)`` of right-padded rows, as one plain forward of ``model`` (a headless decoder)
-    gives them, with each distinct prefix computed once (:func:`shared_pass`; arguments as there).
+    gives them, with each distinct prefix computed once (:func:`shared_pass`; arguments as there). ``split``: run
+    the rows in two halves by suffix length where that runs at most 80 % of the positions (:func:`_halves`).
 
     ``layer``: ``None`` = the last hidden state (after the final norm), ``k`` = ``hidden_states[k]``. Positions past
     a row's length hold an arbitrary row's state, as padding does.
     """
-    run = shared_pass(model, input_ids, attention_mask, prefix_lengths, hidden_states=layer is not None, stats=stats)
+    lengths = attention_mask.sum(1).cpu().numpy()
+    cut = np.asarray(_clipped(prefix_lengths, lengths.tolist()), dtype=np.int64)
+    halves = _halves(input_ids, lengths, cut) if split and can_share(model) else None
+    if halves is not None:  # two forwards of similar suffix lengths, put back in the batch's row order and width
+        batch, width = input_ids.shape
+        parts, counted = [], {}
+        for rows in halves:
+            idx = torch.as_tensor(rows, device=input_ids.device)
+            part_width = int(lengths[rows].max())
+            h = shared_prefix_hidden(model, input_ids[idx, :part_width], attention_mask[idx, :part_width], cut[rows],
+                                     layer, counted, split=False)
+            parts.append(torch.nn.functional.pad(h, (0, 0, 0, width - part_width)))
+        _count(stats, counted.get("tokens_run", 0), batch * width)
+        inverse = torch.as_tensor(np.argsort(np.concatenate(halves)), device=input_ids.device)
+        return torch.cat(parts)[inverse]
+    run = shared_pass(model, input_ids, attention_mask, cut, hidden_states=layer is not None, stats=stats)
     if run is not None:
         return run.states(layer)
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
