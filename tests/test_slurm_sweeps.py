@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -222,22 +223,35 @@ def test_scontrol_requeue_midway_ends_with_the_metrics_of_a_run_never_requeued(s
 
 
 def test_a_run_longer_than_its_time_limit_is_requeued_and_finishes(slurm_cluster, tmp_path, shared_cache):
-    """``timeout_min=1``: submitit's SIGUSR2 arrives ``signal_delay_s`` before the limit, the run saves its state and
-    submitit requeues the job, which resumes; ``max_num_timeout`` bounds the requeues."""
-    point = [*LONG, "method.num_epochs=150", *TINY[:3], "metric.diagrams=false"]
-    limited = [*SLURM[:-1], "hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=35"]
-    proc = launch(tmp_path / "limited", shared_cache, *point, *limited)
+    """A 2-minute limit: submitit's SIGUSR2 arrives before the limit, the run saves its state and submitit requeues
+    the job, which resumes; ``max_num_timeout`` bounds the requeues.
+
+    slurmctld checks time limits every 30 s and sends the warning signal at the first check within
+    ``signal_delay_s`` + 30 s of the limit, so a 1-minute limit with a 35 s delay can signal a job as it starts, before
+    its training loop. With 2 minutes and 60 s the signal comes 30-60 s after the start, while the run trains.
+    The three runs go at once (each a fresh process): the bounded one alone, the requeued one with room for as many
+    requeues as a loaded machine needs, and the reference run without a limit."""
+    point = [*LONG, "method.num_epochs=500", *TINY[:3], "metric.diagrams=false"]
+    limited = [*SLURM[:-1], "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=60"]
+    runs = {"limited": [*limited, "hydra.launcher.max_num_timeout=10"],
+            "bounded": [*limited, "hydra.launcher.max_num_timeout=0"], "plain": []}
+    for name in runs:
+        (tmp_path / name).mkdir()
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = [pool.submit(run, "train.py", [*point, *extra], tmp_path / name, shared_cache, check=False,
+                               flags=["-m"], fresh_process=True) for name, extra in runs.items()]
+        proc, stopped, plain_proc = (future.result() for future in futures)
+
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     (folder,) = sweep_folders(tmp_path / "limited").values()
     train_log = (folder / "train.log").read_text()
     assert "interrupted by SIGUSR2" in train_log and "resumed at step" in train_log, train_log[-2000:]
-    launch(tmp_path / "plain", shared_cache, *point, check=True)
+    assert plain_proc.returncode == 0, (plain_proc.stdout + plain_proc.stderr)[-3000:]
     (plain,) = sweep_folders(tmp_path / "plain").values()
     assert numbers(folder) == numbers(plain)
 
     # No requeue allowed: the run stops at the first signal and is reported as unfinished, with its state saved.
-    stopped = launch(tmp_path / "bounded", shared_cache, *point, *limited, "hydra.launcher.max_num_timeout=0")
     log = stopped.stdout + stopped.stderr
     assert stopped.returncode == 1 and "1 failed" in log, log[-3000:]
     assert "interrupted by SIGUSR2" in log and "launch the same command again to resume" in log, log[-3000:]
