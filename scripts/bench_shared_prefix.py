@@ -1,6 +1,6 @@
-"""Shared prompts run once: feature extraction, and MCD-DPO's forward + backward of a DPO batch, with each batch's
-distinct prompts computed once (``rewarduq_exp.models.shared_prefix``) against the plain right-padded forward that
-runs every row's prompt again.
+"""Shared prompts run once: feature extraction, MCD-DPO's forward + backward of a DPO batch, and ENS-LoRA's training
+and scoring, with each batch's distinct prompts computed once (``rewarduq_exp.models.shared_prefix``) against the
+plain right-padded forward that runs every row's prompt again.
 
     python scripts/bench_shared_prefix.py                                       # tiny offline Qwen3, synthetic pairs
     python scripts/bench_shared_prefix.py --model smollm2-135m --dataset vader_pairs --pairs 300
@@ -11,7 +11,9 @@ sharing (batched longest first) and once with it (batched by prompt where that r
 batches of ``--dpo-batch`` pairs in the data's order (as the Trainer draws them, chosen and rejected stacked), the
 summed completion log-probs (body, then the LM head on the completion positions) and their backward. Both print
 texts or pairs per second, the token positions run, the speed-up measured in this run and the largest difference
-of the results (features; gradients of the body), which is float rounding.
+of the results (features; gradients of the body), which is float rounding. ENS-LoRA: ``--lora-members`` adapters
+trained one pass per member (the CPU default) for one epoch over ``--lora-pairs`` pairs, then the pairs scored,
+once with prompt sharing switched off and once with it; the training loss and the rewards must agree.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from rewarduq_exp.data.synthetic import SyntheticWorld  # noqa: E402
 from rewarduq_exp.data.vader_ratings import VaderPairs  # noqa: E402
+from rewarduq_exp.methods.ens_lora import EnsLoRA  # noqa: E402
 from rewarduq_exp.methods.mcd_dpo import completion_logps, load_causal_lm, tokenize_completion  # noqa: E402
+from rewarduq_exp.models import shared_prefix  # noqa: E402
 from rewarduq_exp.models.backbone import Backbone  # noqa: E402
 from rewarduq_exp.models.features import FeatureEncoder  # noqa: E402
 from rewarduq_exp.models.shared_prefix import shared_prefix_hidden  # noqa: E402
@@ -108,6 +112,39 @@ def bench_training(backbone, frame, pairs: int) -> None:
           f"{(g_plain - g_shared).abs().max().item():.1e} of {g_plain.abs().max().item():.1e}", flush=True)
 
 
+class _Encoder:  # ENS-LoRA reads only the backbone of its encoder
+    def __init__(self, backbone):
+        self.backbone = backbone
+
+
+def bench_ens_lora(backbone, frame, members: int, batch: int) -> None:
+    results = {}
+    for way in ("plain", "shared"):
+        original = shared_prefix.can_share
+        if way == "plain":
+            shared_prefix.can_share = lambda model: False
+        try:
+            method = EnsLoRA(encoder=_Encoder(backbone), num_members=members, batch_size=batch,
+                             mixed_adapter_training=False, mixed_adapter_scoring=False, device="cpu",
+                             show_progress=False)
+            method.fit(frame)
+            t0 = time.perf_counter()
+            chosen, _ = method.score_pairs(frame)
+            results[way] = (method.fit_summary["seconds_training"], time.perf_counter() - t0,
+                            method.history[-1]["loss"], chosen.reward)
+        finally:
+            shared_prefix.can_share = original
+    (train_plain, score_plain, loss_plain, r_plain), (train_shared, score_shared, loss_shared, r_shared) = (
+        results["plain"], results["shared"])
+    steps = -(-len(frame) // batch)
+    print(f"ENS-LoRA, K={members} one pass per member, {len(frame)} pairs: training {steps} steps plain "
+          f"{train_plain / steps:.2f} s/step, shared prompts {train_shared / steps:.2f} s/step, speed-up "
+          f"{train_plain / train_shared:.2f}x (last loss {loss_plain:.5f} vs {loss_shared:.5f}); scoring "
+          f"{2 * len(frame)} texts plain {score_plain:.1f} s, shared {score_shared:.1f} s, speed-up "
+          f"{score_plain / score_shared:.2f}x; max |reward difference| {abs(r_plain - r_shared).max():.1e}",
+          flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-qwen3", help="a conf/model name (tiny-qwen3, smollm2-135m)")
@@ -115,6 +152,8 @@ def main(argv=None) -> None:
     parser.add_argument("--pairs", type=int, default=200)
     parser.add_argument("--dpo-batch", type=int, default=16, help="pairs per DPO batch")
     parser.add_argument("--cache", default="outputs/cache", help="where the real model and the data are cached")
+    parser.add_argument("--lora-pairs", type=int, default=64, help="ENS-LoRA pairs (0: skip)")
+    parser.add_argument("--lora-members", type=int, default=4)
     parser.add_argument("--smoke", action="store_true", help="24 pairs")
     args = parser.parse_args(argv)
     pairs = 24 if args.smoke else args.pairs
@@ -127,6 +166,8 @@ def main(argv=None) -> None:
               f"{len(frame)} pairs", flush=True)
         bench_extraction(backbone, frame, Path(tmp))
         bench_training(backbone, frame, min(args.dpo_batch, len(frame)))
+        if args.lora_pairs:
+            bench_ens_lora(backbone, frame.iloc[:min(args.lora_pairs, len(frame))], args.lora_members, 16)
 
 
 if __name__ == "__main__":

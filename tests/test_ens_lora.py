@@ -103,6 +103,65 @@ def test_mixed_training_equals_sequential_training(tiny_backbone, data):
             torch.testing.assert_close(pm, pa, atol=1e-5, rtol=1e-4)
 
 
+@pytest.fixture
+def shared_passes(monkeypatch):
+    """Counts the batches that ran with their prompts shared (a two-pass forward that returned states)."""
+    from rewarduq_exp.models import shared_prefix
+
+    count, original = {"shared": 0}, shared_prefix.shared_pass
+
+    def counting(*args, **kwargs):
+        run = original(*args, **kwargs)
+        count["shared"] += run is not None
+        return run
+
+    monkeypatch.setattr(shared_prefix, "shared_pass", counting)
+    return count
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_shared_prompts_give_the_plain_forwards_rewards_and_training(tiny_backbone, data, shared_passes, mixed,
+                                                                     monkeypatch):
+    """Chosen and rejected share their prompt: it runs once per pair and member (or adapter-tagged rows in the mixed
+    batch), in training and in scoring, and the rewards, losses and weights equal those of plain forwards."""
+    from rewarduq_exp.models import shared_prefix
+
+    train, ev = data
+    small = train.iloc[:32]
+    shared = make_method(tiny_backbone, num_members=2, mixed_adapter_training=mixed, mixed_adapter_scoring=mixed)
+    shared.fit(small)
+    trained_with_sharing = shared_passes["shared"]
+    c_shared, r_shared = shared.score_pairs(ev)
+    assert trained_with_sharing > 0 and shared_passes["shared"] > trained_with_sharing
+
+    monkeypatch.setattr(shared_prefix, "can_share", lambda model: False)
+    plain = make_method(tiny_backbone, num_members=2, mixed_adapter_training=mixed, mixed_adapter_scoring=mixed)
+    plain.fit(small)
+    c_plain, r_plain = plain.score_pairs(ev)
+    np.testing.assert_allclose([h["loss"] for h in shared.history], [h["loss"] for h in plain.history], atol=1e-5)
+    for pa, pb in zip([p for g in shared._lora_params() for p in g], [p for g in plain._lora_params() for p in g]):
+        torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-4)
+    # Plain forwards of the shared model's own weights: the scoring path alone.
+    monkeypatch.undo()
+    texts = render_all(tiny_backbone.tokenizer, list(ev["prompt"]), list(ev["chosen"]))
+    torch.testing.assert_close(shared.member_rewards(texts, mixed=mixed, prompts=list(ev["prompt"])),
+                               shared.member_rewards(texts, mixed=mixed), atol=1e-5, rtol=1e-5)
+    for a, b in ((c_shared, c_plain), (r_shared, r_plain)):
+        np.testing.assert_allclose(a.reward, b.reward, atol=1e-4)
+        np.testing.assert_allclose(a.upper - a.lower, b.upper - b.lower, atol=1e-4)
+
+
+def test_lora_dropout_in_training_runs_every_row_in_full(tiny_backbone, data, shared_passes):
+    """With dropout the rows of one prompt would share its dropout mask: training runs them in full; scoring (no
+    dropout) still shares."""
+    train, ev = data
+    m = make_method(tiny_backbone, num_members=2, lora_dropout=0.1, mixed_adapter_training=False)
+    m.fit(train.iloc[:32])
+    assert shared_passes["shared"] == 0
+    m.score_pairs(ev)
+    assert shared_passes["shared"] > 0
+
+
 def test_save_load_identical_scores(trained, tiny_backbone, data, tmp_path):
     _, ev = data
     trained.save(tmp_path)

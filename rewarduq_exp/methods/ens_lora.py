@@ -33,6 +33,11 @@ to one pass per member (``set_adapter``). Scoring can use the same mixed batch (
 the tests to equal K sequential ``set_adapter`` passes. Both default to ``auto``: mixed on GPU, one pass per member on
 CPU, where the mixed batch measured slower (it saves no FLOPs; see ``_mixed_flag``).
 
+The prompt of a batch's texts runs once per batch and member (``shared_prefix_hidden``): chosen and rejected share
+it, so a training step runs the prompt once per pair instead of twice, in either path. The rewards equal the plain
+forward's to float rounding. In training this needs ``lora_dropout=0`` (the default): with dropout the rows that
+share a prompt would also share its dropout mask, so there every row runs in full.
+
 reward = mean over members, u = unbiased std over members, bounds reward ± beta * u (eq. 9).
 """
 
@@ -67,6 +72,7 @@ from rewarduq_exp.methods.base import (
     write_method_info,
 )
 from rewarduq_exp.models.backbone import resolve_device
+from rewarduq_exp.models.shared_prefix import batch_order, common_prefix_lengths, shared_prefix_hidden
 
 HEAD_INITS = ("auto", "pretrained", "fresh")
 ANCHORS = ("l2", "mean_squared")
@@ -243,6 +249,13 @@ class EnsLoRA(RewardMethod):
         # The template already holds the special tokens; the data was length-filtered, so nothing is truncated.
         return self._backbone().tokenizer(list(texts), add_special_tokens=False, truncation=False)["input_ids"]
 
+    def _shareable(self, prompts, seqs: list[list[int]]) -> np.ndarray:
+        """Per text, its leading tokens that the prompt accounts for (the prompt as the template opens the reply):
+        texts with one prompt share them."""
+        tok = self._backbone().tokenizer
+        heads = [tok.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True) for p in prompts]
+        return common_prefix_lengths(seqs, self._tokenize(heads))
+
     def _pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         pad_id = self._backbone().tokenizer.pad_token_id or 0
         length = max(len(s) for s in seqs)
@@ -262,24 +275,31 @@ class EnsLoRA(RewardMethod):
             return torch.autocast(self.device.type, dtype=dtype)
         return torch.autocast(self.device.type, enabled=False)
 
-    def _pooled(self, ids, mask, adapter_names=None) -> torch.Tensor:
-        kwargs = {"adapter_names": adapter_names} if adapter_names is not None else {}
+    def _pooled(self, ids, mask, adapter_names=None, shared=None) -> torch.Tensor:
+        """Final hidden state of each row's last real token; ``shared[b]``: leading tokens of row ``b`` that rows
+        with the same tokens (and adapter) compute once (``None``: a plain forward)."""
         with self._autocast():
-            hidden = self.model(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs).last_hidden_state
+            if shared is not None:
+                hidden = shared_prefix_hidden(self.model, ids, mask, shared, adapter_names=adapter_names)
+            else:
+                kwargs = {"adapter_names": adapter_names} if adapter_names is not None else {}
+                hidden = self.model(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs).last_hidden_state
         last = mask.sum(1) - 1
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
 
-    def member_rewards_ids(self, ids, mask, mixed: bool) -> torch.Tensor:
-        """Rewards (K, B) of a right-padded batch, all members in one mixed forward or K sequential passes."""
+    def member_rewards_ids(self, ids, mask, mixed: bool, shared=None) -> torch.Tensor:
+        """Rewards (K, B) of a right-padded batch, all members in one mixed forward or K sequential passes;
+        ``shared``: per row, its leading tokens that rows with the same ones compute once (see ``_pooled``)."""
         K, B = self.num_members, ids.shape[0]
         if mixed:
             names = [n for n in self.member_names for _ in range(B)]
-            z = self._pooled(ids.repeat(K, 1), mask.repeat(K, 1), names).view(K, B, -1)
+            z = self._pooled(ids.repeat(K, 1), mask.repeat(K, 1), names,
+                             None if shared is None else np.tile(shared, K)).view(K, B, -1)
             return (z * self.head[:, None, :]).sum(-1)
         out = []
         for k, name in enumerate(self.member_names):
             self.model.set_adapter(name)
-            out.append(self._pooled(ids, mask) @ self.head[k])
+            out.append(self._pooled(ids, mask, shared=shared) @ self.head[k])
         return torch.stack(out)
 
     # ------------------------------------------------------------------ training
@@ -293,25 +313,28 @@ class EnsLoRA(RewardMethod):
             return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in diffs]))
         return sum(d.pow(2).sum() for d in diffs) / sum(d.numel() for d in diffs)
 
-    def _backward_step(self, local, chosen, rejected, weight, groups, initial, mixed: bool,
-                       world: int) -> torch.Tensor:
+    def _backward_step(self, local, chosen, rejected, weight, groups, initial, mixed: bool, world: int,
+                       shared=None) -> torch.Tensor:
         """Backward of this process's part of one step's loss; returns the detached (3, K) parts (bt, anchor,
         center) that, summed over the processes, are the step's per-member loss terms.
 
         ``weight`` is already divided by the GLOBAL batch's weight total and the anchor (which every process
         computes in full) by the number of processes, so the gradients summed over the processes are exactly those
-        of one process training on the whole batch. With one process this is the plain eq. 11.
+        of one process training on the whole batch. With one process this is the plain eq. 11. ``shared``: the
+        (chosen, rejected) prompt lengths of every pair (``_shareable``), or ``None`` for plain forwards.
         """
         K, device = self.num_members, self.device
         zeros = torch.zeros(K, device=device)
         bt, center = zeros, zeros
         b = len(local)
+        rows = None
         if b:
             ids, mask = self._pad([chosen[i] for i in local] + [rejected[i] for i in local])
+            rows = None if shared is None else np.concatenate([shared[0][local], shared[1][local]])
         if mixed:
             anchor = (self._anchor_one_all(groups, initial) if self.reg_lambda > 0 else zeros) / world
             if b:
-                r = self.member_rewards_ids(ids, mask, mixed=True)             # (K, 2b), one forward
+                r = self.member_rewards_ids(ids, mask, mixed=True, shared=rows)  # (K, 2b), one forward
                 bt = (bradley_terry_nll(r[:, :b] - r[:, b:]) * weight).sum(1)
                 center = ((r[:, :b] + r[:, b:]).pow(2) * weight).sum(1)
             loss = (bt + self.reg_lambda * anchor + self.center_gamma * center).sum()
@@ -319,7 +342,7 @@ class EnsLoRA(RewardMethod):
                 loss.backward()
             return torch.stack([bt, anchor, center]).detach()
         # One pass (and one backward) per member: gradient checkpointing, or mixed training switched off.
-        rows = []
+        parts = []
         for k, name in enumerate(self.member_names):
             # Before the anchor: PEFT's set_adapter makes the active adapter's parameters the only ones that require
             # grad, so an anchor computed before it (while the previous member was active) had no gradient for the
@@ -329,14 +352,14 @@ class EnsLoRA(RewardMethod):
                         else torch.zeros((), device=device)) / world
             bt_k = center_k = torch.zeros((), device=device)
             if b:
-                rk = self._pooled(ids, mask) @ self.head[k]
+                rk = self._pooled(ids, mask, shared=rows) @ self.head[k]
                 bt_k = (bradley_terry_nll(rk[:b] - rk[b:]) * weight).sum()
                 center_k = ((rk[:b] + rk[b:]).pow(2) * weight).sum()
             loss = bt_k + self.reg_lambda * anchor_k + self.center_gamma * center_k
             if loss.requires_grad:
                 loss.backward()
-            rows.append(torch.stack([bt_k, anchor_k, center_k]).detach())
-        return torch.stack(rows, dim=1)
+            parts.append(torch.stack([bt_k, anchor_k, center_k]).detach())
+        return torch.stack(parts, dim=1)
 
     def _anchor_one_all(self, groups, initial) -> torch.Tensor:
         return torch.stack([self._anchor_one(k, p, i) for k, (p, i) in enumerate(zip(groups, initial))])
@@ -391,6 +414,10 @@ class EnsLoRA(RewardMethod):
         n = len(train)
         chosen = self._tokenize(render_all(tok, train["prompt"], train["chosen"]))
         rejected = self._tokenize(render_all(tok, train["prompt"], train["rejected"]))
+        # Dropout would give the rows that share a prompt one mask for it: every row then runs in full.
+        shared = None
+        if self.lora_dropout == 0:
+            shared = (self._shareable(train["prompt"], chosen), self._shareable(train["prompt"], rejected))
         weight_all = torch.tensor(train["weight"].to_numpy(dtype=np.float32))
         t_tok = time.perf_counter() - t0
 
@@ -412,7 +439,7 @@ class EnsLoRA(RewardMethod):
         def step(index: torch.Tensor) -> dict:
             local = index[me::world].tolist()
             weight = (weight_all[local] / weight_all[index].sum()).to(self.device)
-            parts = self._backward_step(local, chosen, rejected, weight, groups, initial, mixed, world)
+            parts = self._backward_step(local, chosen, rejected, weight, groups, initial, mixed, world, shared)
             if world > 1:
                 parts = self._sum_over_processes(params, parts)
             bt, anchor, center = parts
@@ -442,21 +469,26 @@ class EnsLoRA(RewardMethod):
 
     # ------------------------------------------------------------------ scoring
     @torch.no_grad()
-    def member_rewards(self, texts: list[str], mixed: bool | None = None) -> torch.Tensor:
-        """Rewards (K, N) of rendered texts; batches sorted by length (little padding)."""
+    def member_rewards(self, texts: list[str], mixed: bool | None = None, prompts=None) -> torch.Tensor:
+        """Rewards (K, N) of rendered texts; ``prompts[i]`` (optional) the prompt of ``texts[i]``, run once per
+        batch for the texts that share it. Batches sorted by length, or grouped by prompt where that runs fewer
+        token positions (``batch_order``)."""
         if self.model is None:
             raise RuntimeError("ENS-LoRA is not trained or loaded yet (call fit or load)")
         mixed = self.mixed_adapter_scoring if mixed is None else mixed
         self.model.eval()
         seqs = self._tokenize(texts)
-        order = np.argsort([len(s) for s in seqs], kind="stable")
+        shared = self._shareable(prompts, seqs) if prompts is not None else None
+        order = batch_order(seqs, shared if shared is not None else np.zeros(len(seqs), dtype=np.int64),
+                            self.score_batch_size)
         out = torch.empty(self.num_members, len(seqs), dtype=torch.float64)
         bar = progress(range(0, len(seqs), self.score_batch_size), desc=f"{self.name} scoring", unit="batches",
                        show=self.show_progress, quiet=not distributed.is_main())
         for i in bar:
             idx = order[i:i + self.score_batch_size]
             ids, mask = self._pad([seqs[j] for j in idx])
-            out[:, torch.as_tensor(idx)] = self.member_rewards_ids(ids, mask, mixed).double().cpu()
+            rows = None if shared is None else shared[idx]
+            out[:, torch.as_tensor(idx)] = self.member_rewards_ids(ids, mask, mixed, rows).double().cpu()
         return out
 
     def _scores(self, rewards: torch.Tensor) -> Scores:
@@ -465,15 +497,16 @@ class EnsLoRA(RewardMethod):
         return Scores(reward=reward, lower=reward - self.beta * u, upper=reward + self.beta * u)
 
     def score(self, prompts, completions) -> Scores:
-        texts = render_all(self._backbone().tokenizer, list(prompts), list(completions))
-        return self._scores(self.member_rewards(texts))
+        prompts = list(prompts)
+        texts = render_all(self._backbone().tokenizer, prompts, list(completions))
+        return self._scores(self.member_rewards(texts, prompts=prompts))
 
     def score_pairs(self, frame: pd.DataFrame) -> tuple[Scores, Scores]:
         """Chosen and rejected scores of a preference frame, in one length-sorted pass over both."""
         n = len(frame)
-        texts = render_all(self._backbone().tokenizer, list(frame["prompt"]) * 2,
-                           list(frame["chosen"]) + list(frame["rejected"]))
-        rewards = self.member_rewards(texts)
+        prompts = list(frame["prompt"]) * 2
+        texts = render_all(self._backbone().tokenizer, prompts, list(frame["chosen"]) + list(frame["rejected"]))
+        rewards = self.member_rewards(texts, prompts=prompts)
         return self._scores(rewards[:, :n]), self._scores(rewards[:, n:])
 
     # ------------------------------------------------------------------ persistence

@@ -39,7 +39,9 @@ def _cache_keyword(model_class: type) -> str:
 
 
 def _with_cache(model, cache) -> dict:
-    return {_cache_keyword(type(model)): cache}
+    # A PEFT wrapper forwards **kwargs to its base model: the keyword is the base model's.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {_cache_keyword(type(base)): cache}
 
 
 def _returned_cache(output):
@@ -97,18 +99,32 @@ def batch_order(ids, cut, batch_size: int) -> np.ndarray:
     return by_length
 
 
-def prefix_groups(input_ids: torch.Tensor, prefix_lengths) -> tuple[list[tuple[int, ...]], list[int]]:
-    """The distinct prefixes of a batch and, per row, the index of its prefix among them."""
+def prefix_groups(input_ids: torch.Tensor, prefix_lengths, adapter_names=None) -> tuple[list, list[int]]:
+    """The distinct prefixes of a batch (``(adapter name, tokens)``) and, per row, the index of its prefix among
+    them. Rows under different adapters never share one: the adapter changes the prefix's keys and values."""
     ids = input_ids.tolist()
-    index: dict[tuple[int, ...], int] = {}
-    rows = [index.setdefault(tuple(r[:int(p)]), len(index)) for r, p in zip(ids, prefix_lengths)]
+    names = adapter_names if adapter_names is not None else [None] * len(ids)
+    index: dict[tuple, int] = {}
+    rows = [index.setdefault((a, tuple(r[:int(p)])), len(index)) for r, p, a in zip(ids, prefix_lengths, names)]
     return list(index), rows
+
+
+def _adapters(adapter_names) -> dict:
+    return {} if adapter_names is None else {"adapter_names": list(adapter_names)}
+
+
+def _checkpointing(model) -> bool:
+    """Whether activation checkpointing is on. transformers 5.2x reads it as ``is_activation_checkpointing``; the old
+    ``is_gradient_checkpointing`` (earlier releases, and PEFT's wrappers of them) now warns on every read."""
+    try:
+        return bool(model.is_activation_checkpointing)
+    except AttributeError:
+        return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
 def can_share(model) -> bool:
     """Whether the two-pass forward is exact for this model as it runs now (module docstring)."""
-    checkpointing = getattr(model, "is_gradient_checkpointing", False) and model.training
-    return packed_supported(model) and not checkpointing
+    return packed_supported(model) and not (model.training and _checkpointing(model))
 
 
 class SharedPass:
@@ -147,13 +163,14 @@ def _clipped(prefix_lengths, lengths) -> list[int]:
     return [max(1, min(int(p), n - 1)) if n > 1 else n for p, n in zip(prefix_lengths, lengths)]
 
 
-def _halves(input_ids: torch.Tensor, lengths: np.ndarray, cut: np.ndarray):
+def _halves(input_ids: torch.Tensor, lengths: np.ndarray, cut: np.ndarray, adapter_names=None):
     """The rows split in two by suffix length, where two shared forwards run at most 80 % of the positions of one:
     rows in random order (a training batch) pad every suffix to the longest one."""
     batch = len(cut)
     if batch < 4:
         return None
-    keys = [tuple(r[:c]) for r, c in zip(input_ids.tolist(), cut)]
+    prefixes, rows = prefix_groups(input_ids, cut, adapter_names)
+    keys = [prefixes[r] for r in rows]
     order = np.argsort(lengths - cut, kind="stable")
     halves = order[: batch // 2], order[batch // 2:]
     one = _positions(np.arange(batch), lengths, keys, cut, batch)
@@ -162,31 +179,33 @@ def _halves(input_ids: torch.Tensor, lengths: np.ndarray, cut: np.ndarray):
 
 
 def shared_pass(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_lengths,
-                hidden_states: bool = False, stats: dict | None = None) -> SharedPass | None:
+                hidden_states: bool = False, stats: dict | None = None, adapter_names=None) -> SharedPass | None:
     """Both passes of a right-padded batch, each distinct prefix run once; ``None`` where that does not apply
     (every prefix distinct, or :func:`can_share` false), for the caller to run its plain forward.
 
     ``prefix_lengths[b]``: how many leading tokens of row ``b`` may be shared (1 .. its length - 1; clipped to that);
     rows share a prefix when those tokens are equal. ``hidden_states``: keep every layer's states (for
     ``SharedPass.states(k)``). ``stats`` (optional dict) adds the token positions run (``tokens_run``) and those a
-    plain forward runs (``tokens_without_sharing``), also when ``None`` is returned.
+    plain forward runs (``tokens_without_sharing``), also when ``None`` is returned. ``adapter_names``: a PEFT
+    mixed-adapter batch (``model`` a PeftModel), row ``b`` under adapter ``adapter_names[b]``.
     """
     lengths = attention_mask.sum(1).tolist()
     batch, width = input_ids.shape
     cut = _clipped(prefix_lengths, lengths)
-    prefixes, row_prefix = prefix_groups(input_ids, cut)
+    prefixes, row_prefix = prefix_groups(input_ids, cut, adapter_names)
     if len(prefixes) == batch or not can_share(model):
         _count(stats, batch * width, batch * width)
         return None
     device = input_ids.device
-    p_width = max(len(p) for p in prefixes)
+    p_width = max(len(p) for _, p in prefixes)
     pre_ids = torch.zeros((len(prefixes), p_width), dtype=torch.long)  # padding: any id, masked out
     pre_mask = torch.zeros((len(prefixes), p_width), dtype=attention_mask.dtype)
-    for u, p in enumerate(prefixes):
+    for u, (_, p) in enumerate(prefixes):
         pre_ids[u, :len(p)] = torch.tensor(p)
         pre_mask[u, :len(p)] = 1
     pre_ids, pre_mask = pre_ids.to(device), pre_mask.to(device)
-    first = model(input_ids=pre_ids, attention_mask=pre_mask, use_cache=True, output_hidden_states=hidden_states)
+    first = model(input_ids=pre_ids, attention_mask=pre_mask, use_cache=True, output_hidden_states=hidden_states,
+                  **_adapters(None if adapter_names is None else [a for a, _ in prefixes]))
     cache = _returned_cache(first)
     pick = torch.tensor(row_prefix, device=device)
     cache.batch_select_indices(pick)  # row b: its prefix's keys and values (rows may repeat one prefix)
@@ -200,39 +219,43 @@ def shared_pass(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
     mask = torch.cat([pre_mask[pick], suf_mask], 1)
     second = model(input_ids=input_ids.gather(1, source), attention_mask=mask,
                    position_ids=cut_t[:, None] + offset[None], use_cache=True, output_hidden_states=hidden_states,
-                   **_with_cache(model, cache))
+                   **_with_cache(model, cache), **_adapters(adapter_names))
     tokens = pre_ids.numel() + batch * s_width
     _count(stats, tokens, batch * width)
     return SharedPass(first, second, pick, cut_t, width, _returned_cache(second), mask, tokens)
 
 
 def shared_prefix_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix_lengths,
-                         layer: int | None = None, stats: dict | None = None, split: bool = True) -> torch.Tensor:
+                         layer: int | None = None, stats: dict | None = None, split: bool = True,
+                         adapter_names=None) -> torch.Tensor:
     """Hidden states ``(B, L, H)`` of right-padded rows, as one plain forward of ``model`` (a headless decoder)
     gives them, with each distinct prefix computed once (:func:`shared_pass`; arguments as there). ``split``: run
     the rows in two halves by suffix length where that runs at most 80 % of the positions (:func:`_halves`).
+    ``adapter_names``: a PEFT mixed-adapter batch (:func:`shared_pass`).
 
     ``layer``: ``None`` = the last hidden state (after the final norm), ``k`` = ``hidden_states[k]``. Positions past
     a row's length hold an arbitrary row's state, as padding does.
     """
     lengths = attention_mask.sum(1).cpu().numpy()
     cut = np.asarray(_clipped(prefix_lengths, lengths.tolist()), dtype=np.int64)
-    halves = _halves(input_ids, lengths, cut) if split and can_share(model) else None
+    halves = _halves(input_ids, lengths, cut, adapter_names) if split and can_share(model) else None
     if halves is not None:  # two forwards of similar suffix lengths, put back in the batch's row order and width
         batch, width = input_ids.shape
         parts, counted = [], {}
         for rows in halves:
             idx = torch.as_tensor(rows, device=input_ids.device)
             part_width = int(lengths[rows].max())
+            names = None if adapter_names is None else [adapter_names[i] for i in rows]
             h = shared_prefix_hidden(model, input_ids[idx, :part_width], attention_mask[idx, :part_width], cut[rows],
-                                     layer, counted, split=False)
+                                     layer, counted, split=False, adapter_names=names)
             parts.append(torch.nn.functional.pad(h, (0, 0, 0, width - part_width)))
         _count(stats, counted.get("tokens_run", 0), batch * width)
         inverse = torch.as_tensor(np.argsort(np.concatenate(halves)), device=input_ids.device)
         return torch.cat(parts)[inverse]
-    run = shared_pass(model, input_ids, attention_mask, cut, hidden_states=layer is not None, stats=stats)
+    run = shared_pass(model, input_ids, attention_mask, cut, hidden_states=layer is not None, stats=stats,
+                      adapter_names=adapter_names)
     if run is not None:
         return run.states(layer)
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                output_hidden_states=layer is not None)
+                output_hidden_states=layer is not None, **_adapters(adapter_names))
     return out.last_hidden_state if layer is None else out.hidden_states[layer]
