@@ -127,7 +127,10 @@ def test_shared_only_where_exact(body, monkeypatch):
 def test_prefix_groups_and_common_prefix_lengths():
     ids, _, prompts = batch(ROWS)
     distinct, rows = prefix_groups(ids, prompts)
-    assert rows == [0, 0, 0, 1, 1, 2, 3] and distinct[1] == (20, 21, 22)
+    assert rows == [0, 0, 0, 1, 1, 2, 3] and distinct[1] == (None, (20, 21, 22))
+    # rows under different adapters (a PEFT mixed-adapter batch) never share a prefix
+    tagged, rows = prefix_groups(ids, prompts, adapter_names=["a", "b", "a", "a", "a", "a", "a"])
+    assert rows == [0, 1, 0, 2, 2, 3, 4] and tagged[1] == ("b", tagged[0][1])
     # the tokenisations diverge at the third token / the prefix covers the row: one token is left to the suffix
     assert common_prefix_lengths([[1, 2, 3, 4], [1, 2, 3], [7, 8]], [[1, 2, 9], [1, 2, 3, 4], []]).tolist() == [2, 2, 0]
 
