@@ -746,7 +746,10 @@ class McdDpo(RewardMethod):
             output_dir=output_dir, learning_rate=s.learning_rate, beta=self.dpo_beta, loss_type=["sigmoid"],
             per_device_train_batch_size=self.micro_batch_size, gradient_accumulation_steps=accumulation,
             num_train_epochs=s.num_epochs, lr_scheduler_type="cosine", warmup_steps=round(s.warmup_ratio * total_steps),
-            weight_decay=s.weight_decay, optim="adamw_torch", adam_beta1=s.adam_betas[0], adam_beta2=s.adam_betas[1],
+            # The fused AdamW kernel, the Trainer's default the authors trained with (torch >= 2.8): the same update,
+            # and on CPU 0.04 s instead of 0.30 s a step for 135M parameters (foreach), measured on 2 cores.
+            weight_decay=s.weight_decay, optim="adamw_torch_fused", adam_beta1=s.adam_betas[0],
+            adam_beta2=s.adam_betas[1],
             adam_epsilon=s.adam_eps, seed=self.seed, data_seed=self.seed,
             # Explicit, not the Trainer's default by accident: Table 1's eq. 13 values were tuned with the HF Trainer
             # clipping at 1.0; transformers 5 clips only when max_grad_norm > 0, so null (no clipping) -> 0.0.
