@@ -31,6 +31,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from rewarduq_exp.data.contract import render_prompt_heads  # noqa: E402
 from rewarduq_exp.data.synthetic import SyntheticWorld  # noqa: E402
 from rewarduq_exp.data.vader_ratings import VaderPairs  # noqa: E402
 from rewarduq_exp.methods.ens_lora import EnsLoRA  # noqa: E402
@@ -55,8 +56,7 @@ def bench_extraction(backbone, frame, cache: Path) -> None:
     prompts = list(frame["prompt"]) * 2
     texts = [backbone.tokenizer.apply_chat_template(list(p) + list(c), tokenize=False)
              for p, c in zip(prompts, list(frame["chosen"]) + list(frame["rejected"]))]
-    heads = [backbone.tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True)
-             for p in prompts]
+    heads = render_prompt_heads(backbone.tokenizer, prompts)
     enc._extract(texts[:8], "warm-up")
     results = {}
     for way, given in (("plain", None), ("shared", heads)):

@@ -146,6 +146,11 @@ def render_all(tokenizer, prompts, completions) -> list[str]:
     return [render(tokenizer, p, c) for p, c in zip(prompts, completions)]
 
 
+def render_prompt_heads(tokenizer, prompts) -> list[str]:
+    """Each prompt as the template opens the reply: the start that every text rendered with that prompt shares."""
+    return [tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True) for p in prompts]
+
+
 def token_lengths(tokenizer, texts: list[str]) -> np.ndarray:
     # The template already holds the special tokens; adding them again would change the text being scored.
     enc = tokenizer(texts, add_special_tokens=False)["input_ids"]

@@ -74,6 +74,7 @@ import pandas as pd
 from rewarduq_exp.core.atomic_write import atomic_path
 from rewarduq_exp.core.errors import UserError, first_line
 from rewarduq_exp.models import prefix_cache
+from rewarduq_exp.models.shared_prefix import share_lengths
 
 REGRESSORS = ("pls", "pca")
 FUSIONS = ("product", "mean_z")
@@ -191,7 +192,7 @@ class ContrastiveExtractor:
             h = prefix_cache.suffix_states(self.model, pre_ids, suf_ids, self.layers,
                                            pad_id=self.tokenizer.pad_token_id, batch_size=self.batch_size,
                                            stats=self.stats,
-                                           share_lengths=prefix_cache.share_lengths(self.tokenizer, pre_ids, heads))
+                                           share_lengths=share_lengths(self.tokenizer, pre_ids, heads))
         else:
             h = prefix_cache.full_recompute(self.model, pre_ids, suf_ids, self.layers,
                                             pad_id=self.tokenizer.pad_token_id, batch_size=self.batch_size,
@@ -712,7 +713,7 @@ def mean_pooled_prefixes(tokenizer, model, prefixes: Sequence[str], layer: int =
     check_layers([layer], prefix_cache.num_layers_of(model))
     ids = prefix_cache.tokenize_pieces(tokenizer, prefixes)
     h = prefix_cache.mean_pooled_states(model, ids, [layer], pad_id=tokenizer.pad_token_id, batch_size=batch_size,
-                                        stats=stats, share_lengths=prefix_cache.share_lengths(tokenizer, ids, heads))
+                                        stats=stats, share_lengths=share_lengths(tokenizer, ids, heads))
     return h[:, 0].numpy()
 
 

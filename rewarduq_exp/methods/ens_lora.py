@@ -61,7 +61,7 @@ from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.progress import progress
 from rewarduq_exp.core.saved_files import check_safetensors, load_safetensors, read_json_object
-from rewarduq_exp.data.contract import render_all
+from rewarduq_exp.data.contract import render_all, render_prompt_heads
 from rewarduq_exp.methods.base import (
     RewardMethod,
     Scores,
@@ -72,7 +72,7 @@ from rewarduq_exp.methods.base import (
     write_method_info,
 )
 from rewarduq_exp.models.backbone import resolve_device
-from rewarduq_exp.models.shared_prefix import batch_order, common_prefix_lengths, shared_prefix_hidden
+from rewarduq_exp.models.shared_prefix import batch_order, share_lengths, shared_prefix_hidden
 
 HEAD_INITS = ("auto", "pretrained", "fresh")
 ANCHORS = ("l2", "mean_squared")
@@ -250,11 +250,9 @@ class EnsLoRA(RewardMethod):
         return self._backbone().tokenizer(list(texts), add_special_tokens=False, truncation=False)["input_ids"]
 
     def _shareable(self, prompts, seqs: list[list[int]]) -> np.ndarray:
-        """Per text, its leading tokens that the prompt accounts for (the prompt as the template opens the reply):
-        texts with one prompt share them."""
+        """Per text, its leading tokens that its prompt accounts for: texts with one prompt share them."""
         tok = self._backbone().tokenizer
-        heads = [tok.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True) for p in prompts]
-        return common_prefix_lengths(seqs, self._tokenize(heads))
+        return share_lengths(tok, seqs, render_prompt_heads(tok, prompts))
 
     def _pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         pad_id = self._backbone().tokenizer.pad_token_id or 0

@@ -29,6 +29,7 @@ import torch
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.models import prefix_cache
+from rewarduq_exp.models.shared_prefix import share_lengths
 
 SCORE_ONLY_INSTRUCTION = (
     "Rate the assistant's replies in the conversation above on a scale from 1 (very poor) to 5 (excellent). "
@@ -135,7 +136,7 @@ class ScoreOnlyJudge:
         if self.reuse:
             h = prefix_cache.suffix_states(decoder, pre_ids, suf_ids, [-1], pad_id=self.tokenizer.pad_token_id,
                                            batch_size=self.batch_size, stats=self.stats,
-                                           share_lengths=prefix_cache.share_lengths(self.tokenizer, pre_ids, heads))
+                                           share_lengths=share_lengths(self.tokenizer, pre_ids, heads))
         else:
             h = prefix_cache.full_recompute(decoder, pre_ids, suf_ids, [-1], pad_id=self.tokenizer.pad_token_id,
                                             batch_size=self.batch_size, stats=self.stats)

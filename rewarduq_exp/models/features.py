@@ -17,10 +17,10 @@ import torch
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.progress import progress
-from rewarduq_exp.data.contract import render_all
+from rewarduq_exp.data.contract import render_all, render_prompt_heads
 from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.feature_cache import FeatureCache
-from rewarduq_exp.models.shared_prefix import batch_order, common_prefix_lengths, shared_prefix_hidden
+from rewarduq_exp.models.shared_prefix import batch_order, share_lengths, shared_prefix_hidden
 
 POOLINGS = ("last", "mean")
 
@@ -76,9 +76,7 @@ class FeatureEncoder:
         texts = render_all(self.tokenizer, prompts, completions)
 
         def compute(rows):
-            # The prompt as the template opens the reply: the part of a text that texts with its prompt share.
-            heads = [self.tokenizer.apply_chat_template(list(prompts[i]), tokenize=False, add_generation_prompt=True)
-                     for i in rows]
+            heads = render_prompt_heads(self.tokenizer, [prompts[i] for i in rows])
             return self._extract([texts[i] for i in rows], desc, heads)
 
         return self.cached(self.probe_identity(), texts, compute)
@@ -120,8 +118,9 @@ class FeatureEncoder:
         if lengths.max() > self.max_length:
             raise UserError(f"a sequence of {lengths.max()} tokens exceeds max_length={self.max_length}; "
                             "filter the data first")
-        cut = (common_prefix_lengths(ids, self.tokenizer(heads, add_special_tokens=False)["input_ids"])
-               if heads is not None else np.zeros(len(ids), dtype=np.int64))
+        cut = share_lengths(self.tokenizer, ids, heads)
+        if cut is None:
+            cut = np.zeros(len(ids), dtype=np.int64)
         order = batch_order(ids, cut, self.batch_size)
         device = self.backbone.device
         pad_id = self.tokenizer.pad_token_id

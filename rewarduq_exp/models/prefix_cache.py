@@ -56,7 +56,6 @@ from rewarduq_exp.models.shared_prefix import (  # noqa: F401  (packed_supported
     _returned_cache,
     _with_cache,
     batch_order,
-    common_prefix_lengths,
     packed_supported,
     shared_pass,
 )
@@ -129,14 +128,6 @@ def render_suffix(tokenizer, user_text: str, answer: str = "", think: str = "aut
 def tokenize_pieces(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of each text on its own, without special tokens added by the tokenizer (the template has them)."""
     return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-
-
-def share_lengths(tokenizer, ids: Sequence[Sequence[int]], heads: Sequence[str] | None) -> list[int] | None:
-    """Per tokenised text, how many leading tokens it shares with its head (its prompt rendered alone): the part that
-    texts with the same prompt may share; ``None`` without heads."""
-    if heads is None:
-        return None
-    return common_prefix_lengths(ids, tokenize_pieces(tokenizer, heads)).tolist()
 
 
 # ---------------------------------------------------------------------------------------------------- layers

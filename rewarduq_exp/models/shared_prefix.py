@@ -70,6 +70,14 @@ def common_prefix_lengths(full_ids, prefix_ids) -> np.ndarray:
     return out
 
 
+def share_lengths(tokenizer, ids, heads) -> np.ndarray | None:
+    """Per tokenised text, how many leading tokens it shares with its head (its prompt rendered alone, as the text
+    renders it): the part that texts with the same prompt may share; ``None`` without heads."""
+    if heads is None:
+        return None
+    return common_prefix_lengths(ids, tokenizer(list(heads), add_special_tokens=False)["input_ids"])
+
+
 def _positions(order: np.ndarray, lengths: np.ndarray, keys: list, cut: np.ndarray, batch_size: int) -> int:
     """Token positions that batches of ``order`` run: per batch the cheaper of a plain forward and the shared one."""
     total = 0
