@@ -42,12 +42,12 @@ def trained(tiny_backbone, data):
 
         return Counting
 
-    mod._make_trainer_class = counting_class
+    mod.method._make_trainer_class = counting_class  # McdDpo looks the factory up in its own module
     try:
         method = _method(tiny_backbone)
         summary = method.fit(train).fit_summary
     finally:
-        mod._make_trainer_class = original
+        mod.method._make_trainer_class = original
     return method, summary, calls
 
 
@@ -225,11 +225,11 @@ def test_bf16_training_and_scoring_on_cpu(bf16_backbone, tiny_backbone, data):
                     hook.remove()
         return Recording
 
-    mod._make_trainer_class = recording_class
+    mod.method._make_trainer_class = recording_class
     try:
         summary = method.fit(train[:16]).fit_summary
     finally:
-        mod._make_trainer_class = original
+        mod.method._make_trainer_class = original
     assert summary["optimizer_steps"] == 2 and all(np.isfinite(h["loss"]) for h in method.history)
     assert head_dtypes == {torch.bfloat16}                          # training ran under bf16 autocast
     assert next(method.policy.parameters()).dtype == torch.float32  # trained weights stay fp32
@@ -327,11 +327,11 @@ def test_gradients_are_clipped_at_the_optimizer_step(tiny_backbone, data):
                     self.add_callback(Record(seen))
             return Recording
 
-        mod._make_trainer_class = recording_class
+        mod.method._make_trainer_class = recording_class
         try:
             _method(tiny_backbone, max_grad_norm=value, num_epochs=1).fit(train[:16])
         finally:
-            mod._make_trainer_class = original
+            mod.method._make_trainer_class = original
     assert len(norms[limit]) == len(norms[None]) == 2          # 16 pairs, batch 8: two optimizer steps
     assert max(norms[limit]) <= limit * (1 + 1e-4)
     assert min(norms[None]) > 10 * limit                         # so the limit above did clip

@@ -84,7 +84,7 @@ def _with_callback(monkeypatch, callback) -> None:
 
         return WithCallback
 
-    monkeypatch.setattr(mod, "_make_trainer_class", patched)
+    monkeypatch.setattr(mod.method, "_make_trainer_class", patched)  # where McdDpo looks it up
 
 
 def _sigterm_at(step: int):

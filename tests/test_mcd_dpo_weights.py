@@ -100,7 +100,7 @@ def test_fit_feeds_each_pair_weight_once_per_epoch(tiny_backbone, frame, monkeyp
                 return super().compute_loss(model, inputs, *args, **kwargs)
         return Spy
 
-    monkeypatch.setattr(mod, "_make_trainer_class", spying_class)
+    monkeypatch.setattr(mod.method, "_make_trainer_class", spying_class)  # where McdDpo looks it up
     weighted = frame.assign(weight=np.tile([0.5, 2.0, 1.0, 0.0], len(frame) // 4))
     method = _method(tiny_backbone, num_epochs=1, batch_size=4, micro_batch_size=4)
     summary = method.fit(weighted).fit_summary

@@ -207,8 +207,10 @@ def test_the_method_registry_is_every_method_config():
 
     confs = {p.stem: OmegaConf.load(p)._target_ for p in (ROOT / "conf" / "method").glob("*.yaml")}
     assert METHOD_CLASSES == confs
-    for name in METHOD_CLASSES:
-        assert method_class(name).name == name
+    for name, path in METHOD_CLASSES.items():
+        cls = method_class(name)
+        assert cls.name == name
+        assert f"{cls.__module__}.{cls.__qualname__}" == path   # method.json's "class", checked against this table
 
 
 def test_the_loader_set_is_every_dataset_config():
