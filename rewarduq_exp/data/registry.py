@@ -19,9 +19,8 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from rewarduq_exp.core.config_dir import CONF_DIR  # (the CLI checks, the planner and the shapes read it from here)
 from rewarduq_exp.core.errors import UserError, first_line, one_line
-
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def available(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
