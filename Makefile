@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 # Byte-compiled once, on all cores, instead of file by file inside pip (100 s -> 80 s on 2 cores); the .pyc files
 # matter where PYTHONDONTWRITEBYTECODE is set, as every process would compile torch again. compileall's status is
 # ignored as pip ignores it: a few files in the packages are not Python 3.11 (e.g. torch's py312_intrinsics.py).
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile torch==2.13.0

@@ -22,8 +22,11 @@ def main(cfg):
 
 
 def let_sweep_jobs_import_this_repo() -> None:
-    """Submitit jobs (local processes or Slurm tasks, which inherit the environment) unpickle our launcher from
-    ``hydra_plugins/`` in this repository, which is not part of the installed package: put the repo on their path."""
+    """Submitit jobs (local processes or Slurm tasks, which inherit the environment) unpickle our launcher and import
+    the package. ``python train.py`` runs the code beside it (the script's folder is first on ``sys.path``), but a
+    job's interpreter starts elsewhere and would import whatever is installed, with a non-editable install an older
+    copy: put this folder first on their path, so that they run the code that launched them (from a folder that holds
+    only ``train.py`` and ``conf/``, the installed package, which ships the launchers)."""
     root = str(Path(__file__).resolve().parent)
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if root not in paths:
