@@ -71,9 +71,10 @@ def measure(method: str, shape: str | None, layers: int | None, pairs: int, cach
     # The plan counts every row in full, as if no prompt repeated (it sees no data); the synthetic pairs repeat theirs,
     # and running each batch's distinct prompts once lowers the peak below that bound. Measured here: the case the
     # plan models.
-    from rewarduq_exp.models import shared_prefix
+    from rewarduq_exp.models import activation_memory, shared_prefix
 
     shared_prefix.can_share = lambda model: False
+    activation_memory.kv_cache_elems = lambda a: 0   # the plan's KV cache of the two-pass forward: not run here
     overrides = [f"method={method}", "model=tiny-qwen3", "device=cpu", "plan.device=cpu", "progress=false",
                  f"paths.cache_dir={cache}", *(SHAPE if shape else TINY)[method]]
     cfg = compose_points(overrides)[0][1]

@@ -253,10 +253,14 @@ class SkipCompletedSlurmLauncher(SkipCompleted, SlurmLauncher):
         from rewarduq_exp.runner.plan import PLANNED_METHODS, make_plan, method_name_of_config
 
         plans = []
+        gib = slurm_checks.gpu_memory_gib({**self.params, **self.plan_limits})
         for overrides in job_overrides:
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             if cfg.get("plan", {}).get("force", False) or method_name_of_config(cfg) not in PLANNED_METHODS:
                 continue
+            if gib is not None and cfg.plan.get("device_memory_gib") is None:
+                with open_dict(cfg):   # the auto token budgets of the jobs are those of the profile's GPU
+                    cfg.plan.device_memory_gib = gib
             plans.append((list(overrides), make_plan(cfg)))
         slurm_checks.check_plans(plans, {**self.params, **self.plan_limits})
 

@@ -163,7 +163,9 @@ class Backbone:
         """The headless transformer (e.g. ``Qwen3Model``), frozen, in eval mode, on the device."""
         from transformers import AutoModel
 
-        model = self.from_pretrained(AutoModel, dtype=self.dtype)
+        # On a GPU the weights are read straight onto it (no host copy first: seconds for a 4B model).
+        placement = {"device_map": self.device} if self.device.type == "cuda" else {}
+        model = self.from_pretrained(AutoModel, dtype=self.dtype, **placement)
         hidden = int(model.config.hidden_size)
         if self.cfg.get("hidden_size") and int(self.cfg.hidden_size) != hidden:
             raise UserError(f"model.hidden_size={self.cfg.hidden_size} but the checkpoint has hidden size {hidden}")

@@ -20,7 +20,8 @@ from rewarduq_exp.core.progress import progress
 from rewarduq_exp.data.contract import render_all, render_prompt_heads
 from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.feature_cache import FeatureCache
-from rewarduq_exp.models.shared_prefix import batch_order, share_lengths, shared_prefix_hidden
+from rewarduq_exp.models.shared_prefix import share_lengths, shared_prefix_hidden, token_batches
+from rewarduq_exp.models.token_budget import check_setting
 
 POOLINGS = ("last", "mean")
 
@@ -52,11 +53,14 @@ class FeatureEncoder:
         self.probe_cfg = probe  # methods that read the backbone their own way (BoRP's contrastive probe) read it
         self.layer = int(probe.layer)
         self.pooling = str(probe.pooling)
-        self.batch_size = int(probe.batch_size)
         if self.pooling not in POOLINGS:
             raise UserError(f"probe.pooling={self.pooling!r} is invalid; allowed: {', '.join(POOLINGS)}")
-        if self.batch_size < 1:
-            raise UserError(f"probe.batch_size={self.batch_size} is invalid: must be an integer >= 1")
+        # Rows per forward: auto (as many as the token budget holds) or a number; tokens per forward: auto (from the
+        # device's free memory) or a number. Run folders written before batch_tokens existed say batch_size only.
+        rows = check_setting(probe.get("batch_size", "auto"), "probe.batch_size")
+        self.max_rows = None if rows == "auto" else rows
+        self.batch_tokens_setting = check_setting(probe.get("batch_tokens", "auto"), "probe.batch_tokens")
+        self.last_batching: dict = {}
         self.max_length = int(max_length)
         self.store = store if hasattr(store, "lookup") else FeatureCache(store)
         self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
@@ -108,10 +112,30 @@ class FeatureEncoder:
                                 f"allowed -1 (last, after the final norm) or 0..{n_layers}")
         return self._model
 
+    def batch_tokens(self, model, width: int, shared: bool) -> int:
+        """Padded token positions per forward: ``probe.batch_tokens``, or ``auto`` = what the device's free memory
+        holds at the planner's per-token cost of this forward (:mod:`rewarduq_exp.models.token_budget`)."""
+        from rewarduq_exp.models.activation_memory import inference_token_bytes
+        from rewarduq_exp.models.shapes import architecture_of_model
+        from rewarduq_exp.models.token_budget import resolve_tokens
+
+        if self.batch_tokens_setting != "auto":
+            return int(self.batch_tokens_setting)
+        device = self.backbone.device
+        per_token = inference_token_bytes(architecture_of_model(self.backbone.name, model), width,
+                                          torch.finfo(self.backbone.dtype).bits // 8, math_kernel=device.type == "cpu",
+                                          all_hidden_states=self.layer != -1, kv_cache=shared)
+        return resolve_tokens("auto", "probe.batch_tokens", device, per_token)
+
     @torch.no_grad()  # not inference_mode: the features leave this function and feed autograd
     def _extract(self, texts: list[str], desc: str, heads: list[str] | None = None) -> torch.Tensor:
         """Features of ``texts``; ``heads[i]``, when given, is the start of ``texts[i]`` that texts with the same
-        prompt share (computed once per batch)."""
+        prompt share (computed once per batch).
+
+        Batches hold a token budget (``probe.batch_tokens``; at most ``probe.batch_size`` rows where that is a
+        number), sorted by length or grouped by prompt (:func:`token_batches`). On a GPU nothing waits for the
+        device between batches: each batch is laid out in pinned host memory and copied asynchronously, the prompt
+        bookkeeping reads host tensors, and the pooled rows stay on the device until the end (one copy back)."""
         model = self._model_or_load()
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
@@ -121,28 +145,29 @@ class FeatureEncoder:
         cut = share_lengths(self.tokenizer, ids, heads)
         if cut is None:
             cut = np.zeros(len(ids), dtype=np.int64)
-        order = batch_order(ids, cut, self.batch_size)
+        max_tokens = self.batch_tokens(model, int(lengths.max()), bool(cut.any()))
+        batches = token_batches(ids, cut, max_tokens, self.max_rows)
+        self.last_batching = {"batch_tokens": max_tokens, "batches": len(batches)}
         device = self.backbone.device
+        pin = device.type == "cuda"
         pad_id = self.tokenizer.pad_token_id
         out = None
-        batches = range(0, len(order), self.batch_size)
-        for start in progress(batches, desc=desc, unit="batches", show=self.show_progress,
-                              quiet=not distributed.is_main()):
-            idx = order[start : start + self.batch_size]
+        for idx in progress(batches, desc=desc, unit="batches", show=self.show_progress,
+                            quiet=not distributed.is_main()):
             width = int(lengths[idx].max())
-            input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-            attention = torch.zeros((len(idx), width), dtype=torch.long)
+            input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long, pin_memory=pin)
+            attention = torch.zeros((len(idx), width), dtype=torch.long, pin_memory=pin)
             for row, i in enumerate(idx):
                 input_ids[row, : lengths[i]] = torch.as_tensor(ids[i])
                 attention[row, : lengths[i]] = 1
-            input_ids, attention = input_ids.to(device), attention.to(device)
+            # host tensors: shared_prefix_hidden reads them for its bookkeeping and copies them to the device
             hidden = shared_prefix_hidden(model, input_ids, attention, cut[idx],
                                           layer=None if self.layer == -1 else self.layer, stats=self.stats)
             self.stats["backbone_forward_passes"] += 1
-            pooled = pool(hidden, attention, self.pooling).to("cpu")
+            pooled = pool(hidden, attention.to(hidden.device, non_blocking=True), self.pooling)
             if out is None:
-                out = torch.empty((len(texts), pooled.shape[1]), dtype=pooled.dtype)
-            out[torch.as_tensor(idx)] = pooled
-        if not torch.isfinite(out.float()).all():
+                out = torch.empty((len(texts), pooled.shape[1]), dtype=pooled.dtype, device=pooled.device)
+            out[torch.as_tensor(idx).to(pooled.device, non_blocking=True)] = pooled
+        if not torch.isfinite(out).all():
             raise RuntimeError("backbone features contain NaN/inf; check model.dtype and the inputs")
-        return out
+        return out.cpu()

@@ -121,3 +121,23 @@ def _architecture(name: str, config_json: str) -> Architecture:
         params_body=sum(p.numel() for p in body.parameters()),
         params_causal_lm=sum(p.numel() for p in causal.parameters()),   # a tied head is one Parameter: counted once
         lora_fan_sum=int(lora_fan_sum))
+
+
+def architecture_of_model(name: str, model) -> Architecture:
+    """The :class:`Architecture` of a model already loaded (a headless body or a causal LM; any device and dtype):
+    its config's sizes and its own parameter counts, for token budgets at run time."""
+    import torch
+
+    config = model.config
+    body = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(body, getattr(body, "base_model_prefix", ""), body) if hasattr(body, "lm_head") else body
+    params_body = sum(p.numel() for p in body.parameters())
+    params_all = sum(p.numel() for p in model.parameters())
+    lora_fan_sum = sum(m.in_features + m.out_features for m in body.modules() if type(m) is torch.nn.Linear)
+    return Architecture(
+        name=name, classifier=False, hidden=int(config.hidden_size), intermediate=int(config.intermediate_size),
+        layers=int(config.num_hidden_layers), heads=int(config.num_attention_heads),
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
+        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+        vocab=int(config.vocab_size), tied=bool(getattr(config, "tie_word_embeddings", False)),
+        params_body=params_body, params_causal_lm=max(params_all, params_body), lora_fan_sum=int(lora_fan_sum))

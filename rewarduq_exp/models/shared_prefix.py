@@ -78,33 +78,61 @@ def share_lengths(tokenizer, ids, heads) -> np.ndarray | None:
     return common_prefix_lengths(ids, tokenizer(list(heads), add_special_tokens=False)["input_ids"])
 
 
+def _batch_positions(idx: np.ndarray, lengths: np.ndarray, keys: list, cut: np.ndarray) -> int:
+    """Token positions that one batch runs: the cheaper of a plain forward and the shared one."""
+    plain = len(idx) * int(lengths[idx].max())
+    distinct = {keys[i]: int(cut[i]) for i in idx}
+    if len(distinct) == len(idx):
+        return plain
+    return min(plain, len(distinct) * max(distinct.values()) + len(idx) * int((lengths[idx] - cut[idx]).max()))
+
+
 def _positions(order: np.ndarray, lengths: np.ndarray, keys: list, cut: np.ndarray, batch_size: int) -> int:
     """Token positions that batches of ``order`` run: per batch the cheaper of a plain forward and the shared one."""
-    total = 0
-    for s in range(0, len(order), batch_size):
-        idx = order[s:s + batch_size]
-        plain = len(idx) * int(lengths[idx].max())
-        distinct = {keys[i]: int(cut[i]) for i in idx}
-        shared = (len(distinct) * max(distinct.values()) + len(idx) * int((lengths[idx] - cut[idx]).max())
-                  if len(distinct) < len(idx) else plain)
-        total += min(plain, shared)
-    return total
+    return sum(_batch_positions(order[s:s + batch_size], lengths, keys, cut) for s in range(0, len(order), batch_size))
 
 
-def batch_order(ids, cut, batch_size: int) -> np.ndarray:
-    """The order in which to batch sequences ``ids`` (shareable prefix lengths ``cut``): longest first (little
-    padding, as a plain forward wants), or grouped by prefix and longest suffix first within a group (rows of one
-    batch share their prefix), whichever runs fewer token positions (:func:`shared_prefix_hidden`). Longest first
-    either way, so an out-of-memory error shows in the first batch."""
+def _orders(ids, cut) -> tuple[np.ndarray, np.ndarray, np.ndarray, list, np.ndarray]:
+    """(lengths, longest-first order, grouped-by-prefix order, prefix keys, cut) of sequences ``ids``."""
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
     cut = np.asarray(cut, dtype=np.int64)
     by_length = np.argsort(-lengths, kind="stable")
     keys = [tuple(x[:c]) for x, c in zip(ids, cut)]
     rank = {k: r for r, k in enumerate(sorted(set(keys), key=lambda k: (-len(k), k)))}
     grouped = np.lexsort((-(lengths - cut), np.fromiter((rank[k] for k in keys), dtype=np.int64, count=len(keys))))
+    return lengths, by_length, grouped, keys, cut
+
+
+def batch_order(ids, cut, batch_size: int) -> np.ndarray:
+    """The order in which to batch sequences ``ids`` (shareable prefix lengths ``cut``) in batches of ``batch_size``:
+    longest first (little padding, as a plain forward wants), or grouped by prefix and longest suffix first within a
+    group (rows of one batch share their prefix), whichever runs fewer token positions
+    (:func:`shared_prefix_hidden`). Longest first either way, so an out-of-memory error shows in the first batch."""
+    lengths, by_length, grouped, keys, cut = _orders(ids, cut)
     if _positions(grouped, lengths, keys, cut, batch_size) < _positions(by_length, lengths, keys, cut, batch_size):
         return grouped
     return by_length
+
+
+def token_batches(ids, cut, max_tokens: int, max_rows: int | None = None) -> list[np.ndarray]:
+    """Batches of sequences ``ids`` (shareable prefix lengths ``cut``; zeros: nothing shared) under a token budget:
+    each batch holds at most ``max_tokens`` padded positions (rows x its longest row) and ``max_rows`` rows
+    (:func:`rewarduq_exp.models.token_budget.split_by_tokens`), taken longest first or grouped by prefix, whichever
+    runs fewer token positions (as :func:`batch_order`)."""
+    from rewarduq_exp.models.token_budget import split_by_tokens
+
+    if not len(ids):
+        return []
+    lengths, by_length, grouped, keys, cut = _orders(ids, cut)
+    plain = split_by_tokens(by_length, lengths, max_tokens, max_rows)
+    if not cut.any():
+        return plain
+    shared = split_by_tokens(grouped, lengths, max_tokens, max_rows)
+
+    def cost(batches):
+        return sum(_batch_positions(b, lengths, keys, cut) for b in batches)
+
+    return shared if cost(shared) < cost(plain) else plain
 
 
 def prefix_groups(input_ids: torch.Tensor, prefix_lengths, adapter_names=None) -> tuple[list, list[int]]:
@@ -160,6 +188,22 @@ class SharedPass:
         return both.gather(1, self.where[..., None].expand(-1, -1, both.shape[-1]))
 
 
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _host_and_device(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """(ids, mask) on the host, for the bookkeeping that reads them as Python values, and on the model's device.
+    Callers that pass host tensors (pinned, as the feature encoder's) pay one asynchronous copy and no
+    synchronisation; device tensors are copied back once."""
+    device = _model_device(model)
+    host_ids, host_mask = input_ids.cpu(), attention_mask.cpu()
+    if input_ids.device != device:
+        input_ids = input_ids.to(device, non_blocking=True)
+        attention_mask = attention_mask.to(device, non_blocking=True)
+    return host_ids, host_mask, input_ids, attention_mask
+
+
 def _count(stats: dict | None, run: int, plain: int) -> None:
     if stats is not None:
         stats["tokens_run"] = stats.get("tokens_run", 0) + run
@@ -173,14 +217,31 @@ def _clipped(prefix_lengths, lengths) -> list[int]:
 
 def _halves(input_ids: torch.Tensor, lengths: np.ndarray, cut: np.ndarray, adapter_names=None):
     """The rows split in two by suffix length, where two shared forwards run at most 80 % of the positions of one:
-    rows in random order (a training batch) pad every suffix to the longest one."""
+    rows in random order (a training batch) pad every suffix to the longest one. With ``adapter_names`` every
+    adapter's rows split alike (the same slots in each half)."""
     batch = len(cut)
     if batch < 4:
         return None
     prefixes, rows = prefix_groups(input_ids, cut, adapter_names)
     keys = [prefixes[r] for r in rows]
-    order = np.argsort(lengths - cut, kind="stable")
-    halves = order[: batch // 2], order[batch // 2:]
+    suffix = lengths - cut
+    if adapter_names is None:
+        order = np.argsort(suffix, kind="stable")
+        halves = order[: batch // 2], order[batch // 2:]
+    else:
+        # Rows under adapters: split by slot (a row's rank among the rows of its adapter), each half in row order,
+        # so a batch of equal contiguous member blocks (the batched multi-LoRA forward) splits into two such batches.
+        slot = np.empty(batch, dtype=np.int64)
+        seen: dict = {}
+        for i, name in enumerate(adapter_names):
+            slot[i] = seen.get(name, 0)
+            seen[name] = slot[i] + 1
+        longest = np.zeros(int(slot.max()) + 1, dtype=np.int64)
+        np.maximum.at(longest, slot, suffix)
+        if len(longest) < 2:
+            return None
+        first = np.isin(slot, np.argsort(longest, kind="stable")[: len(longest) // 2])
+        halves = np.flatnonzero(first), np.flatnonzero(~first)
     one = _positions(np.arange(batch), lengths, keys, cut, batch)
     two = sum(_positions(h, lengths, keys, cut, len(h)) for h in halves)
     return halves if two <= 0.8 * one else None
@@ -194,13 +255,16 @@ def shared_pass(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
     ``prefix_lengths[b]``: how many leading tokens of row ``b`` may be shared (1 .. its length - 1; clipped to that);
     rows share a prefix when those tokens are equal. ``hidden_states``: keep every layer's states (for
     ``SharedPass.states(k)``). ``stats`` (optional dict) adds the token positions run (``tokens_run``) and those a
-    plain forward runs (``tokens_without_sharing``), also when ``None`` is returned. ``adapter_names``: a PEFT
-    mixed-adapter batch (``model`` a PeftModel), row ``b`` under adapter ``adapter_names[b]``.
+    plain forward runs (``tokens_without_sharing``), also when ``None`` is returned. ``adapter_names``: row ``b``
+    runs under adapter ``adapter_names[b]`` (a PEFT mixed-adapter batch, or a ``MultiLoRAModel`` whose rows are
+    equal member blocks): each pass gets the names of its rows, and the prefix pass's rows (one per adapter and
+    prefix, in order of first appearance) stay in equal member blocks when the rows were.
     """
-    lengths = attention_mask.sum(1).tolist()
+    host_ids, host_mask, input_ids, attention_mask = _host_and_device(model, input_ids, attention_mask)
+    lengths = host_mask.sum(1).tolist()
     batch, width = input_ids.shape
     cut = _clipped(prefix_lengths, lengths)
-    prefixes, row_prefix = prefix_groups(input_ids, cut, adapter_names)
+    prefixes, row_prefix = prefix_groups(host_ids, cut, adapter_names)
     if len(prefixes) == batch or not can_share(model):
         _count(stats, batch * width, batch * width)
         return None
@@ -211,16 +275,16 @@ def shared_pass(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pr
     for u, (_, p) in enumerate(prefixes):
         pre_ids[u, :len(p)] = torch.tensor(p)
         pre_mask[u, :len(p)] = 1
-    pre_ids, pre_mask = pre_ids.to(device), pre_mask.to(device)
+    pre_ids, pre_mask = pre_ids.to(device, non_blocking=True), pre_mask.to(device, non_blocking=True)
     first = model(input_ids=pre_ids, attention_mask=pre_mask, use_cache=True, output_hidden_states=hidden_states,
                   **_adapters(None if adapter_names is None else [a for a, _ in prefixes]))
     cache = _returned_cache(first)
-    pick = torch.tensor(row_prefix, device=device)
+    pick = torch.tensor(row_prefix).to(device, non_blocking=True)
     cache.batch_select_indices(pick)  # row b: its prefix's keys and values (rows may repeat one prefix)
 
-    cut_t = torch.tensor(cut, device=device)
-    suffix_len = torch.tensor(lengths, device=device) - cut_t
-    s_width = max(int(suffix_len.max()), 1)
+    s_width = max(max(n - c for n, c in zip(lengths, cut)), 1)
+    cut_t = torch.tensor(cut).to(device, non_blocking=True)
+    suffix_len = torch.tensor(lengths).to(device, non_blocking=True) - cut_t
     offset = torch.arange(s_width, device=device)
     source = (cut_t[:, None] + offset[None]).clamp(max=width - 1)          # position in the row of suffix token j
     suf_mask = (offset[None] < suffix_len[:, None]).to(attention_mask.dtype)
@@ -239,26 +303,27 @@ def shared_prefix_hidden(model, input_ids: torch.Tensor, attention_mask: torch.T
     """Hidden states ``(B, L, H)`` of right-padded rows, as one plain forward of ``model`` (a headless decoder)
     gives them, with each distinct prefix computed once (:func:`shared_pass`; arguments as there). ``split``: run
     the rows in two halves by suffix length where that runs at most 80 % of the positions (:func:`_halves`).
-    ``adapter_names``: a PEFT mixed-adapter batch (:func:`shared_pass`).
+    ``adapter_names``: the adapter of each row (:func:`shared_pass`).
 
     ``layer``: ``None`` = the last hidden state (after the final norm), ``k`` = ``hidden_states[k]``. Positions past
     a row's length hold an arbitrary row's state, as padding does.
     """
-    lengths = attention_mask.sum(1).cpu().numpy()
+    host_ids, host_mask, input_ids, attention_mask = _host_and_device(model, input_ids, attention_mask)
+    lengths = host_mask.sum(1).numpy()
     cut = np.asarray(_clipped(prefix_lengths, lengths.tolist()), dtype=np.int64)
-    halves = _halves(input_ids, lengths, cut, adapter_names) if split and can_share(model) else None
+    halves = _halves(host_ids, lengths, cut, adapter_names) if split and can_share(model) else None
     if halves is not None:  # two forwards of similar suffix lengths, put back in the batch's row order and width
         batch, width = input_ids.shape
         parts, counted = [], {}
         for rows in halves:
-            idx = torch.as_tensor(rows, device=input_ids.device)
+            idx = torch.as_tensor(rows)
             part_width = int(lengths[rows].max())
             names = None if adapter_names is None else [adapter_names[i] for i in rows]
-            h = shared_prefix_hidden(model, input_ids[idx, :part_width], attention_mask[idx, :part_width], cut[rows],
+            h = shared_prefix_hidden(model, host_ids[idx, :part_width], host_mask[idx, :part_width], cut[rows],
                                      layer, counted, split=False, adapter_names=names)
             parts.append(torch.nn.functional.pad(h, (0, 0, 0, width - part_width)))
         _count(stats, counted.get("tokens_run", 0), batch * width)
-        inverse = torch.as_tensor(np.argsort(np.concatenate(halves)), device=input_ids.device)
+        inverse = torch.as_tensor(np.argsort(np.concatenate(halves))).to(input_ids.device, non_blocking=True)
         return torch.cat(parts)[inverse]
     run = shared_pass(model, input_ids, attention_mask, cut, hidden_states=layer is not None, stats=stats,
                       adapter_names=adapter_names)

@@ -45,7 +45,17 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.models.activation_memory import (  # noqa: F401  (part of the planner's API)
+    attention_matrix_elems,
+    inference_activation_elems,
+    inference_activations,
+    inference_token_bytes,
+    train_activation_elems,
+    training_activations,
+    training_token_bytes,
+)
 from rewarduq_exp.models.shapes import Architecture, architecture
+from rewarduq_exp.models.token_budget import budget_from_memory, check_setting, free_bytes
 
 H100_BF16_DENSE_TFLOPS = 989.0
 DEFAULT_TFLOPS = 0.4 * H100_BF16_DENSE_TFLOPS
@@ -56,6 +66,7 @@ PLANNED_METHODS = ("ens_mlp", "bay_lin", "ens_lora", "mcd_dpo")
 KNOWN_TRAIN_PAIRS = {"ultrafeedback": 62_135, "skywork_pref": 77_016}
 KNOWN_EVAL_PAIRS = {"ultrafeedback": 1_000, "reward_bench": 2_985}
 GIB = 2**30
+DEFAULT_GPU_MEMORY_GIB = 80.0   # an H100
 
 
 @dataclass
@@ -111,39 +122,29 @@ class Plan:
                 "checkpointing": self.checkpointing, "peak_bytes_other_checkpointing": self.without_checkpointing}
 
 
-# ---------------------------------------------------------------------------------------------------- activations
-def train_activation_elems(a: Architecture) -> int:
-    """Elements a decoder layer saves for backward, per token (module docstring)."""
-    return 6 * a.hidden + 6 * a.q_dim + 6 * a.kv_dim + 4 * a.intermediate
+# ---------------------------------------------------------------------------------------------------- memory
+def device_memory(cfg: DictConfig, device: str) -> float:
+    """Bytes of the device a run gets: ``plan.device_memory_gib``, else an H100's 80 GiB for a GPU (what the token
+    budgets and the default batch sizes aim at) or this host's available memory for a CPU."""
+    given = OmegaConf.select(cfg, "plan.device_memory_gib", default=None)
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or given <= 0:
+            raise UserError(f"plan.device_memory_gib={given!r} is invalid: must be a number of GiB > 0")
+        return float(given) * GIB
+    if device == "cuda":
+        return DEFAULT_GPU_MEMORY_GIB * GIB
+    return free_bytes("cpu")
 
 
-def inference_activation_elems(a: Architecture, length: int = 0, math_kernel: bool = False) -> int:
-    """Elements alive at once inside one layer of a no-grad forward, per token: the layer's input and its norm, and
-    the larger of the attention block (q, k, v, their normed and rotated copies, the attention matrix) and the MLP
-    block (SiLU(gate), up and their product)."""
-    attention = 3 * a.q_dim + 3 * a.kv_dim + attention_matrix_elems(a, length, math_kernel)
-    return 2 * a.hidden + max(attention, 3 * a.intermediate)
-
-
-def attention_matrix_elems(a: Architecture, length: int, math_kernel: bool) -> int:
-    return 2 * a.heads * length if math_kernel else 0
-
-
-def training_activations(a: Architecture, rows: int, length: int, act_bytes: int, math_kernel: bool,
-                         checkpointing: bool) -> float:
-    """Bytes kept for backward by a forward of ``rows`` sequences of ``length`` tokens through every layer."""
-    per_layer = train_activation_elems(a) + attention_matrix_elems(a, length, math_kernel)
-    tokens = rows * length
-    if checkpointing:   # each layer's input kept, one layer's activations during its recomputation
-        return tokens * (a.layers * a.hidden * act_bytes + per_layer * act_bytes)
-    return tokens * (a.layers * per_layer + 2 * a.hidden) * act_bytes
-
-
-def inference_activations(a: Architecture, rows: int, length: int, act_bytes: int, math_kernel: bool,
-                          all_hidden_states: bool = False) -> float:
-    per_token = inference_activation_elems(a, length, math_kernel)
-    kept = (a.layers + 1) * a.hidden if all_hidden_states else 2 * a.hidden
-    return rows * length * (per_token + kept) * act_bytes
+def budget_tokens(setting, key: str, cfg: DictConfig, device: str, per_token: float, reserved: float,
+                  rows: int | None = None, length: int = 0) -> int:
+    """Tokens per forward as a run decides them (:mod:`rewarduq_exp.models.token_budget`): ``setting`` when it is a
+    number, else what the device's memory left after ``reserved`` bytes holds at ``per_token``; never more than
+    ``rows`` sequences of ``length`` tokens when the rows are capped."""
+    setting = check_setting(setting, key)
+    if setting == "auto":
+        setting = budget_from_memory(device_memory(cfg, device), per_token, device, reserved)
+    return min(setting, rows * length) if rows else setting
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
@@ -238,14 +239,19 @@ def _feature_head(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tok
     wb = DTYPE_BYTES[dtype]
     m = cfg.method
     weights = a.params_body * wb
-    probe_batch = int(OmegaConf.select(cfg, "probe.batch_size", default=32))
+    rows = check_setting(OmegaConf.select(cfg, "probe.batch_size", default="auto"), "probe.batch_size")
     all_hidden = int(OmegaConf.select(cfg, "probe.layer", default=-1)) != -1
     texts = 2 * n_train
+    # The two-pass shared-prompt forward keeps its KV cache: counted, as the run's budget counts it (the plan sees
+    # no data, so it cannot know that no prompt repeats).
+    per_token = inference_token_bytes(a, length, wb, math_kernel, all_hidden, kv_cache=True)
+    tokens = budget_tokens(OmegaConf.select(cfg, "probe.batch_tokens", default="auto"), "probe.batch_tokens", cfg,
+                           device, per_token, weights, None if rows == "auto" else rows, length)
     extraction = Phase("extraction", {
         "backbone weights": weights,
-        "activations (inference)": inference_activations(a, probe_batch, length, wb, math_kernel, all_hidden)})
-    if device == "cpu":   # the extracted rows are gathered on the host: the same memory here
-        extraction.parts["features (host)"] = texts * a.hidden * wb
+        f"activations (inference, batches of {tokens:,} tokens)": tokens * per_token})
+    # the pooled rows stay on the device until the end of the extraction (one copy back)
+    extraction.parts["extracted features"] = texts * a.hidden * wb
     cached = bool(OmegaConf.select(cfg, "plan.features_cached", default=False))
     d = a.hidden
     training = Phase("training", {})

@@ -1,0 +1,114 @@
+"""Batches by a token budget: how many padded token positions one forward may hold on this device, and the split of a
+batching order into batches under that budget.
+
+A fixed row count tuned on a CPU leaves a GPU idle (32 texts of 32 tokens are 1k tokens: a few percent of an H100)
+and may not fit long sequences. Here a batch is instead as many rows as fit ``max_tokens`` padded positions
+(``rows x the longest row``), where ``max_tokens`` is either given (an integer setting) or ``auto``: the free memory
+of the device, times :data:`MEMORY_FRACTION`, divided by what the phase holds per token
+(:mod:`rewarduq_exp.models.activation_memory`, the planner's own formulas), and capped at :data:`GPU_TOKENS_CAP` /
+:data:`CPU_TOKENS_CAP`. The planner (``train.py ... plan=true``) computes the same budget from the device memory it
+is told, so its peak is the one a run reaches.
+
+Rows are sorted by length before they are split (the callers' orders), so a batch pads little.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from rewarduq_exp.core.errors import UserError
+
+AUTO = "auto"
+# Beyond ~64k tokens a batch's GEMMs are as efficient as they get on an H100 (every projection is then a matrix of
+# 64k rows), while a larger batch only costs memory and makes progress coarser.
+GPU_TOKENS_CAP = 65_536
+# A CPU is saturated far earlier; smaller batches keep the progress bar moving and the math attention's L x L
+# matrices small.
+CPU_TOKENS_CAP = 8_192
+# Of the free memory, what a batch may take: the rest is the allocator's fragmentation, the phase's temporaries that
+# the per-token cost does not itemise, and other processes' growth.
+MEMORY_FRACTION = 0.8
+FALLBACK_FREE_BYTES = 8 * 2**30   # a host whose free memory cannot be read
+
+
+def _local_processes() -> int:
+    """Processes of a launcher (torchrun, accelerate, a multi-task Slurm job) that share this host's memory."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def free_bytes(device) -> float:
+    """Memory a new batch may use on ``device``: the GPU's free memory plus what torch's caching allocator holds
+    unused (it is ours to reuse), or the host's available memory shared by this host's processes of the run."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024 / _local_processes()
+    except OSError:
+        pass
+    return FALLBACK_FREE_BYTES / _local_processes()
+
+
+def tokens_cap(device_type: str) -> int:
+    return GPU_TOKENS_CAP if device_type == "cuda" else CPU_TOKENS_CAP
+
+
+def budget_from_memory(free: float, bytes_per_token: float, device_type: str, reserved: float = 0.0) -> int:
+    """Tokens per batch that ``free`` bytes hold after ``reserved`` bytes (what the phase allocates besides the
+    batch's activations), at ``bytes_per_token``; at least 1, at most :func:`tokens_cap`."""
+    room = MEMORY_FRACTION * (free - reserved)
+    return int(max(1, min(tokens_cap(device_type), room // max(bytes_per_token, 1.0))))
+
+
+def check_setting(value, key: str, allow_auto: bool = True):
+    """``auto`` or an integer >= 1, else a one-line error naming ``key``."""
+    if allow_auto and value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer, str)):
+        raise UserError(f"{key}={value!r} is invalid; allowed: auto or an integer >= 1")
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1 or str(number) != str(value).strip():
+        raise UserError(f"{key}={value!r} is invalid; allowed: auto or an integer >= 1")
+    return number
+
+
+def resolve_tokens(setting, key: str, device, bytes_per_token: float, reserved: float = 0.0) -> int:
+    """``setting`` (``auto`` or a number of tokens) as a number of tokens: ``auto`` = :func:`budget_from_memory` of
+    the device's free memory now."""
+    import torch
+
+    setting = check_setting(setting, key)
+    if setting != AUTO:
+        return setting
+    device = torch.device(device)
+    return budget_from_memory(free_bytes(device), bytes_per_token, device.type, reserved)
+
+
+def split_by_tokens(order, lengths, max_tokens: int, max_rows: int | None = None) -> list[np.ndarray]:
+    """``order`` cut into consecutive batches of at most ``max_tokens`` padded positions (rows x the longest row of
+    the batch) and at most ``max_rows`` rows; a row longer than the budget is a batch of its own."""
+    order = np.asarray(order, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    batches, start, width = [], 0, 0
+    limit = max_rows or len(order) or 1
+    for i, row in enumerate(order):
+        wider = max(width, int(lengths[row]))
+        rows = i - start + 1
+        if rows > 1 and (rows * wider > max_tokens or rows > limit):
+            batches.append(order[start:i])
+            start, wider = i, int(lengths[row])
+        width = wider
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
