@@ -118,6 +118,10 @@ def fresh_venv(folder: Path, dependencies: Path) -> Path:
     return python
 
 
+def files_under(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
 def run(cmd: list, cwd: Path, env: dict) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
@@ -129,8 +133,9 @@ def test_plain_install_trains_and_loads_runs_from_any_folder(tmp_path, tiny_back
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PIP_CONFIG_FILE"] = os.devnull
     src = copy_sources(tmp_path / "src")
-    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-index", "--no-build-isolation",
-         "--wheel-dir", tmp_path / "wheels", src], tmp_path, env)
+    pip, offline = [sys.executable, "-m", "pip"], ["--quiet", "--no-cache-dir", "--no-index"]
+    run([*pip, "wheel", *offline, "--no-deps", "--no-build-isolation", "--wheel-dir", tmp_path / "wheels", src],
+        tmp_path, env)
     (wheel,) = (tmp_path / "wheels").glob("rewarduq_exp-*.whl")
     requires = wheel_requirements(wheel)
     assert {"submitit", "hydra-submitit-launcher"} <= {canonicalize_name(Requirement(r).name) for r in requires
@@ -138,7 +143,7 @@ def test_plain_install_trains_and_loads_runs_from_any_folder(tmp_path, tiny_back
     deps = link_distributions(requirement_closure(requires), tmp_path / "dependencies")
     venv = tmp_path / "venv"
     python = fresh_venv(venv, deps)
-    run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-index", wheel], tmp_path, env)
+    run([*pip, "--python", python, "install", *offline, wheel], tmp_path, env)
 
     # train.py as from a checkout, but with the package and the launchers only in the fresh venv.
     shutil.rmtree(src / "rewarduq_exp")
@@ -155,6 +160,8 @@ def test_plain_install_trains_and_loads_runs_from_any_folder(tmp_path, tiny_back
     for key in ("package", "conf", "launchers"):
         assert Path(out[key]).resolve().is_relative_to(venv.resolve()), (key, out[key])
     assert out["slurm"] == "SkipCompletedSlurmLauncher"
+    # The whole config tree is packaged, not only what this run read (every yaml, the json shapes).
+    assert files_under(Path(out["conf"])) == files_under(src / "conf")
     scores = np.array(out["scores"])
     assert scores.shape == (2, 3) and np.isfinite(scores).all()
     assert (scores[:, 1] <= scores[:, 0]).all() and (scores[:, 0] <= scores[:, 2]).all()
