@@ -6,6 +6,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import child_processes
 import pytest
 from omegaconf import OmegaConf
 
@@ -24,10 +25,47 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 # The datasets library's cache (read once, at import): a folder of this test process, never the user's.
-os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="rewarduq-tests-hf-datasets-"))
-atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
+if "HF_DATASETS_CACHE" not in os.environ:
+    os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="rewarduq-tests-hf-datasets-")
+    atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Nothing forks the test process: on a GPU node it may have initialised CUDA (in-process runs with device=auto), and a
+# forked child could not use CUDA. Children come from tests/child_processes.py, whose fork server starts with the
+# session (in each xdist worker; the controller runs no test).
+child_processes.install_fork_guard()
+
+
+def pytest_sessionstart(session):
+    if not session.config.pluginmanager.hasplugin("dsession"):  # "dsession": pytest-xdist's controller
+        child_processes.start_server()
+
+
+def _fail_on_fork(phase: str):
+    start = len(child_processes.FORKS)
+    yield
+    if len(child_processes.FORKS) > start:
+        where = child_processes.FORKS[start]
+        del child_processes.FORKS[start:]
+        pytest.fail(f"the test process was forked during {phase} (forked at:\n{where}): on a GPU node it may have "
+                    f"initialised CUDA, which a forked child cannot use; {child_processes.USE_INSTEAD}",
+                    pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _fail_on_fork("setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _fail_on_fork("the test"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _fail_on_fork("teardown"))
 
 # `make test` runs pytest-xdist with --dist loadfile --no-loadscope-reorder: whole files go to the two workers in
 # collection order. The files that run end-to-end commands go first, longest first (seconds on 2 cores, measured with

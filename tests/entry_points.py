@@ -9,8 +9,10 @@ A fresh process is used where the test needs one: environment variables that dif
 libraries read once, at import (everything but ``READ_AT_RUN_TIME``), or ``fresh_process=True``.
 
 :func:`run_ranks` runs one command as the N processes of a torch.distributed run, as ``torchrun --nproc_per_node N``
-does (one process per rank, the ranks told by ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``), but
-forked from this process, so they do not import everything again.
+does (one process per rank, the ranks told by ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``), and
+:func:`run_concurrently` runs several commands at the same moment; their processes are forked from the tests' fork
+server (``tests/child_processes.py``), which has imported everything once and never touched CUDA, never from this
+process (which may have: in-process commands run with ``device=auto``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import sys
 import traceback
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+
+import child_processes
 
 # Read when a command runs, not when a library is imported: set for the command's duration in this process.
 # REWARDUQ_DATASETS_DIR: the config's ${oc.env:...}; WANDB_*: wandb.init reads its settings from the environment.
@@ -46,15 +50,15 @@ def run_entry_point(script: Path, args: list, cwd: Path, env: dict | None = None
 
 
 def run_ranks(script: Path, args: list, cwd: Path, nprocs: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node <nprocs> <script> <args>`` with forked ranks: their stdout and stderr
-    concatenated in rank order and the first non-zero exit status."""
+    """``torchrun --standalone --nproc_per_node <nprocs> <script> <args>`` with the ranks in forkserver children: their
+    stdout and stderr concatenated in rank order and the first non-zero exit status."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, str(script), *map(str, args)]
-    ranks = _forked([cmd] * nprocs, cwd, timeout, lambda r: {"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": nprocs,
+    ranks = _in_children([cmd] * nprocs, cwd, timeout, lambda r: {"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": nprocs,
                                                               "LOCAL_WORLD_SIZE": nprocs, "MASTER_ADDR": "127.0.0.1",
                                                               "MASTER_PORT": port})
     code = next((p.returncode for p in ranks if p.returncode), 0)
@@ -62,21 +66,19 @@ def run_ranks(script: Path, args: list, cwd: Path, nprocs: int = 2, timeout: int
 
 
 def run_concurrently(script: Path, arg_lists: list[list], cwd: Path, timeout: int = 300) -> list:
-    """Start ``python <script> <args>`` once per entry of ``arg_lists``, all at the same moment (forked from this
-    process, so they start within milliseconds of each other and do not import everything again); their
-    CompletedProcess results in the order given."""
-    return _forked([[sys.executable, str(script), *map(str, args)] for args in arg_lists], cwd, timeout,
+    """Start ``python <script> <args>`` once per entry of ``arg_lists``, all at the same moment (forkserver children,
+    so they start within milliseconds of each other and do not import everything again); their CompletedProcess
+    results in the order given."""
+    return _in_children([[sys.executable, str(script), *map(str, args)] for args in arg_lists], cwd, timeout,
                    lambda i: {})
 
 
-def _forked(cmds: list, cwd: Path, timeout: int, env_of) -> list:
-    """Each command run in-process in its own forked child (``env_of(i)``: the i-th child's extra environment); the
-    results in order."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_child_main, args=(cmd, cwd, i, env_of(i), results)) for i, cmd in enumerate(cmds)]
+def _in_children(cmds: list, cwd: Path, timeout: int, env_of) -> list:
+    """Each command run in-process in its own forkserver child, with this process's environment plus
+    ``env_of(i)`` (the i-th child's extra variables); the results in order."""
+    results = child_processes.queue()
+    procs = [child_processes.process(_child_main, (cmd, cwd, i, {k: str(v) for k, v in env_of(i).items()}, results))
+             for i, cmd in enumerate(cmds)]
     for proc in procs:
         proc.start()
     try:
@@ -90,12 +92,8 @@ def _forked(cmds: list, cwd: Path, timeout: int, env_of) -> list:
 
 
 def _child_main(cmd, cwd, index: int, env: dict, results) -> None:
-    # this process's accelerate state (a singleton a test may have set up for one process) would answer for a rank
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        proc = _run_in_process(cmd, cwd, {k: str(v) for k, v in env.items()})
+        proc = _run_in_process(cmd, cwd, env)
     except BaseException as error:  # the parent waits for one result per child
         proc = subprocess.CompletedProcess(cmd, 1, "", repr(error))
     results.put((index, proc))

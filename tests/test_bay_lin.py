@@ -3,10 +3,10 @@
 import os
 import socket
 
+import child_processes
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.bay_lin import BayLin, posterior_precision, quadratic_form_sqrt
@@ -104,7 +104,7 @@ def _distributed_worker(rank, world, port, zc, zr, w, out):
         m = make_method()
         m._build(zc.shape[1])
         m._fit_features(zc, zr, w)  # every rank sees all pairs for the MAP; H from its shard + all-reduce
-        out[rank] = m.precision
+        out.put((rank, m.precision.numpy()))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -117,13 +117,12 @@ def test_precision_sums_over_all_processes():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    manager = mp.Manager()
-    out = manager.dict()
-    # fork, not spawn: the workers need nothing but torch, which this process has imported already (spawn would
-    # start two fresh interpreters that import it again, most of this test's time)
-    mp.start_processes(_distributed_worker, args=(2, port, zc, zr, w, out), nprocs=2, join=True, start_method="fork")
+    # forkserver children (tests/child_processes.py): torch imported already, as in a fork, but no CUDA state
+    out = child_processes.queue()
+    child_processes.start_ranks(_distributed_worker, args=(2, port, zc, zr, w, out), nprocs=2)
+    precisions = dict(out.get(timeout=60) for _ in range(2))
     for rank in (0, 1):
-        torch.testing.assert_close(out[rank], single.precision)
+        torch.testing.assert_close(torch.from_numpy(precisions[rank]), single.precision)
 
 
 @pytest.mark.parametrize("kw, key", [(dict(reg_lambda=0.0), "reg_lambda"), (dict(beta=-1.0), "beta"),

@@ -51,7 +51,8 @@ def _run(tmp_path: Path, tiny_backbone, name: str, launcher: list[str], *overrid
 
 ONE = [sys.executable]
 # What torchrun does (one process per rank, told its rank by environment variables), with the ranks forked from the
-# test process instead of started fresh: the fast form of TORCHRUN, whose real launches are the slow tests.
+# tests' fork server (tests/child_processes.py: everything imported, no CUDA state) instead of started fresh: the fast
+# form of TORCHRUN, whose real launches are the slow tests.
 FORKED_RANKS = ["forked ranks"]
 TORCHRUN = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"]
 # accelerate's multi-GPU launcher is torch.distributed.run underneath; with device=cpu the processes join over gloo.
@@ -108,9 +109,9 @@ TOL = 1e-4
 LORA = {"ens_lora": ("method.anchor=mean_squared", "method.num_members=3")}
 
 
-# The default run forks the ranks; the real torchrun launches (two fresh processes that import everything: 20-30 s
-# each on 2 cores) are slow tests. Fresh processes with a launcher's environment are also in the default run:
-# submitit's two-task job in tests/test_sweep_multitask.py.
+# The default run forks the ranks from the fork server; the real torchrun launches (two fresh processes that import
+# everything: 20-30 s each on 2 cores) are slow tests. Fresh processes with a launcher's environment are also in the
+# default run: submitit's two-task job in tests/test_sweep_multitask.py.
 LAUNCHERS = [pytest.param(FORKED_RANKS, id="forked_ranks"),
              pytest.param(TORCHRUN, id="torchrun", marks=pytest.mark.slow)]
 

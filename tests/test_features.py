@@ -1,7 +1,8 @@
 """Feature extraction and the shared feature cache."""
 
-import multiprocessing
+import os
 
+import child_processes
 import pytest
 import safetensors.torch
 import torch
@@ -109,11 +110,10 @@ def test_two_processes_extract_one_entry(tmp_path, tiny_backbone):
 
     # share the session's tiny model so both processes start extracting at about the same time
     cache = cache_with_tiny_model(tmp_path / "cache", tiny_backbone)
-    # fork: two processes with this one's imports (a fresh interpreter would spend most of the test importing)
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_extract_in_child, args=(str(cache), str(ROOT / "conf/model/tiny-qwen3.yaml"),
-                                                         results)) for _ in range(2)]
+    # forkserver children (tests/child_processes.py): the imports done already, as in a fork, but no CUDA state
+    results = child_processes.queue()
+    procs = [child_processes.process(_extract_in_child, (str(cache), str(ROOT / "conf/model/tiny-qwen3.yaml"), results))
+             for _ in range(2)]
     for p in procs:
         p.start()
     results = [results.get(timeout=300) for _ in procs]
@@ -140,28 +140,50 @@ def test_bad_probe_settings(tiny_backbone, tmp_path, frame):
             frame["prompt"], frame["chosen"])
 
 
+def _killed_while_writing_an_entry(folder: str) -> None:
+    """A job (a child process) killed halfway through writing the tensor file of a cache entry (SIGKILL: no handler
+    runs, the entry's lock stays held)."""
+    import signal
+
+    from rewarduq_exp.models.feature_cache import FeatureCache
+
+    def half_written(tensor, path):
+        with open(path, "wb") as fh:
+            fh.write(b"PK\x03\x04 (cut short)")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = half_written
+    FeatureCache(folder).get_or_compute("entry", lambda: torch.ones(4, 2), {"what": "test"})
+
+
+def _killed_while_writing_a_shard(folder: str, texts: list) -> None:
+    """A job killed halfway through writing a shard of rows (holding the shard's lock)."""
+    import signal
+
+    import rewarduq_exp.models.feature_cache as fc
+
+    def half_written(tensors, path):
+        with open(path, "wb") as fh:
+            fh.write(b"\x10\x00 (cut short)")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    fc.save_file = half_written
+    fc.FeatureCache(folder).lookup({"m": 1}, texts, CountingRows(texts))
+
+
 def test_an_entry_half_written_by_a_killed_job_is_never_read(tmp_path):
     """A job killed (SIGKILL: no handler runs) while writing a feature-cache entry, holding the entry's lock, leaves
     only a hidden temporary file: the next job neither reads it nor waits on the dead job's lock, and computes the
     entry again."""
-    import os
     import signal
 
     from rewarduq_exp.models.feature_cache import FeatureCache
 
     cache = FeatureCache(tmp_path)
-    pid = os.fork()
-    if pid == 0:  # the job: killed halfway through writing the tensor file
-        def half_written(tensor, path):
-            with open(path, "wb") as fh:
-                fh.write(b"PK\x03\x04 (cut short)")
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        torch.save = half_written
-        cache.get_or_compute("entry", lambda: torch.ones(4, 2), {"what": "test"})
-        os._exit(1)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    job = child_processes.process(_killed_while_writing_an_entry, (str(tmp_path),))
+    job.start()
+    job.join(timeout=60)
+    assert job.exitcode == -signal.SIGKILL
     assert cache.get("entry") is None and any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
     tensor, hit = cache.get_or_compute("entry", lambda: torch.arange(8.0).view(4, 2), {"what": "test"})
     assert not hit and torch.equal(tensor, torch.arange(8.0).view(4, 2))
@@ -212,24 +234,15 @@ def test_rows_are_cached_per_text_any_order_subset_or_grouping(tmp_path):
 def test_a_shard_half_written_by_a_killed_job_is_never_read(tmp_path):
     """SIGKILL while writing a shard (holding its lock): the next lookup neither reads the half file nor waits on the
     dead job's lock, and computes the rows again."""
-    import os
     import signal
 
     import rewarduq_exp.models.feature_cache as fc
 
     texts = ["a", "bb", "ccc"]
-    pid = os.fork()
-    if pid == 0:
-        def half_written(tensors, path):
-            with open(path, "wb") as fh:
-                fh.write(b"\x10\x00 (cut short)")
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        fc.save_file = half_written
-        fc.FeatureCache(tmp_path).lookup({"m": 1}, texts, CountingRows(texts))
-        os._exit(1)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    job = child_processes.process(_killed_while_writing_a_shard, (str(tmp_path), texts))
+    job.start()
+    job.join(timeout=60)
+    assert job.exitcode == -signal.SIGKILL
     assert not list(tmp_path.glob("rows/*/shard-*")) and list(tmp_path.glob("rows/*/.shard-*.tmp"))
     again = CountingRows(texts)
     rows, hit = fc.FeatureCache(tmp_path).lookup({"m": 1}, texts, again)

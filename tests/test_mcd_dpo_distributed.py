@@ -12,7 +12,7 @@ micro-batches 4s .. 4s + 3. 20 pairs in micro-batches of 2 give 10 micro-batches
 the epoch's end, where the Trainer steps with fewer micro-batches). Dropout is 0 for the comparison with one process:
 the ranks draw their own masks (seed + rank), which one process cannot reproduce.
 
-This file is also the script each rank runs (``__main__`` below), forked from the test process by ``run_ranks``.
+This file is also the script each rank runs (``__main__`` below), in the fork server's children of ``run_ranks``.
 """
 
 import json
