@@ -205,3 +205,84 @@ def test_full_weights_gathers_an_fsdp_sharded_policy(tmp_path, tiny_backbone):
     fresh.load_state_dict(weights)
     for (name, a), b in zip(original.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def _cpu_rank_on_a_gpu_node(rank: int, port: int, results) -> None:
+    """Rank ``rank`` of 2 of a ``device=cpu`` run on a node with one GPU, as torch and accelerate see such a node:
+    CUDA available, one device, and torch built for CUDA (``torch._C._get_accelerator``, which barriers read). Any
+    CUDA tensor fails here (a CPU build of torch): what would create a CUDA context on the GPU node."""
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch._C._get_accelerator = lambda *args: torch.device("cuda")
+
+    def bind(device):
+        raise AssertionError(f"a rank whose device is cpu was bound to {device}")
+
+    torch.cuda.set_device = bind
+    from accelerate import Accelerator, PartialState
+
+    from rewarduq_exp.core import distributed
+
+    distributed.setup("cpu")
+    state = PartialState()
+    state.wait_for_everyone()             # accelerate's own barrier
+    with state.main_process_first():      # TRL's dataset preparation
+        pass
+    Accelerator(cpu=True).wait_for_everyone()   # the trainer's (MCD-DPO waits on it before deleting shared files)
+    distributed.barrier()
+    results.put((rank, state.backend, state.device.type, distributed.max_across(rank)))
+
+
+def test_cpu_ranks_on_a_gpu_node_never_touch_cuda():
+    """accelerate's barrier would put its tensor on cuda:<local rank> even for gloo: a CPU run's rank 1 on a one-GPU
+    node failed ("invalid device ordinal"; "CUDA error: initialization error" when forked after CUDA was used)."""
+    import socket
+
+    import child_processes
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = child_processes.queue()
+    child_processes.start_ranks(_cpu_rank_on_a_gpu_node, args=(port, results), nprocs=2)
+    assert sorted(results.get(timeout=60) for _ in range(2)) == [(0, "gloo", "cpu", 1), (1, "gloo", "cpu", 1)]
+
+
+def _gpu_rank(local_rank: int, results) -> None:
+    """accelerate's choice for rank ``local_rank`` of 2 of a ``device=cuda`` run on a node with 2 GPUs, the GPUs and
+    torch.distributed's process group stood in for (recorded, not created)."""
+    import torch
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    from rewarduq_exp.core import distributed
+
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    calls = []
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 2
+    torch.cuda.set_device = lambda device: calls.append(("set_device", str(device)))
+    dist.init_process_group = lambda backend=None, **kwargs: calls.append(("init_process_group", backend))
+    dist.get_world_size = lambda *args, **kwargs: 2
+    dist.get_rank = lambda *args, **kwargs: local_rank
+    distributed.setup("cuda")
+    state = PartialState()
+    results.put((local_rank, calls, state.backend, str(state.device), "wait_for_everyone" in state.__dict__))
+
+
+def test_gpu_ranks_get_nccl_and_one_gpu_each():
+    """torchrun / accelerate launch with device=cuda (or auto on a GPU node): nccl, and rank r bound to cuda:r
+    (LOCAL_RANK), so that ``cuda`` in the methods is the rank's own GPU; accelerate's barrier is kept (it names the
+    GPU)."""
+    import child_processes
+
+    results = child_processes.queue()
+    child_processes.start_ranks(_gpu_rank, args=(results,), nprocs=2)
+    for r, calls, backend, device, barrier_replaced in sorted(results.get(timeout=60) for _ in range(2)):
+        assert calls == [("init_process_group", "nccl"), ("set_device", f"cuda:{r}")]
+        assert backend == "nccl" and device == f"cuda:{r}" and not barrier_replaced

@@ -50,21 +50,58 @@ def is_main() -> bool:
 def setup(device_type: str) -> None:
     """Join the launcher's processes into one process group (no-op for a single process or when already joined).
 
-    accelerate's ``PartialState`` reads the launcher's environment, picks the backend (``cpu=True``: gloo, otherwise
-    nccl) and binds each process to ``cuda:LOCAL_RANK``; TRL's trainer later finds the same state.
+    accelerate's ``PartialState`` reads the launcher's environment and picks the backend and the device: for
+    ``device_type`` cpu, gloo and the CPU (nothing of CUDA, also on a GPU node); otherwise, where CUDA is available,
+    nccl and ``cuda:LOCAL_RANK``, bound with ``torch.cuda.set_device`` (so ``cuda`` means this process's own GPU). TRL's
+    trainer later finds the same state.
     """
     if int(os.environ.get("WORLD_SIZE", 1)) <= 1 or _initialized():
         return
     from accelerate import PartialState
+    from accelerate.utils import DistributedType
 
-    PartialState(cpu=device_type == "cpu")
+    state = PartialState(cpu=device_type == "cpu")
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        _barrier_on_the_cpu(state)
+
+
+def _barrier_on_the_cpu(state) -> None:
+    """accelerate's ``wait_for_everyone`` (behind ``Accelerator.wait_for_everyone`` and ``main_process_first``, which
+    TRL's trainer calls) runs ``torch.distributed.barrier(device_ids=[local rank])`` whatever the backend, and torch
+    then puts the barrier's tensor on ``<the accelerator torch was built for>:<local rank>``: with a CUDA build of
+    torch, a process whose device is cpu would create a CUDA context on a GPU, fail with "invalid device ordinal" where
+    the node has fewer GPUs than processes, or with "CUDA error: initialization error" where it was forked from a
+    process that had used CUDA. A gloo barrier needs no device (torch takes the CPU when none is named): the state that
+    every ``PartialState``, ``AcceleratorState`` and ``Accelerator`` shares gets a ``wait_for_everyone`` without
+    device ids, for as long as that state lives."""
+    import torch.distributed as dist
+
+    def wait_for_everyone() -> None:
+        dist.barrier()
+
+    state.wait_for_everyone = wait_for_everyone  # the shared state's attribute, ahead of the class's method
+
+
+def _collective_device():
+    """Where this process's collectives put their tensors: its own GPU under nccl (``setup`` bound it with
+    ``torch.cuda.set_device``), the CPU otherwise."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def barrier() -> None:
     if _initialized() and world_size() > 1:
         import torch.distributed as dist
 
-        dist.barrier()
+        device = _collective_device()
+        if device.type == "cuda":  # name this process's GPU (torch would otherwise guess one, and warn)
+            dist.barrier(device_ids=[device.index])
+        else:  # gloo: no device named, torch takes the CPU
+            dist.barrier()
 
 
 def broadcast_from_main(obj):
@@ -118,7 +155,6 @@ def max_across(value: int) -> int:
     import torch
     import torch.distributed as dist
 
-    box = torch.tensor([value], dtype=torch.long,
-                       device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    box = torch.tensor([value], dtype=torch.long, device=_collective_device())
     dist.all_reduce(box, op=dist.ReduceOp.MAX)
     return int(box.item())
