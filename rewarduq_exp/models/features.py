@@ -10,6 +10,7 @@ is the embedding output) and the pooling (``last``: the last real token, i.e. th
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import torch
@@ -136,6 +137,7 @@ class FeatureEncoder:
         number), sorted by length or grouped by prompt (:func:`token_batches`). On a GPU nothing waits for the
         device between batches: each batch is laid out in pinned host memory and copied asynchronously, the prompt
         bookkeeping reads host tensors, and the pooled rows stay on the device until the end (one copy back)."""
+        start = time.perf_counter()
         model = self._model_or_load()
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
@@ -170,4 +172,8 @@ class FeatureEncoder:
             out[torch.as_tensor(idx).to(pooled.device, non_blocking=True)] = pooled
         if not torch.isfinite(out).all():
             raise RuntimeError("backbone features contain NaN/inf; check model.dtype and the inputs")
-        return out.cpu()
+        out = out.cpu()
+        # loading the backbone (first call), tokenising and the forwards, up to the features on the host
+        self.stats["seconds_extracting"] = round(self.stats.get("seconds_extracting", 0.0)
+                                                 + time.perf_counter() - start, 3)
+        return out

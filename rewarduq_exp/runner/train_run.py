@@ -235,6 +235,12 @@ class RewardModelTask:
             info["world_size"] = distributed.world_size()
         if getattr(method, "stats", None):
             info["method"] = method.stats
+        if self.backbone.device.type == "cuda":   # what the run held at its peak (the planner's figure to compare)
+            import torch
+
+            info["device_memory"] = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(self.backbone.device),
+                                     "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.backbone.device),
+                                     "device": torch.cuda.get_device_name(self.backbone.device)}
         result = RunOutput(blocks, info, figures=figures, history=method.history)
         widths = {name: m["bound_width"] for name, m in blocks.items() if m.get("bound_width") is not None}
         if len(widths) > 1:
