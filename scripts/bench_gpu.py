@@ -18,13 +18,15 @@ what is alive then: the measured phase's weights included):
   rows against K sequential ``set_adapter`` passes of ``--batch`` rows (tokens/s counts member-tokens: K x the
   batch's). Planned: the scoring phase with ``mixed_adapter_scoring`` true / false.
 * MCD-DPO: one training step of the policy (float32 weights, bf16 autocast on a bf16 backbone, activation
-  checkpointing on a GPU as ``gradient_checkpointing=auto`` does; ``--batch`` rows = ``--batch / 2`` pairs): the
-  body, the chunked completion log-probs with head dropout (``completion_logps``), the DPO loss against fixed
-  reference log-probs, backward, gradient clipping and an AdamW step: the work of ``compute_loss`` and the optimizer
-  step, without the Trainer around it. Planned: the training phase. Then scoring with K = ``--masks`` dropout masks
-  on one body forward (``mc_completion_logps``, ``row_generators``) against K full forward passes with full logits
-  (``naive`` of scripts/bench_mcd.py), and one whole scoring batch as ``sample_rewards`` runs it (policy with K masks
-  + the float32 reference copy's ``completion_logps``). Planned: the scoring phase (the K full passes: n/a, no
+  checkpointing on a GPU as ``gradient_checkpointing=auto`` does) on ``--mcd-pairs`` pairs (2 x that many rows of
+  ``--length`` tokens): the body, the chunked completion log-probs with head dropout (``completion_logps``), the DPO
+  loss against fixed reference log-probs, backward, gradient clipping and an AdamW step: the work of
+  ``compute_loss`` and the optimizer step, without the Trainer around it. Planned: the training phase at
+  ``micro_batch_size`` = ``--mcd-pairs``. Then, with the trained policy's parameters frozen as after ``McdDpo.fit``,
+  scoring ``--batch`` rows with K = ``--masks`` dropout masks on one body forward (``mc_completion_logps``,
+  ``row_generators``) against K full forward passes with full logits (``naive`` of scripts/bench_mcd.py), and one
+  whole scoring batch as ``sample_rewards`` runs it (``McdDpo.mask_rewards_ids``: the policy with K masks + the
+  float32 reference copy, under the method's own autocast). Planned: the scoring phase (the K full passes: n/a, no
   configuration runs them).
 * BAY-LIN: the Laplace posterior precision and its Cholesky factor (``posterior_precision``, ``BayLin.set_precision``)
   at the backbone's hidden size over ``--pairs`` training pairs (default: UltraFeedback's 62,135), features on the
@@ -66,7 +68,7 @@ TINY = "tiny-qwen3"
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
 # Sizes when none are given: (GPU, smoke)
 DEFAULTS = {"batch": (8, 4), "length": (512, 32), "members": (8, 4), "masks": (20, 4), "repeats": (5, 2),
-            "pairs": (None, 2048)}
+            "pairs": (None, 2048), "mcd_pairs": (16, 2)}
 DROPOUT, CHUNK, LORA_RANK, DPO_BETA = 0.1, 64, 16, 0.1
 
 
@@ -368,13 +370,13 @@ class ShapeBench:
     def mcd_dpo(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        from rewarduq_exp.methods.mcd_dpo import completion_logps
+        from rewarduq_exp.methods.mcd_dpo import McdDpo, row_generators
 
-        b, n, k = self.args.batch, self.args.length, self.args.masks
-        if b < 2 or b % 2:
-            raise SystemExit("--batch must be even for MCD-DPO ([chosen; rejected] rows)")
+        b, n, k, pairs = self.args.batch, self.args.length, self.args.masks, self.args.mcd_pairs
+        if pairs < 1:
+            raise SystemExit("--mcd-pairs must be at least 1")
         tokens = b * n
-        mcd = ["method=mcd_dpo", f"method.micro_batch_size={b // 2}", f"method.batch_size={b // 2}",
+        mcd = ["method=mcd_dpo", f"method.micro_batch_size={pairs}", f"method.batch_size={pairs}",
                f"method.num_samples={k}", f"method.score_batch_size={b}", f"method.logprob_chunk={CHUNK}",
                f"method.dropout={DROPOUT}", f"method.gradient_checkpointing={str(self.checkpointing).lower()}",
                f"plan.completion_fraction={self.n_completion / tokens}"]
@@ -385,8 +387,10 @@ class ShapeBench:
             return
         cast = autocast(self.device, self.dtype)
         self.mcd_train_step(policy, cast, mcd)   # its optimizer states are gone when it returns
-        # scoring: the trained policy (no optimizer states, no gradients) and a float32 reference copy
+        # scoring: the trained policy (no optimizer states, no gradients, parameters frozen as McdDpo.fit leaves
+        # them) and a float32 reference copy
         policy.zero_grad(set_to_none=True)
+        policy.requires_grad_(False)
         if self.checkpointing:
             checkpointing_on(policy, False)
         policy.eval()
@@ -417,34 +421,44 @@ class ShapeBench:
         except torch.cuda.OutOfMemoryError as err:
             self.results["mcd_scoring"] = {"label": "MCD-DPO scoring batch", "error": oom(err)}
             return
+        method = McdDpo(encoder=Encoder(RandomBackbone(self.name, self.dtype, policy)), dpo_beta=DPO_BETA,
+                        dropout=DROPOUT, num_samples=k, score_batch_size=b, logprob_chunk=CHUNK,
+                        device=str(self.device), show_progress=False)
+        method.policy, method.reference = policy, reference
+        starts = [n // 2] * b   # each row's first completion token
 
-        @torch.no_grad()
         def scoring_batch():   # McdDpo.sample_rewards on one batch
-            logps = k_masks()
-            with cast:
-                h = reference.model(input_ids=self.ids, attention_mask=self.attn, use_cache=False).last_hidden_state
-                ref_lp = completion_logps(h, reference.lm_head, self.ids, self.comp, CHUNK)
-            return DPO_BETA * (logps - ref_lp.unsqueeze(0))
+            return method.mask_rewards_ids(self.ids, self.attn, self.comp, row_generators(range(b), self.device),
+                                           starts)
 
         planned = self.planner.phase("mcd_scoring", mcd, "scoring")
         self.measure("mcd_scoring", f"MCD-DPO scoring batch (K={k} masks + reference)", scoring_batch,
                      tokens=tokens, flops=2 * self.body_flops(tokens) + (k + 1) * head, planned=planned)
 
     def mcd_train_step(self, policy, cast, mcd: list[str]) -> None:
-        """One optimizer step of ``compute_loss`` + AdamW, timed; the optimizer lives only in here."""
+        """One optimizer step of ``compute_loss`` + AdamW on ``--mcd-pairs`` pairs, timed; the optimizer lives only
+        in here."""
         from rewarduq_exp.methods.mcd_dpo import completion_logps, weighted_dpo_loss
 
-        b, tokens = self.args.batch, self.args.batch * self.args.length
+        pairs, n = self.args.mcd_pairs, self.args.length
+        rows = 2 * pairs   # [chosen; rejected]
+        tokens = rows * n
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, self.arch.vocab, (rows, n), generator=g).to(self.device)
+        attn = torch.ones_like(ids)
+        comp = torch.zeros_like(ids)
+        comp[:, n // 2:] = 1   # the scoring rows' layout: the second half is the completion
+        n_completion = int(comp[:, 1:].sum())
         if self.checkpointing:
             checkpointing_on(policy, True)
         policy.train()
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=self.device.type == "cuda")
-        ref = torch.zeros(b, device=self.device)   # reference log-probs: precomputed once per pair in the method
+        ref = torch.zeros(rows, device=self.device)   # reference log-probs: precomputed once per pair in the method
 
         def step():
             with cast:
-                hidden = policy.model(input_ids=self.ids, attention_mask=self.attn, use_cache=False).last_hidden_state
-                logps = completion_logps(hidden, policy.lm_head, self.ids, self.comp, CHUNK, DROPOUT, training=True)
+                hidden = policy.model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+                logps = completion_logps(hidden, policy.lm_head, ids, comp, CHUNK, DROPOUT, training=True)
             chosen, rejected = logps.float().chunk(2)
             ref_c, ref_r = ref.chunk(2)
             weighted_dpo_loss(DPO_BETA * ((chosen - ref_c) - (rejected - ref_r)), None).backward()
@@ -454,8 +468,8 @@ class ShapeBench:
 
         planned = self.planner.phase("mcd_train_step", mcd, "training")
         passes = 3 + self.checkpointing   # forward, backward (2x), + the recomputation when checkpointed
-        flops = passes * (self.body_flops(tokens) + self.head_flops(self.n_completion))
-        label = f"MCD-DPO training step ({b // 2} pairs{', checkpointed' if self.checkpointing else ''})"
+        flops = passes * (self.body_flops(tokens) + self.head_flops(n_completion))
+        label = f"MCD-DPO training step ({pairs} pairs{', checkpointed' if self.checkpointing else ''})"
         self.measure("mcd_train_step", label, step, tokens=tokens, flops=flops, planned=planned)
 
     def _ratio(self, name: str, slow: str, fast: str) -> None:
@@ -509,6 +523,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=None, help="tokens per sequence (GPU 512, smoke 32)")
     parser.add_argument("--members", type=int, default=None, help="ENS-LoRA K (GPU 8, smoke 4)")
     parser.add_argument("--masks", type=int, default=None, help="MCD-DPO K dropout masks (GPU 20, smoke 4)")
+    parser.add_argument("--mcd-pairs", type=int, default=None,
+                        help="pairs of --length tokens in the MCD-DPO training step (GPU 16, smoke 2)")
     parser.add_argument("--pairs", type=int, default=None,
                         help="BAY-LIN training pairs (GPU: UltraFeedback's 62,135; smoke 2,048)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs after the warm-up (GPU 5, smoke 2)")
@@ -547,7 +563,8 @@ def run(args) -> None:
     gpu_name, tflops = peak_tflops(device, args.peak_tflops)
     memory = Memory(device)
     print(f"device {device} ({gpu_name}), dense bf16 peak {f'{tflops:g} TFLOPS' if tflops else 'n/a'}; "
-          f"batch {args.batch} x {args.length} tokens, ENS-LoRA K={args.members}, MCD-DPO K={args.masks}, "
+          f"batch {args.batch} x {args.length} tokens, ENS-LoRA K={args.members}, MCD-DPO K={args.masks} "
+          f"(training step: {args.mcd_pairs} pairs), "
           f"BAY-LIN {args.pairs:,} pairs, median of {args.repeats} after a warm-up, torch threads "
           f"{torch.get_num_threads()}; memory: {memory.kind}",
           flush=True)
@@ -561,7 +578,8 @@ def run(args) -> None:
         done[bench.name] = bench
     print(table(done), flush=True)
     result = {"device": str(device), "device_name": gpu_name, "peak_bf16_tflops": tflops, "memory": memory.kind,
-              "settings": {k: getattr(args, k) for k in ("batch", "length", "members", "masks", "pairs", "repeats")}
+              "settings": {k: getattr(args, k) for k in ("batch", "length", "members", "masks", "mcd_pairs", "pairs",
+                                                         "repeats")}
               | {"lora_rank": LORA_RANK, "dropout": DROPOUT, "logprob_chunk": CHUNK, "smoke": smoke},
               "torch": torch.__version__, "seconds": time.perf_counter() - t0,
               "shapes": {name: {"dtype": str(b.dtype).removeprefix("torch."), "params_causal_lm":

@@ -1,10 +1,12 @@
 """MCD-DPO (RewardUQ eq. 13) on the tiny offline Qwen3: training, MC-dropout scoring, persistence, Skywork checks."""
 
 import types
+import weakref
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.synthetic import SyntheticWorld
@@ -245,6 +247,42 @@ def test_bf16_training_and_scoring_on_cpu(bf16_backbone, tiny_backbone, data):
     ref = fp32.score(ev["prompt"], ev["chosen"])
     np.testing.assert_allclose(bf16.reward, ref.reward, atol=0.02)
     assert np.corrcoef(bf16.reward, ref.reward)[0, 1] > 0.99
+
+
+class WeightCasts(TorchDispatchMode):
+    """The bf16 copies made of the given float32 parameters while active, by weak reference: a copy still alive after
+    the op that made it is held by someone (autocast's weight cache); ``peak`` = the most bytes of copies alive."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.ids = {id(p) for p in params}
+        self.copies: list[tuple[weakref.ref, int]] = []
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.ids and out.dtype == torch.bfloat16:
+            self.copies.append((weakref.ref(out), out.numel() * out.element_size()))
+        self.peak = max(self.peak, sum(n for ref, n in self.copies if ref() is not None))
+        return out
+
+
+def test_bf16_scoring_keeps_no_bf16_copy_of_the_weights(bf16_backbone, data):
+    """Autocast caches the bf16 cast of every float32 leaf that requires grad, in no_grad too, until its region ends:
+    scoring a policy whose parameters require grad (an untrained one here, as the Trainer leaves them) would hold a
+    bf16 copy of all its weights on top of the float32 ones (+2 bytes a parameter, 8 GB at 4B), which the planner
+    does not count. Scoring casts one weight at a time instead."""
+    _, ev = data
+    method = _method(bf16_backbone)
+    policy, reference = method._ensure_policy(), method._ensure_reference()
+    params = [*policy.parameters(), *reference.parameters()]
+    assert all(p.requires_grad for p in policy.parameters()) and all(p.dtype == torch.float32 for p in params)
+    casts = WeightCasts(params)
+    with casts:
+        rewards = method.sample_rewards(ev["prompt"][:8], ev["chosen"][:8])
+    assert np.isfinite(rewards).all() and len(casts.copies) > 0     # scored under bf16 autocast
+    largest = max(p.numel() for p in params) * 2                     # the tied LM head / embedding
+    assert casts.peak <= largest, f"{casts.peak} bytes of bf16 weight copies alive at once (one weight: {largest})"
 
 
 def test_gradient_checkpointing_on_cpu_gives_the_same_losses(tiny_backbone, data):

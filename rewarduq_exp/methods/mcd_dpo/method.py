@@ -384,30 +384,45 @@ class McdDpo(RewardMethod):
 
     def _autocast(self):
         # The same bf16 autocast as training (accelerate's, see _make_trainer), on the model's device type: CPU
-        # autocast runs this path in tests.
+        # autocast runs this path in tests. Without autocast's weight cache: it keeps the bf16 cast of every float32
+        # leaf that requires grad (grad mode or not) until the region ends, i.e. a bf16 copy of the whole policy
+        # (2 bytes a parameter, 8 GB at 4B) whenever its parameters still require grad (an untrained policy, or one
+        # handed in by a caller). Scoring uses each body weight once per batch and the LM head once per chunk: the
+        # cache would only spare the LM head's re-casts, at the price of that copy.
         if self._bf16():
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
         return torch.autocast(self.device.type, enabled=False)
 
     @torch.no_grad()
     def sample_rewards(self, prompts, completions) -> np.ndarray:
         """(n, K) implicit rewards, one column per dropout mask. The masks of a sequence are seeded from the method's
         seed and the sequence's tokens, so its rewards do not depend on the other texts of the call."""
-        policy, reference = self._ensure_policy().eval(), self._ensure_reference()
+        self._ensure_policy().eval()
         prompts, completions = list(prompts), list(completions)
         out = np.zeros((len(prompts), self.num_samples))
         n_batches = math.ceil(len(prompts) / self.score_batch_size)
         batches = progress(self._batches(prompts, completions), total=n_batches, desc="mcd_dpo scoring",
                            unit="batches", show=self.show_progress, quiet=not is_main())
         for idx, ids, attn, comp, seeds, starts in batches:
-            with self._autocast():
-                hidden = shared_prefix_hidden(policy.get_decoder(), ids, attn, starts)
-                logps = mc_completion_logps(hidden, policy.lm_head, ids, comp, self.num_samples, self.dropout,
-                                            row_generators(seeds, self.device), self.logprob_chunk)  # (K, B)
-                ref_hidden = shared_prefix_hidden(reference.get_decoder(), ids, attn, starts)
-                ref = completion_logps(ref_hidden, reference.lm_head, ids, comp, self.logprob_chunk)  # (B,)
-            out[idx] = (self.dpo_beta * (logps - ref.unsqueeze(0))).T.double().cpu().numpy()
+            rewards = self.mask_rewards_ids(ids, attn, comp, row_generators(seeds, self.device), starts)  # (K, B)
+            out[idx] = rewards.T.double().cpu().numpy()
         return out
+
+    @torch.no_grad()
+    def mask_rewards_ids(self, ids, attn, comp, generators, starts) -> torch.Tensor:
+        """(K, B) implicit rewards of one batch of right-padded token ids: ``comp`` marks each row's completion
+        tokens, ``generators`` are the rows' mask generators (:func:`~.logprobs.row_generators`), ``starts`` the rows'
+        first completion tokens (shared prompts run once). One body forward of the policy with K masks through the LM
+        head, one of the reference; what :meth:`sample_rewards` runs per batch (and ``scripts/bench_gpu.py`` measures).
+        """
+        policy, reference = self._ensure_policy(), self._ensure_reference()
+        with self._autocast():
+            hidden = shared_prefix_hidden(policy.get_decoder(), ids, attn, starts)
+            logps = mc_completion_logps(hidden, policy.lm_head, ids, comp, self.num_samples, self.dropout,
+                                        generators, self.logprob_chunk)  # (K, B)
+            ref_hidden = shared_prefix_hidden(reference.get_decoder(), ids, attn, starts)
+            ref = completion_logps(ref_hidden, reference.lm_head, ids, comp, self.logprob_chunk)  # (B,)
+        return self.dpo_beta * (logps - ref.unsqueeze(0))
 
     def score(self, prompts, completions) -> Scores:
         samples = self.sample_rewards(prompts, completions)
