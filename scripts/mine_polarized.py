@@ -111,7 +111,7 @@ def main(argv=None) -> None:
                                                     "model=..., model.*=..., probe.*=... (cold start)")
     parser.add_argument("--top", type=int, default=20, help="samples per tail")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", help="auto | cpu | cuda | cuda:N (default: a device= setting, else auto)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow a run= whose model config has trust_remote_code: true (its checkpoint runs code)")
     parser.add_argument("--target", default="user satisfaction with the assistant",
@@ -119,6 +119,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     settings = dict(s.split("=", 1) for s in args.settings if "=" in s)
     args.run, args.data, args.dataset = settings.get("run"), settings.get("data"), settings.get("dataset")
+    # a device= setting (as train.py takes it) chooses the device too; --device wins over it
+    args.device = args.device or settings.get("device", "auto")
     try:
         if args.run:
             from rewarduq_exp.runner.trained_run import load_trained_method

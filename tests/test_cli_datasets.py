@@ -132,7 +132,7 @@ def test_evaluate_run_on_another_hub_dataset_reproduces_its_block(hub_run, hub_r
                         f"hydra.run.dir={tmp_path / 'ev'}"], tmp_path, shared_cache)
     after = json.loads((folder / "metrics.json").read_text())
     assert list(after) == list(before)  # merged into the existing block, nothing lost
-    assert after["reward_bench2_test"] == pytest.approx(before["reward_bench2_test"])
+    assert after["reward_bench2_test"] == pytest.approx(before["reward_bench2_test"])  # features from the cache
     proc = run("evaluate.py", [f"run={folder}", "dataset=helpsteer2", f"paths.datasets_dir={hub_root}",
                                f"hydra.run.dir={tmp_path / 'ev2'}"], tmp_path, shared_cache, check=False)
     assert "is pointwise" in one_error_line(proc)

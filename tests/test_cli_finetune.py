@@ -31,6 +31,8 @@ def test_fine_tuning_method_end_to_end(tmp_path, shared_cache, method):
     again = run("evaluate.py", [f"run={folder}", "dataset=synthetic_eval", "progress=false",
                                 f"hydra.run.dir={tmp_path / 'ev'}"], tmp_path, shared_cache)
     after = json.loads((folder / "metrics.json").read_text())
+    # the same model scores the same pairs in the same batches (score_batch_size) on the same device: the same
+    # kernels, the same scores (MC-dropout masks seeded); 1e-6 only for the metrics' own float sums
     assert after["synthetic_eval"] == pytest.approx(metrics["synthetic_eval"], abs=1e-6), again.stdout
     # the Python API rebuilds the same model: the scores evaluate.py just wrote, from plain strings
     assert_strict_json_files(folder)  # train_history.json, metrics.json (merged by evaluate.py), method.json, ...
