@@ -1,7 +1,9 @@
 """ENS-LoRA: an ensemble of K LoRA adapters on one frozen backbone, each with its own linear reward head
 (RewardUQ section 4.2, Appendix B.2).
 
-All K members live on ONE base model (PEFT ``get_peft_model`` + ``add_adapter``). A member's reward is its linear
+All K members live on ONE frozen base model as a batched multi-LoRA module
+(:mod:`rewarduq_exp.models.multi_lora`): PEFT builds the adapters (``get_peft_model`` + ``add_adapter``, each member
+under its own seed) and their weights move into stacked tensors. A member's reward is its linear
 head applied to the final hidden state (after the last RMSNorm) of the last real token of the chat-template-rendered
 prompt + completion. Members differ from the start: member k's LoRA A matrices and head come from a seed derived from
 (seed, k). (LoRA B starts at zero, so with a pretrained Skywork head all members start from the same rewards and
@@ -25,13 +27,12 @@ independent run (the authors trained each member in its own run); gradients are 
 (``max_grad_norm``, the HF Trainer default 1.0 the authors trained with). Every member sees the same minibatch (one
 job trains the whole ensemble).
 
-One forward can serve all members: the batch is replicated K times and each row is routed to its member's adapter with
-PEFT's ``adapter_names=`` (mixed-adapter batch). PEFT refuses ``adapter_names`` in train
-mode, so training runs the model in eval mode with only ``nn.Dropout`` modules switched back to train. Gradient
-checkpointing recomputes the forward during backward without PEFT's routing hooks, so with it on, training falls back
-to one pass per member (``set_adapter``). Scoring can use the same mixed batch (``mixed_adapter_scoring``), checked in
-the tests to equal K sequential ``set_adapter`` passes. Both default to ``auto``: mixed on GPU, one pass per member on
-CPU, where the mixed batch measured slower (it saves no FLOPs; see ``_mixed_flag``).
+One forward serves all members (``mixed_adapter_training`` / ``mixed_adapter_scoring``: "all members in one batched
+forward"): the batch is replicated K times member-major, every frozen base projection runs once over the K x B rows
+and the K low-rank updates run as one batched matmul over the stacked adapters. Otherwise each member runs its own
+pass of B rows (one backward per member in training). Both give the same rewards and gradients (the tests check them
+against PEFT's ``set_adapter`` passes), in train mode, with LoRA dropout and with activation checkpointing (the
+routing is kept for the recomputation). Both settings default to ``auto``: the batched forward (see ``_mixed_flag``).
 
 The prompt of a batch's texts runs once per batch and member (``shared_prefix_hidden``): chosen and rejected share
 it, so a training step runs the prompt once per pair instead of twice, in either path. The rewards equal the plain
@@ -46,8 +47,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -72,26 +71,22 @@ from rewarduq_exp.methods.base import (
     write_method_info,
 )
 from rewarduq_exp.models.backbone import resolve_device
+from rewarduq_exp.models.multi_lora import MultiLoRAModel, from_peft, quiet_peft
 from rewarduq_exp.models.shared_prefix import batch_order, share_lengths, shared_prefix_hidden
 
 HEAD_INITS = ("auto", "pretrained", "fresh")
 ANCHORS = ("l2", "mean_squared")
 
 
-@contextmanager
-def _quiet_peft():
-    """PEFT 0.21 calls transformers' deprecated ``is_gradient_checkpointing`` (a FutureWarning per model): noise."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        yield
-
-
 def _mixed_flag(value, key: str, device: torch.device) -> bool:
-    """auto = mixed-adapter batches on GPU only. On CPU the replicated batch does the same FLOPs as K passes plus
-    PEFT's per-adapter gather/scatter, and measured slower (scripts/bench_lora.py: scoring 0.76-0.87x, training
-    0.61x on 2 cores); on GPU it replaces K small launches by one large one."""
+    """auto = all members in one batched forward, on every device. It runs the FLOPs of K passes in larger GEMMs and
+    saves K-1 launches of every other op (and, in training, K-1 backward passes). Measured with
+    scripts/bench_lora.py on a 2-core CPU (K=8, the tiny Qwen3, batches of 16 texts or pairs): scoring 1.04-1.38x and
+    training 1.70-1.84x with the default 2 threads; on one thread training 1.09x (1.67x at 4 pairs) but scoring
+    0.74x at 128 rows a forward (the body's elementwise ops fall out of the cache) and 1.63x at 32. On a GPU it
+    replaces K small launches by one large one. ``device`` is kept for a device-dependent rule."""
     if value == "auto":
-        return device.type == "cuda"
+        return True
     if isinstance(value, bool):
         return value
     raise UserError(f"{key}={value!r} is invalid; allowed: auto, true, false")
@@ -152,7 +147,7 @@ class EnsLoRA(RewardMethod):
         self.log_every = int(check_positive(log_every, "method.log_every", integer=True, minimum=1, inclusive=True))
         self.history: list[dict] = []
         self.fit_summary: dict = {}
-        self.model = None          # PeftModel holding the K adapters
+        self.model: MultiLoRAModel | None = None  # the frozen body with the K members' stacked LoRA weights
         self.head: nn.Parameter | None = None  # (K, d) linear heads, no bias (a shift cancels in every BT margin)
         self.head_init_used: str | None = None
 
@@ -211,38 +206,35 @@ class EnsLoRA(RewardMethod):
         cfg = self._lora_config()
         d = int(base.config.hidden_size)
         heads = []
+        peft_model = None
         for k, name in enumerate(self.member_names):
-            # Member k's LoRA A init (global RNG inside PEFT) and its head come from its own seed.
+            # Member k's LoRA A init (global RNG inside PEFT) and its head come from its own seed. PEFT itself builds
+            # the adapters (LoraConfig validation, all-linear resolution, its init and RNG use) and from_peft then
+            # moves the weights into the stacked module: the same initial weights as ENS-LoRA on PEFT had.
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(member_seed(self.seed, k))
                 if k == 0:
-                    with _quiet_peft():
-                        self.model = get_peft_model(base, cfg, adapter_name=name)
+                    with quiet_peft():
+                        peft_model = get_peft_model(base, cfg, adapter_name=name)
                 else:
-                    self.model.add_adapter(name, cfg)
+                    peft_model.add_adapter(name, cfg)
             if pretrained is not None:
                 heads.append(pretrained[0].clone())
             else:
                 # Xavier-normal for a (d -> 1) layer: initial rewards of order 1 that differ between members.
                 g = torch.Generator().manual_seed(member_seed(self.seed, k) + 1)
                 heads.append(torch.randn(d, generator=g) * math.sqrt(2.0 / (d + 1)))
+        self.model = from_peft(peft_model, self.member_names)
         self.head = nn.Parameter(torch.stack(heads).to(self.device))
         self._finish_model()
 
     def _finish_model(self) -> None:
+        self.model.requires_grad_(False)
         self.model.eval()
 
-    def _lora_params(self) -> list[list[nn.Parameter]]:
-        """Per member, its LoRA parameters (by adapter name in the parameter path)."""
-        groups = {name: [] for name in self.member_names}
-        for pname, p in self.model.named_parameters():
-            if "lora_" not in pname:
-                continue
-            for name in self.member_names:
-                if f".{name}." in pname or pname.endswith(f".{name}"):
-                    groups[name].append(p)
-                    break
-        return [groups[n] for n in self.member_names]
+    def _lora_params(self) -> list[list[torch.Tensor]]:
+        """Per member, its LoRA weights (views of the stacked tensors, PEFT's shapes and order)."""
+        return [self.model.member_parameters(k) for k in range(self.num_members)]
 
     # ------------------------------------------------------------------ forward
     def _tokenize(self, texts: list[str]) -> list[list[int]]:
@@ -273,53 +265,59 @@ class EnsLoRA(RewardMethod):
             return torch.autocast(self.device.type, dtype=dtype)
         return torch.autocast(self.device.type, enabled=False)
 
-    def _pooled(self, ids, mask, adapter_names=None, shared=None) -> torch.Tensor:
-        """Final hidden state of each row's last real token; ``shared[b]``: leading tokens of row ``b`` that rows
-        with the same tokens (and adapter) compute once (``None``: a plain forward)."""
+    def _pooled(self, ids, mask, adapter_names: list[str], shared=None) -> torch.Tensor:
+        """Final hidden state of each row's last real token, row ``b`` under member ``adapter_names[b]`` (rows in
+        equal member blocks); ``shared[b]``: leading tokens of row ``b`` that rows with the same tokens (and member)
+        compute once (``None``: a plain forward). Both passes of a shared forward keep the member blocks: the prefix
+        pass runs U distinct prefixes per member, K x U rows member-major."""
         with self._autocast():
             if shared is not None:
                 hidden = shared_prefix_hidden(self.model, ids, mask, shared, adapter_names=adapter_names)
             else:
-                kwargs = {"adapter_names": adapter_names} if adapter_names is not None else {}
-                hidden = self.model(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs).last_hidden_state
+                hidden = self.model(input_ids=ids, attention_mask=mask, use_cache=False,
+                                    adapter_names=adapter_names).last_hidden_state
         last = mask.sum(1) - 1
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
 
     def member_rewards_ids(self, ids, mask, mixed: bool, shared=None) -> torch.Tensor:
-        """Rewards (K, B) of a right-padded batch, all members in one mixed forward or K sequential passes;
-        ``shared``: per row, its leading tokens that rows with the same ones compute once (see ``_pooled``)."""
+        """Rewards (K, B) of a right-padded batch: all members in one batched forward of the K x B rows
+        (member-major), or one pass of the B rows per member; ``shared``: per row, its leading tokens that rows with
+        the same ones compute once (see ``_pooled``)."""
         K, B = self.num_members, ids.shape[0]
         if mixed:
             names = [n for n in self.member_names for _ in range(B)]
             z = self._pooled(ids.repeat(K, 1), mask.repeat(K, 1), names,
                              None if shared is None else np.tile(shared, K)).view(K, B, -1)
             return (z * self.head[:, None, :]).sum(-1)
-        out = []
-        for k, name in enumerate(self.member_names):
-            self.model.set_adapter(name)
-            out.append(self._pooled(ids, mask, shared=shared) @ self.head[k])
-        return torch.stack(out)
+        return torch.stack([self._pooled(ids, mask, [name] * B, shared) @ self.head[k]
+                            for k, name in enumerate(self.member_names)])
 
     # ------------------------------------------------------------------ training
-    def _anchor_one(self, k, params, inits) -> torch.Tensor:
-        """Member k's anchor over its trainable parameters (LoRA + head), differentiable: the L2 norm
-        ||theta - theta_0|| (``anchor=l2``) or the mean of (theta - theta_0)^2 (``anchor=mean_squared``)."""
-        diffs = [self.head[k] - self._head0[k]] + [p - p0 for p, p0 in zip(params, inits)]
+    def _anchor(self, member: int | None = None) -> torch.Tensor:
+        """The anchor over the trainable parameters (LoRA + head) of every member (``(K,)``) or of ``member`` (a
+        scalar), differentiable: the L2 norm ||theta - theta_0|| (``anchor=l2``) or the mean of (theta - theta_0)^2
+        (``anchor=mean_squared``). ``theta_0``: ``self._lora0`` / ``self._head0``, set by ``fit``."""
+        pick = slice(None) if member is None else slice(member, member + 1)
+        diffs = [self.head[pick] - self._head0[pick]]
+        diffs += [(p[pick] - p0[pick]).flatten(1) for p, p0 in zip(self.model.lora_parameters(), self._lora0)]
         if self.anchor == "l2":
             # A norm of per-tensor norms: vector_norm's (sub)gradient at 0 is 0, where sqrt(sum of squares) would
             # give 0 * inf = NaN at the first step (theta = theta_0).
-            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in diffs]))
-        return sum(d.pow(2).sum() for d in diffs) / sum(d.numel() for d in diffs)
+            value = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d, dim=1) for d in diffs]), dim=0)
+        else:
+            value = sum(d.pow(2).sum(1) for d in diffs) / sum(d.shape[1] for d in diffs)
+        return value if member is None else value[0]
 
-    def _backward_step(self, local, chosen, rejected, weight, groups, initial, mixed: bool, world: int,
-                       shared=None) -> torch.Tensor:
+    def _backward_step(self, local, chosen, rejected, weight, mixed: bool, world: int, shared=None) -> torch.Tensor:
         """Backward of this process's part of one step's loss; returns the detached (3, K) parts (bt, anchor,
         center) that, summed over the processes, are the step's per-member loss terms.
 
         ``weight`` is already divided by the GLOBAL batch's weight total and the anchor (which every process
         computes in full) by the number of processes, so the gradients summed over the processes are exactly those
         of one process training on the whole batch. With one process this is the plain eq. 11. ``shared``: the
-        (chosen, rejected) prompt lengths of every pair (``_shareable``), or ``None`` for plain forwards.
+        (chosen, rejected) prompt lengths of every pair (``_shareable``), or ``None`` for plain forwards. The pairs
+        run as one batch; a token budget would split ``local`` into micro-batches here, each one's backward adding
+        to the gradients (the weights are already normalised by the global batch, so the sum is exact).
         """
         K, device = self.num_members, self.device
         zeros = torch.zeros(K, device=device)
@@ -330,7 +328,7 @@ class EnsLoRA(RewardMethod):
             ids, mask = self._pad([chosen[i] for i in local] + [rejected[i] for i in local])
             rows = None if shared is None else np.concatenate([shared[0][local], shared[1][local]])
         if mixed:
-            anchor = (self._anchor_one_all(groups, initial) if self.reg_lambda > 0 else zeros) / world
+            anchor = (self._anchor() if self.reg_lambda > 0 else zeros) / world
             if b:
                 r = self.member_rewards_ids(ids, mask, mixed=True, shared=rows)  # (K, 2b), one forward
                 bt = (bradley_terry_nll(r[:, :b] - r[:, b:]) * weight).sum(1)
@@ -339,18 +337,13 @@ class EnsLoRA(RewardMethod):
             if loss.requires_grad:
                 loss.backward()
             return torch.stack([bt, anchor, center]).detach()
-        # One pass (and one backward) per member: gradient checkpointing, or mixed training switched off.
+        # One pass (and one backward) per member: its 2b rows under member k only.
         parts = []
         for k, name in enumerate(self.member_names):
-            # Before the anchor: PEFT's set_adapter makes the active adapter's parameters the only ones that require
-            # grad, so an anchor computed before it (while the previous member was active) had no gradient for the
-            # LoRA weights, from the second step on.
-            self.model.set_adapter(name)
-            anchor_k = (self._anchor_one(k, groups[k], initial[k]) if self.reg_lambda > 0
-                        else torch.zeros((), device=device)) / world
+            anchor_k = (self._anchor(k) if self.reg_lambda > 0 else torch.zeros((), device=device)) / world
             bt_k = center_k = torch.zeros((), device=device)
             if b:
-                rk = self._pooled(ids, mask, shared=rows) @ self.head[k]
+                rk = self._pooled(ids, mask, [name] * (2 * b), shared=rows) @ self.head[k]
                 bt_k = (bradley_terry_nll(rk[:b] - rk[b:]) * weight).sum()
                 center_k = ((rk[:b] + rk[b:]).pow(2) * weight).sum()
             loss = bt_k + self.reg_lambda * anchor_k + self.center_gamma * center_k
@@ -359,14 +352,11 @@ class EnsLoRA(RewardMethod):
             parts.append(torch.stack([bt_k, anchor_k, center_k]).detach())
         return torch.stack(parts, dim=1)
 
-    def _anchor_one_all(self, groups, initial) -> torch.Tensor:
-        return torch.stack([self._anchor_one(k, p, i) for k, (p, i) in enumerate(zip(groups, initial))])
-
     @staticmethod
     def _sum_over_processes(params, parts: torch.Tensor) -> torch.Tensor:
         """Sum the gradients and the loss parts over the processes, in ONE all-reduce of a flat buffer.
 
-        Not DDP: the per-member path runs K backward passes per step and each touches one member's parameters only,
+        Not DDP: the per-member path runs K backward passes per step and each touches one member's slices only,
         which DDP's once-per-backward bucketed reduction does not support without find_unused_parameters and
         no_sync juggling; the trainable parameters are small (LoRA + heads), so one flat reduction per step is cheap.
         """
@@ -381,26 +371,18 @@ class EnsLoRA(RewardMethod):
             offset += p.numel()
         return flat[offset:].view_as(parts).to(parts.dtype)
 
-    def _clip_per_member(self, groups) -> None:
+    def _clip_per_member(self) -> None:
+        """Clip each member's gradient (its LoRA slices + its head) to ``max_grad_norm`` on its own."""
         if self.schedule.max_grad_norm is None:
             return
-        for k, params in enumerate(groups):
-            grads = [p.grad for p in params if p.grad is not None]
-            sq = self.head.grad[k].pow(2).sum() + sum(g.pow(2).sum() for g in grads)
-            scale = (self.schedule.max_grad_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
-            for g in grads:
-                g.mul_(scale)
-            self.head.grad[k].mul_(scale)
-
-    def _train_mode(self, mixed: bool) -> None:
-        if mixed:
-            # PEFT rejects adapter_names in train mode: eval everywhere, dropout (if any) back on.
-            self.model.eval()
-            for m in self.model.modules():
-                if isinstance(m, nn.Dropout):
-                    m.train()
-        else:
-            self.model.train()
+        grads = [p.grad for p in self.model.lora_parameters() if p.grad is not None]
+        if self.head.grad is None:
+            self.head.grad = torch.zeros_like(self.head)
+        sq = self.head.grad.pow(2).sum(1) + sum(g.flatten(1).pow(2).sum(1) for g in grads)   # (K,)
+        scale = (self.schedule.max_grad_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.view(-1, *([1] * (g.dim() - 1))))
+        self.head.grad.mul_(scale[:, None])
 
     def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> EnsLoRA:  # noqa: A002
         """Train all K members in one job. ``eval`` is not scored here: the run scores every eval set right after
@@ -419,17 +401,15 @@ class EnsLoRA(RewardMethod):
         weight_all = torch.tensor(train["weight"].to_numpy(dtype=np.float32))
         t_tok = time.perf_counter() - t0
 
-        groups = self._lora_params()
-        for params in groups:
-            for p in params:
-                p.requires_grad_(True)
-        initial = [[p.detach().clone() for p in params] for params in groups]
+        lora = self.model.lora_parameters()
+        for p in lora:
+            p.requires_grad_(True)
+        self._lora0 = [p.detach().clone() for p in lora]
         self._head0 = self.head.detach().clone()
-        mixed = self.mixed_adapter_training and not self.gradient_checkpointing
-        if self.gradient_checkpointing:
-            self.model.base_model.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-        params = [p for g in groups for p in g] + [self.head]
+        mixed = self.mixed_adapter_training
+        if self.gradient_checkpointing:   # the routing of each checkpointed layer is kept for its recomputation
+            self.model.checkpointing(True)
+        params = [*lora, self.head]
         # Every process draws the same order (same seed) and takes every world-th pair of each global batch, so
         # method.batch_size stays the total batch whatever the number of processes.
         world, me = distributed.world_size(), distributed.rank()
@@ -437,7 +417,7 @@ class EnsLoRA(RewardMethod):
         def step(index: torch.Tensor) -> dict:
             local = index[me::world].tolist()
             weight = (weight_all[local] / weight_all[index].sum()).to(self.device)
-            parts = self._backward_step(local, chosen, rejected, weight, groups, initial, mixed, world, shared)
+            parts = self._backward_step(local, chosen, rejected, weight, mixed, world, shared)
             if world > 1:
                 parts = self._sum_over_processes(params, parts)
             bt, anchor, center = parts
@@ -445,16 +425,14 @@ class EnsLoRA(RewardMethod):
             return {"loss": losses.mean(), "loss_bt": bt.mean(), "loss_anchor": anchor.mean(),
                     "loss_center": center.mean()}
 
-        self._train_mode(mixed)
+        self.model.train()
         t1 = time.perf_counter()
         total = run_training(params, n, self.schedule, step, seed=self.seed, desc=f"{self.name} training",
                              history=self.history, show_progress=self.show_progress, log_every=self.log_every,
-                             clip=lambda: self._clip_per_member(groups), synchronized=world > 1)
+                             clip=self._clip_per_member, synchronized=world > 1)
         if self.gradient_checkpointing:
-            self.model.base_model.model.gradient_checkpointing_disable()
-        self.model.eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+            self.model.checkpointing(False)
+        self._finish_model()
         self.head.requires_grad_(False)
         self.fit_summary = {"train_pairs": n, "num_members": self.num_members, "steps": total,
                             "mixed_adapter_training": mixed, "head_init": self.head_init_used,
@@ -509,13 +487,14 @@ class EnsLoRA(RewardMethod):
 
     # ------------------------------------------------------------------ persistence
     def save(self, directory: str | os.PathLike) -> None:
-        """Adapters (PEFT safetensors, one folder per member) + heads (safetensors) + method.json; no base."""
+        """Adapters (PEFT's layout: one folder per member, adapter_config.json + adapter_model.safetensors, which
+        ``PeftModel.from_pretrained`` + ``load_adapter`` load) + heads (safetensors) + method.json; no base."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         with atomic_dir(directory / "adapters", replace=True) as tmp:
-            self.model.save_pretrained(str(tmp), selected_adapters=self.member_names, safe_serialization=True)
+            self.model.save_adapters(tmp)
         with atomic_path(directory / "heads.safetensors") as tmp:
             save_file({"weight": self.head.detach().float().cpu().contiguous()}, str(tmp))
         extra = {"backbone": self._backbone().identity()} if self.encoder is not None else {}
@@ -546,12 +525,13 @@ class EnsLoRA(RewardMethod):
             raise UserError(f"{directory / 'heads.safetensors'} holds no 'weight' tensor; the run folder is damaged: "
                             "copy it again or retrain")
         base, _ = self._load_base(with_score_head=False)  # the trained heads replace any pretrained one
-        # Local folders only, loaded as safetensors: nothing is executed.
-        with _quiet_peft():
-            self.model = PeftModel.from_pretrained(base, str(adapters / members[0]), adapter_name=members[0])
+        # Local folders only, loaded as safetensors: nothing is executed. PEFT reads its own format (run folders of
+        # either implementation), then the weights move into the stacked module.
+        with quiet_peft():
+            peft_model = PeftModel.from_pretrained(base, str(adapters / members[0]), adapter_name=members[0])
         for name in members[1:]:
-            self.model.load_adapter(str(adapters / name), adapter_name=name)
-        self.model.to(self.device)
+            peft_model.load_adapter(str(adapters / name), adapter_name=name)
+        self.model = from_peft(peft_model, members).to(self.device)
         self.head = nn.Parameter(heads["weight"].to(self.device), requires_grad=False)
         self.head_init_used = info.get("hyperparameters", {}).get("head_init_used")
         self.fit_summary = info.get("fit_summary", {})
