@@ -67,6 +67,7 @@ def pytest_runtest_call(item):
 def pytest_runtest_teardown(item, nextitem):
     return (yield from _fail_on_fork("teardown"))
 
+
 # `make test` runs pytest-xdist with --dist loadfile --no-loadscope-reorder: whole files go to the two workers in
 # collection order. The files that run end-to-end commands go first, longest first (seconds on 2 cores, measured with
 # --durations), so that the short files fill in at the end and the two workers finish together; in alphabetical order
