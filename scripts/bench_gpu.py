@@ -14,9 +14,19 @@ what is alive then: the measured phase's weights included):
   feature encoder runs it; tokens/s and model FLOPs utilisation (MFU = achieved FLOPs / the GPU's dense bf16 peak:
   H100 SXM and H200 989 TFLOPS, A100 312; FLOPs = 2 x non-embedding parameters per token + the causal attention
   term of the planner). Planned: ENS-MLP / BAY-LIN's extraction phase.
-* ENS-LoRA scoring (``EnsLoRA.member_rewards_ids``): all K members in one mixed-adapter forward of K x ``--batch``
-  rows against K sequential ``set_adapter`` passes of ``--batch`` rows (tokens/s counts member-tokens: K x the
-  batch's). Planned: the scoring phase with ``mixed_adapter_scoring`` true / false.
+* ENS-LoRA (the K members as one batched multi-LoRA module, ``rewarduq_exp.models.multi_lora``; LoRA weights drawn
+  at random so every update is non-zero): scoring ``--batch`` rows (``EnsLoRA.member_rewards_ids``) with all K
+  members in one batched forward of K x ``--batch`` rows, against one pass of ``--batch`` rows per member, and
+  against the same weights as a PEFT model routed by PEFT's mixed-adapter batch (``adapter_names=``, ENS-LoRA's
+  previous implementation); tokens/s counts member-tokens (K x the batch's), the printed ratio batched / extraction
+  is per member-token (aim: >= 0.8), and the largest reward difference against the batched path is printed (bf16
+  rounding). Planned: the scoring phase with ``mixed_adapter_scoring`` true / false. Then one training step of all
+  K members on ``--lora-pairs`` pairs (2 x that many rows of ``--length`` tokens each member; activation
+  checkpointing on a GPU), batched and one pass per member: forward, the eq. 11 loss, backward into the float32
+  LoRA weights and heads, per-member clipping and an AdamW step (``EnsLoRA._backward_step``, ``_clip_per_member``).
+  FLOPs: the forward (and its recomputation when checkpointed), the frozen body's backward without weight gradients
+  (its linears 1x the forward, attention 2x), LoRA 3x its forward. Planned: the training phase at ``batch_size`` =
+  ``--lora-pairs``.
 * MCD-DPO: one training step of the policy (float32 weights, bf16 autocast on a bf16 backbone, activation
   checkpointing on a GPU as ``gradient_checkpointing=auto`` does) on ``--mcd-pairs`` pairs (2 x that many rows of
   ``--length`` tokens): the body, the chunked completion log-probs with head dropout (``completion_logps``), the DPO
@@ -34,7 +44,7 @@ what is alive then: the measured phase's weights included):
 
 The planned peaks come from the planner itself (``rewarduq_exp.runner.plan.make_plan`` on the composed config of the
 same method, model, max_length, batch sizes, K and device). The table prints each measurement and the ratios measured
-in this run: K sequential passes / mixed-adapter batch, K full passes / shared backbone, measured / planned peak. The
+in this run: K sequential passes / batched multi-LoRA, K full passes / shared backbone, measured / planned peak. The
 JSON (``--out``) holds the same numbers, every sample time and every planned phase.
 
 Without a GPU (or with ``--smoke``) the same code runs at the offline tiny shape (``conf/model/tiny-qwen3.yaml``,
@@ -68,7 +78,7 @@ TINY = "tiny-qwen3"
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
 # Sizes when none are given: (GPU, smoke)
 DEFAULTS = {"batch": (8, 4), "length": (512, 32), "members": (8, 4), "masks": (20, 4), "repeats": (5, 2),
-            "pairs": (None, 2048), "mcd_pairs": (16, 2)}
+            "pairs": (None, 2048), "mcd_pairs": (16, 2), "lora_pairs": (4, 2)}
 DROPOUT, CHUNK, LORA_RANK, DPO_BETA = 0.1, 64, 16, 0.1
 
 
@@ -170,6 +180,7 @@ class RandomBackbone:
 
     def __init__(self, name: str, dtype: torch.dtype, body):
         self.name, self.dtype, self.body = name, dtype, body
+        self.tokenizer = type("Tokenizer", (), {"pad_token_id": 0})()   # ENS-LoRA's training step pads its rows
 
     def require_decoder(self, method: str) -> None:   # a Qwen3 body is a decoder
         pass
@@ -323,10 +334,9 @@ class ShapeBench:
     def extraction_and_lora(self) -> None:
         from transformers import AutoModel
 
-        from rewarduq_exp.methods.ens_lora import EnsLoRA
         from rewarduq_exp.models.features import pool
 
-        b, n, k = self.args.batch, self.args.length, self.args.members
+        b, n = self.args.batch, self.args.length
         tokens = b * n
         try:
             body = random_model(AutoModel, self.config, self.dtype, self.device).eval().requires_grad_(False)
@@ -343,29 +353,127 @@ class ShapeBench:
         self.measure("extraction", f"extraction ({b} x {n} tokens)", extract, tokens=tokens,
                      flops=self.body_flops(tokens), planned=planned)
 
+        self.ens_lora(body)
+
+    def ens_lora(self, body) -> None:
+        """ENS-LoRA's scoring (batched, one pass per member, PEFT's mixed batch) and training step (module docstring);
+        ``body`` is wrapped in place by the multi-LoRA module, and at the end given to PEFT."""
+        from rewarduq_exp.methods.ens_lora import EnsLoRA
+        from rewarduq_exp.runner.plan import _attention_flops
+
+        b, n, k = self.args.batch, self.args.length, self.args.members
+        tokens = b * n
         method = EnsLoRA(encoder=Encoder(RandomBackbone(self.name, self.dtype, body)), num_members=k,
                          lora_rank=LORA_RANK, lora_alpha=2 * LORA_RANK, score_batch_size=b, device=str(self.device),
                          show_progress=False)
         try:
             method._build()
         except torch.cuda.OutOfMemoryError as err:
-            self.results["lora_mixed"] = {"label": "ENS-LoRA scoring", "error": oom(err)}
+            self.results["lora_batched"] = {"label": "ENS-LoRA scoring", "error": oom(err)}
             return
-        flops = k * (self.body_flops(tokens) + 2 * self.arch.lora_params(LORA_RANK) * tokens)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(0)
+            for p in method.model.lora_parameters():   # PEFT starts B at 0: every member would be the base model
+                p.normal_(0, 0.02)
+        lora_flops = 2 * self.arch.lora_params(LORA_RANK)   # per member-token, forward
+        flops = k * (self.body_flops(tokens) + lora_flops * tokens)
         lora = ["method=ens_lora", f"method.num_members={k}", f"method.lora_rank={LORA_RANK}",
                 f"method.score_batch_size={b}"]
-        for key, mixed in (("lora_mixed", True), ("lora_sequential", False)):
+        rewards = {}
+        for key, mixed in (("lora_batched", True), ("lora_sequential", False)):
             planned = self.planner.phase(key, [*lora, f"method.mixed_adapter_scoring={str(mixed).lower()}"],
                                          "scoring")
-            label = (f"ENS-LoRA scoring, K={k} mixed ({k * b} rows)" if mixed
+            label = (f"ENS-LoRA scoring, K={k} batched ({k * b} rows)" if mixed
                      else f"ENS-LoRA scoring, K={k} sequential passes")
 
             @torch.no_grad()
             def score(mixed=mixed):
-                return method.member_rewards_ids(self.ids, self.attn, mixed=mixed)
+                rewards[mixed] = method.member_rewards_ids(self.ids, self.attn, mixed=mixed)
 
             self.measure(key, label, score, tokens=k * tokens, flops=flops, planned=planned)
-        self._ratio("lora_sequential_over_mixed", "lora_sequential", "lora_mixed")
+        if True in rewards and False in rewards:
+            self.results["lora_sequential"]["max_abs_reward_diff_vs_batched"] = \
+                float((rewards[False] - rewards[True]).abs().max())
+        self._ratio("lora_sequential_over_batched", "lora_sequential", "lora_batched")
+        extraction, batched = self.results.get("extraction", {}), self.results.get("lora_batched", {})
+        if "tokens_per_s" in extraction and "tokens_per_s" in batched:
+            self.ratios["lora_batched_over_extraction"] = batched["tokens_per_s"] / extraction["tokens_per_s"]
+        free(self.device)
+        self.ens_lora_train_steps(method, _attention_flops)
+        free(self.device)
+        self.ens_lora_peft_mixed(method, flops)
+
+    def ens_lora_train_steps(self, method, attention_flops) -> None:
+        """One optimizer step of all K members, batched and one pass per member; the optimizer lives only here."""
+        pairs, n, k = self.args.lora_pairs, self.args.length, self.args.members
+        rows = self.ids.repeat(-(-2 * pairs // len(self.ids)), 1)[:2 * pairs].tolist()   # full-length rows
+        chosen, rejected = rows[:pairs], rows[pairs:]
+        weight = torch.full((pairs,), 1.0 / pairs, device=self.device)
+        lora = method.model.lora_parameters()
+        for p in lora:
+            p.requires_grad_(True)
+        method.head.requires_grad_(True)
+        method._lora0 = [p.detach().clone() for p in lora]
+        method._head0 = method.head.detach().clone()
+        if self.checkpointing:
+            method.model.checkpointing(True)
+        method.model.train()
+        opt = torch.optim.AdamW([*lora, method.head], lr=1e-6, fused=self.device.type == "cuda")
+        member_tokens = k * 2 * pairs * n
+        a = self.arch
+        linear = 2 * (a.params_body - a.params_embedding) * member_tokens
+        attention = attention_flops(a, member_tokens, n)
+        lora_fwd = 2 * a.lora_params(LORA_RANK) * member_tokens
+        c = int(self.checkpointing)
+        flops = (1 + c) * (linear + attention + lora_fwd) + linear + 2 * attention + 2 * lora_fwd
+        for key, mixed in (("lora_train_batched", True), ("lora_train_sequential", False)):
+            def step(mixed=mixed):
+                method._backward_step(list(range(pairs)), chosen, rejected, weight, mixed, 1, None)
+                method._clip_per_member()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            overrides = ["method=ens_lora", f"method.num_members={k}", f"method.lora_rank={LORA_RANK}",
+                         f"method.batch_size={pairs}", f"method.mixed_adapter_training={str(mixed).lower()}",
+                         f"method.gradient_checkpointing={str(self.checkpointing).lower()}"]
+            planned = self.planner.phase(key, overrides, "training")
+            label = (f"ENS-LoRA training step, K={k} {'batched' if mixed else 'sequential'} ({pairs} pairs"
+                     f"{', checkpointed' if self.checkpointing else ''})")
+            self.measure(key, label, step, tokens=member_tokens, flops=flops, planned=planned)
+        self._ratio("lora_train_sequential_over_batched", "lora_train_sequential", "lora_train_batched")
+        if self.checkpointing:
+            method.model.checkpointing(False)
+        method._finish_model()
+        method.head.requires_grad_(False)
+
+    def ens_lora_peft_mixed(self, method, flops: float) -> None:
+        """The same weights as a PEFT model (on the same body, in place), K x ``--batch`` rows routed by PEFT's
+        ``adapter_names=``: ENS-LoRA's previous implementation."""
+        b, k = self.args.batch, self.args.members
+        with torch.no_grad():   # the weights as trained by the training steps: the reference for PEFT's rewards
+            batched = method.member_rewards_ids(self.ids, self.attn, mixed=True)
+        try:
+            peft_model = method.model.to_peft()
+        except torch.cuda.OutOfMemoryError as err:
+            self.results["lora_peft_mixed"] = {"label": "ENS-LoRA scoring, PEFT mixed", "error": oom(err)}
+            return
+        names = [name for name in method.member_names for _ in range(b)]
+        out = {}
+
+        @torch.no_grad()
+        def score():
+            with method._autocast():
+                h = peft_model(input_ids=self.ids.repeat(k, 1), attention_mask=self.attn.repeat(k, 1), use_cache=False,
+                               adapter_names=names).last_hidden_state
+            z = h[:, -1].float().view(k, b, -1)   # every row is full length: the last token is the last position
+            out["r"] = (z * method.head[:, None, :]).sum(-1)
+
+        self.measure("lora_peft_mixed", f"ENS-LoRA scoring, K={k} PEFT mixed-adapter batch", score,
+                     tokens=k * b * self.args.length, flops=flops, planned=(None, "the planner plans the batched "
+                                                                            "module (the same rows)"))
+        if "r" in out:
+            self.results["lora_peft_mixed"]["max_abs_reward_diff_vs_batched"] = float((out["r"] - batched).abs().max())
+        self._ratio("lora_peft_mixed_over_batched", "lora_peft_mixed", "lora_batched")
 
     def mcd_dpo(self) -> None:
         from transformers import AutoModelForCausalLM
@@ -501,9 +609,22 @@ def table(shapes: dict[str, ShapeBench]) -> str:
                          f"{gib(row['peak_bytes']):>11} {gib(row['planned_peak_bytes']):>11} {ratio:>9}")
     for name, bench in shapes.items():
         a = bench.args
-        if "lora_sequential_over_mixed" in bench.ratios:
-            lines.append(f"ratio ({name}): ENS-LoRA K={a.members} sequential passes / mixed-adapter batch: "
-                         f"{bench.ratios['lora_sequential_over_mixed']:.2f}x")
+        r = bench.ratios
+        if "lora_sequential_over_batched" in r:
+            lines.append(f"ratio ({name}): ENS-LoRA K={a.members} scoring, sequential passes / batched multi-LoRA: "
+                         f"{r['lora_sequential_over_batched']:.2f}x"
+                         + (f"; PEFT's mixed-adapter batch / batched: {r['lora_peft_mixed_over_batched']:.2f}x"
+                            if "lora_peft_mixed_over_batched" in r else ""))
+        if "lora_batched_over_extraction" in r:
+            lines.append(f"ratio ({name}): ENS-LoRA batched member-tokens/s / extraction tokens/s: "
+                         f"{r['lora_batched_over_extraction']:.2f} (aim >= 0.8)")
+        if "lora_train_sequential_over_batched" in r:
+            lines.append(f"ratio ({name}): ENS-LoRA K={a.members} training step, sequential passes / batched: "
+                         f"{r['lora_train_sequential_over_batched']:.2f}x")
+        diffs = [f"{row['label']} {row['max_abs_reward_diff_vs_batched']:.2e}" for row in bench.results.values()
+                 if "max_abs_reward_diff_vs_batched" in row]
+        if diffs:
+            lines.append(f"ENS-LoRA ({name}) max |reward - batched reward|: " + "; ".join(diffs))
         if "mcd_passes_over_masks" in bench.ratios:
             lines.append(f"ratio ({name}): MCD-DPO K={a.masks} full passes / shared backbone with K masks: "
                          f"{bench.ratios['mcd_passes_over_masks']:.2f}x")
@@ -523,6 +644,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=None, help="tokens per sequence (GPU 512, smoke 32)")
     parser.add_argument("--members", type=int, default=None, help="ENS-LoRA K (GPU 8, smoke 4)")
     parser.add_argument("--masks", type=int, default=None, help="MCD-DPO K dropout masks (GPU 20, smoke 4)")
+    parser.add_argument("--lora-pairs", type=int, default=None,
+                        help="pairs of --length tokens in the ENS-LoRA training step (GPU 4, smoke 2)")
     parser.add_argument("--mcd-pairs", type=int, default=None,
                         help="pairs of --length tokens in the MCD-DPO training step (GPU 16, smoke 2)")
     parser.add_argument("--pairs", type=int, default=None,
@@ -563,7 +686,8 @@ def run(args) -> None:
     gpu_name, tflops = peak_tflops(device, args.peak_tflops)
     memory = Memory(device)
     print(f"device {device} ({gpu_name}), dense bf16 peak {f'{tflops:g} TFLOPS' if tflops else 'n/a'}; "
-          f"batch {args.batch} x {args.length} tokens, ENS-LoRA K={args.members}, MCD-DPO K={args.masks} "
+          f"batch {args.batch} x {args.length} tokens, ENS-LoRA K={args.members} (training step: "
+          f"{args.lora_pairs} pairs), MCD-DPO K={args.masks} "
           f"(training step: {args.mcd_pairs} pairs), "
           f"BAY-LIN {args.pairs:,} pairs, median of {args.repeats} after a warm-up, torch threads "
           f"{torch.get_num_threads()}; memory: {memory.kind}",
@@ -578,8 +702,8 @@ def run(args) -> None:
         done[bench.name] = bench
     print(table(done), flush=True)
     result = {"device": str(device), "device_name": gpu_name, "peak_bf16_tflops": tflops, "memory": memory.kind,
-              "settings": {k: getattr(args, k) for k in ("batch", "length", "members", "masks", "mcd_pairs", "pairs",
-                                                         "repeats")}
+              "settings": {k: getattr(args, k) for k in ("batch", "length", "members", "lora_pairs", "masks",
+                                                         "mcd_pairs", "pairs", "repeats")}
               | {"lora_rank": LORA_RANK, "dropout": DROPOUT, "logprob_chunk": CHUNK, "smoke": smoke},
               "torch": torch.__version__, "seconds": time.perf_counter() - t0,
               "shapes": {name: {"dtype": str(b.dtype).removeprefix("torch."), "params_causal_lm":

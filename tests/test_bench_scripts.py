@@ -14,7 +14,7 @@ SMOKE = {
     "bench_data.py": (["--pairs", "40"], "faster than naive"),
     "bench_downstream.py": (["--prompts", "2", "--n-max", "16"], "speed-up"),
     "bench_feature_cache.py": (["--smoke"], "speed-up"),
-    "bench_gpu.py": (["--smoke"], "sequential passes / mixed-adapter batch"),
+    "bench_gpu.py": (["--smoke"], "sequential passes / batched multi-LoRA"),
     "bench_heads.py": (["--pairs", "128", "--dim", "16", "--heads", "3", "--repeats", "1"], "speed-up"),
     "bench_lora.py": (["--members", "2", "--texts", "4", "--repeats", "1", "--train-pairs", "4"], "training speed-up"),
     "bench_mcd.py": (["--samples", "2", "--batch", "2", "--length", "12", "--repeats", "1"], "ratio"),

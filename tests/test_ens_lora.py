@@ -232,9 +232,13 @@ def test_run_folders_of_the_peft_implementation_load(trained, tiny_backbone, dat
     torch.testing.assert_close(old.member_rewards(texts), trained.member_rewards(texts), atol=1e-6, rtol=1e-6)
 
 
-def test_auto_flags_resolve_per_device():
+def test_auto_flags():
     m = EnsLoRA(device="cpu")
     assert m.mixed_adapter_scoring is True and m.mixed_adapter_training is True  # measured faster on CPU too
+    # checkpointing is for memory: auto keeps one member's activations; true still batches (tested above)
+    m = EnsLoRA(device="cpu", gradient_checkpointing=True)
+    assert m.mixed_adapter_scoring is True and m.mixed_adapter_training is False
+    assert EnsLoRA(device="cpu", gradient_checkpointing=True, mixed_adapter_training=True).mixed_adapter_training
 
 
 @pytest.mark.parametrize("kw, match", [

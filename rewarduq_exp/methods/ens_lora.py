@@ -32,7 +32,8 @@ forward"): the batch is replicated K times member-major, every frozen base proje
 and the K low-rank updates run as one batched matmul over the stacked adapters. Otherwise each member runs its own
 pass of B rows (one backward per member in training). Both give the same rewards and gradients (the tests check them
 against PEFT's ``set_adapter`` passes), in train mode, with LoRA dropout and with activation checkpointing (the
-routing is kept for the recomputation). Both settings default to ``auto``: the batched forward (see ``_mixed_flag``).
+routing is kept for the recomputation). Both settings default to ``auto``: the batched forward, except in training
+with activation checkpointing, where one member per pass keeps one member's activations (see ``__init__``).
 
 The prompt of a batch's texts runs once per batch and member (``shared_prefix_hidden``): chosen and rejected share
 it, so a training step runs the prompt once per pair instead of twice, in either path. The rewards equal the plain
@@ -78,15 +79,10 @@ HEAD_INITS = ("auto", "pretrained", "fresh")
 ANCHORS = ("l2", "mean_squared")
 
 
-def _mixed_flag(value, key: str, device: torch.device) -> bool:
-    """auto = all members in one batched forward, on every device. It runs the FLOPs of K passes in larger GEMMs and
-    saves K-1 launches of every other op (and, in training, K-1 backward passes). Measured with
-    scripts/bench_lora.py on a 2-core CPU (K=8, the tiny Qwen3, batches of 16 texts or pairs): scoring 1.04-1.38x and
-    training 1.70-1.84x with the default 2 threads; on one thread training 1.09x (1.67x at 4 pairs) but scoring
-    0.74x at 128 rows a forward (the body's elementwise ops fall out of the cache) and 1.63x at 32. On a GPU it
-    replaces K small launches by one large one. ``device`` is kept for a device-dependent rule."""
+def _mixed_flag(value, key: str, auto: bool) -> bool:
+    """``auto`` (the default) resolves to ``auto``: see ``EnsLoRA.__init__``."""
     if value == "auto":
-        return True
+        return auto
     if isinstance(value, bool):
         return value
     raise UserError(f"{key}={value!r} is invalid; allowed: auto, true, false")
@@ -140,9 +136,16 @@ class EnsLoRA(RewardMethod):
                                                    minimum=1, inclusive=True))
         self.seed = int(seed)
         self.device = resolve_device(device)
+        # auto = all members in one batched forward, on every device: it runs the FLOPs of K passes in larger GEMMs
+        # and saves K-1 launches of every other op (in training also K-1 backward passes). scripts/bench_lora.py on a
+        # 2-core CPU (K=8, the tiny Qwen3, batches of 16 texts or pairs): scoring 1.04-1.38x and training 1.70-1.84x
+        # with the default 2 threads; on one thread training 1.09x but scoring 0.74x at 128 rows a forward (the
+        # body's elementwise ops fall out of the cache; 1.63x at 32 rows). Except training with activation
+        # checkpointing, which is on for memory: there the batched forward would keep K x the checkpointed
+        # activations, so auto trains one member per pass (true still batches: the routing survives the recompute).
         self.mixed_adapter_training = _mixed_flag(mixed_adapter_training, "method.mixed_adapter_training",
-                                                  self.device)
-        self.mixed_adapter_scoring = _mixed_flag(mixed_adapter_scoring, "method.mixed_adapter_scoring", self.device)
+                                                  auto=not self.gradient_checkpointing)
+        self.mixed_adapter_scoring = _mixed_flag(mixed_adapter_scoring, "method.mixed_adapter_scoring", auto=True)
         self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
         self.log_every = int(check_positive(log_every, "method.log_every", integer=True, minimum=1, inclusive=True))
         self.history: list[dict] = []
