@@ -3,11 +3,12 @@
 #   make test   set up .venv, lint, and run the test suite (about 5 min on a fresh clone with 2 cores)
 #   make demo-real   optional: the real SmolLM2-135M-Instruct (GGUF from PyPI) on real human ratings: ENS-MLP, BAY-LIN, MCD-DPO, BoRP
 #   make test-slurm  optional: the tests on a real Slurm cluster (started locally with scripts/local_slurm.sh; root)
+#   make gpu-check   optional: the check of a GPU node (tests, methods, resume, benchmarks, a 4B run; tiny on a CPU)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-real test test-all test-slurm bench bench-gpu clean
+.PHONY: setup demo demo-real test test-all test-slurm bench bench-gpu gpu-check clean
 
 # torch==2.13.0 first: a bare "torch" requirement would pull several GB of CUDA wheels on a CPU machine.
 # Byte-compiled once, on all cores, instead of file by file inside pip (100 s -> 80 s on 2 cores); the .pyc files
@@ -92,6 +93,14 @@ bench: setup
 # The GPU benchmark (random-init Qwen3-0.6B and -4B shapes, bf16); without a GPU the same code at the tiny shape.
 bench-gpu: setup
 	$(PY) scripts/bench_gpu.py
+
+# The check of a GPU node (scripts/gpu_check.py): the tests with CUDA visible, every method on the tiny model in bf16,
+# a run stopped by SIGTERM and resumed, bench_gpu.py at the 0.6B and 4B shapes and the mission command on a random 4B;
+# under 8 minutes on one GPU, offline. Without a GPU the same steps at tiny sizes on the CPU (what CI runs).
+# GPU_CHECK_OUT: where the summary, the logs and the benchmark JSON go.
+GPU_CHECK_OUT ?= outputs/gpu_check
+gpu-check: setup
+	$(PY) scripts/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -131,7 +131,7 @@ def test_batch_size_and_dtype_are_load_options(run_dirs, texts, model):
     default = r.load_run(run_dirs["ens_mlp"], progress=False)
     np.testing.assert_allclose(one_at_a_time.score(prompts, chosen).reward, default.score(prompts, chosen).reward,
                                **OTHER_BATCHES)
-    assert one_at_a_time.method.encoder.batch_size == 1
+    assert one_at_a_time.method.encoder.max_rows == 1   # rows per forward (the token budget aside)
     with pytest.raises(r.UserError, match="model.dtype=float8 is invalid; allowed: float32, bfloat16, float16"):
         r.load_run(run_dirs["ens_mlp"], dtype="float8", progress=False)
     with pytest.raises(r.UserError, match="batch_size=0 is invalid"):

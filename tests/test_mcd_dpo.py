@@ -62,8 +62,9 @@ def test_training_reduces_loss(trained):
 
 def test_reference_logps_computed_once_per_pair(trained):
     # 2 epochs, 12 optimizer steps: still exactly one reference pass over the 48 pairs (TRL precompute)
-    _, _, calls = trained
-    assert calls["rows"] == 48 and calls["n"] == 6
+    method, _, calls = trained
+    pairs = method.training_plan["reference_batch_pairs"]   # from the token budget: the CPU's cap here
+    assert calls["rows"] == 48 and calls["n"] == -(-48 // pairs)
 
 
 def test_scores_shapes_bounds_and_spread(trained, data):
@@ -122,7 +123,7 @@ def test_backbone_runs_once_per_batch(trained, data):
 def test_chunked_mc_logps_equal_naive_full_logits(trained, data, tokenizer):
     method, _, _ = trained
     _, ev = data
-    batch = next(method._batches(list(ev["prompt"][:5]), list(ev["chosen"][:5])))
+    batch = method._batches(list(ev["prompt"][:5]), list(ev["chosen"][:5]))[0]
     _, ids, attn, comp, seeds, _ = batch
     K, p = 4, 0.2
     policy = method.policy
@@ -300,10 +301,11 @@ def test_gradient_checkpointing_on_cpu_gives_the_same_losses(tiny_backbone, data
         method.fit(train[:16])
         del mlp.forward
         losses[gc] = [h["loss"] for h in method.history]
-        recomputed[gc] = len(calls)
-    # 2 reference batches and 2 steps. Without checkpointing each forward is two passes (the pairs' shared prompts,
-    # then the completions); with it training runs one plain pass (the cache is off), recomputed in the backward.
-    assert recomputed == {False: 2 * 2 + 2 * 2, True: 2 * 2 + 2 * 1 * 2}
+        # the reference batches (pairs from the token budget) and 2 steps
+        recomputed[gc] = len(calls) - 2 * -(-16 // method.training_plan["reference_batch_pairs"])
+    # Without checkpointing each forward is two passes (the pairs' shared prompts, then the completions; the
+    # reference pass too); with it training runs one plain pass (the cache is off), recomputed in the backward.
+    assert recomputed == {False: 2 * 2, True: 2 * 1 * 2}
     np.testing.assert_allclose(losses[True], losses[False], atol=1e-5, rtol=0)
 
 
@@ -442,3 +444,49 @@ def test_our_reference_pass_equals_trls(tiny_backbone, data, tmp_path):
     stored = torch.tensor([trainer.train_dataset["ref_chosen_logps"], trainer.train_dataset["ref_rejected_logps"]])
     torch.testing.assert_close(stored, ours, rtol=1e-5, atol=1e-4)
     assert (ours < 0).all()
+
+
+# ------------------------------------------------------------------------------------------------ micro-batches
+def test_micro_batches_give_the_full_batch_step(tiny_backbone, data):
+    """Gradient accumulation over micro-batches of 2 pairs gives the step of one batch of 8: each row's dropout masks
+    are its own (seeded by the row and the step, not drawn in micro-batch order) and the loss is the whole step's
+    weighted mean (uneven pair weights here), not a mean of the micro-batches' means."""
+    train, _ = data
+    train = train[:16].copy()
+    train["weight"] = np.linspace(0.2, 3.0, len(train))
+    weights, losses = {}, {}
+    for micro in (8, 2):
+        method = _method(tiny_backbone, num_epochs=1, batch_size=8, micro_batch_size=micro)
+        method.fit(train)
+        assert method.training_plan["micro_batch_size"] == micro
+        weights[micro] = {k: v.detach().clone() for k, v in method.policy.state_dict().items()}
+        losses[micro] = [h["loss"] for h in method.history]
+    # float32 sums in another order (per micro-batch, then accumulated): losses within a few 1e-7. AdamW's first
+    # steps move a weight by about lr (1e-3) whatever the size of its gradient, so the elements whose gradient is at
+    # rounding level differ by up to ~2e-5 after 2 steps (measured); a wrong mask or loss weighting moves them by ~lr.
+    np.testing.assert_allclose(losses[2], losses[8], rtol=1e-5)
+    for name, w in weights[8].items():
+        torch.testing.assert_close(weights[2][name], w, rtol=0, atol=1e-4, msg=name)
+
+
+def test_auto_micro_batch_fits_the_memory_it_is_given(tiny_backbone, data, monkeypatch):
+    """micro_batch_size=auto: the whole batch where the memory holds it; with little memory a smaller divisor of the
+    batch, with activation checkpointing where even one pair needs it."""
+    from rewarduq_exp.models import token_budget
+
+    train, _ = data
+    method = _method(tiny_backbone, micro_batch_size="auto", batch_size=8)
+    plan = method._training_batches(train)
+    assert plan["micro_batch_size"] == 8 and plan["gradient_checkpointing"] is False
+    a = method._architecture()
+    longest = plan["longest_row_tokens"]
+    reserved = mod.memory.training_reserved(a, False, plan["logprob_chunk"], False)
+    per_pair = 2 * longest * mod.memory.training_token(a, longest, False, True, False)
+    # room for 3 pairs without checkpointing: the largest divisor of 8 below it
+    monkeypatch.setattr(token_budget, "free_bytes", lambda device: reserved + 3.5 * per_pair / 0.8)
+    plan = _method(tiny_backbone, micro_batch_size="auto", batch_size=8)._training_batches(train)
+    assert plan["micro_batch_size"] == 2 and plan["gradient_checkpointing"] is False
+    # less than one pair without checkpointing: on, and as many pairs as fit with it
+    monkeypatch.setattr(token_budget, "free_bytes", lambda device: reserved + 0.5 * per_pair / 0.8)
+    plan = _method(tiny_backbone, micro_batch_size="auto", batch_size=8)._training_batches(train)
+    assert plan["gradient_checkpointing"] is True and plan["micro_batch_size"] >= 1

@@ -38,11 +38,13 @@ def kv_cache_elems(a: Architecture) -> int:
 
 
 def training_token_bytes(a: Architecture, length: int, act_bytes: int, math_kernel: bool,
-                         checkpointing: bool) -> float:
-    """Bytes kept for backward per token of a forward through every layer (sequences of ``length`` tokens)."""
+                         checkpointing: bool, residual_bytes: int | None = None) -> float:
+    """Bytes kept for backward per token of a forward through every layer (sequences of ``length`` tokens);
+    ``residual_bytes``: the bytes of an element of the residual stream (the layer inputs that checkpointing keeps),
+    when it differs from ``act_bytes`` (float32 weights under bf16 autocast keep a float32 residual stream)."""
     per_layer = train_activation_elems(a) + attention_matrix_elems(a, length, math_kernel)
     if checkpointing:   # each layer's input kept, one layer's activations during its recomputation
-        return (a.layers * a.hidden + per_layer) * act_bytes
+        return a.layers * a.hidden * (residual_bytes or act_bytes) + per_layer * act_bytes
     return (a.layers * per_layer + 2 * a.hidden) * act_bytes
 
 

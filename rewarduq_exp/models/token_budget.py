@@ -112,3 +112,42 @@ def split_by_tokens(order, lengths, max_tokens: int, max_rows: int | None = None
     if start < len(order):
         batches.append(order[start:])
     return batches
+
+
+# A micro-batch of at least this many tokens keeps an H100's GEMMs busy: below it, activation checkpointing (a third
+# more compute, far less memory) with larger micro-batches is the better trade.
+SATURATING_TOKENS = 16_384
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)
+
+
+def choose_micro_batch(batch: int, item_tokens: int, free: float, reserved: float, token_bytes_plain: float,
+                       token_bytes_checkpointed: float, device_type: str, checkpointing="auto",
+                       divides: bool = False) -> tuple[int, bool]:
+    """(items per micro-batch, activation checkpointing) for a training step of ``batch`` items (pairs) of
+    ``item_tokens`` padded tokens each (all the rows an item runs: 2 for a pair, 2 x K for a pair under K members),
+    in ``free`` bytes of which ``reserved`` go to what the step allocates besides activations (gradients, optimizer
+    states), at the per-token costs without and with checkpointing.
+
+    ``checkpointing="auto"``: off when a micro-batch without it holds the whole batch or at least
+    :data:`SATURATING_TOKENS` tokens (on a CPU: whenever one item fits without it), else on (the largest micro-batch
+    that fits). ``True`` / ``False``: as given, the
+    micro-batch as large as fits. ``divides``: the micro-batch divides ``batch`` (a trainer that accumulates whole
+    micro-batches). At least one item per micro-batch, whatever the memory says."""
+
+    def items(per_token: float) -> int:
+        tokens = budget_from_memory(free, per_token, device_type, reserved)
+        n = max(1, min(batch, tokens // max(1, item_tokens)))
+        return largest_divisor_at_most(batch, n) if divides else n
+
+    if checkpointing != "auto":
+        return items(token_bytes_checkpointed if checkpointing else token_bytes_plain), bool(checkpointing)
+    plain = items(token_bytes_plain)
+    fits = MEMORY_FRACTION * (free - reserved) >= item_tokens * token_bytes_plain   # one item, without the cap
+    # A CPU is saturated by small batches: there checkpointing only costs time, unless nothing fits without it.
+    busy = device_type != "cuda" or plain * item_tokens >= SATURATING_TOKENS
+    if fits and (plain == batch or busy):
+        return plain, False
+    return items(token_bytes_checkpointed), True

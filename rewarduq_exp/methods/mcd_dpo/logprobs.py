@@ -62,16 +62,21 @@ def _token_logps(h: torch.Tensor, lm_head, targets: torch.Tensor) -> torch.Tenso
 
 
 def completion_logps(hidden: torch.Tensor, lm_head, input_ids: torch.Tensor, completion_mask: torch.Tensor,
-                     chunk: int, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
+                     chunk: int, dropout: float = 0.0, training: bool = False,
+                     generators: list[torch.Generator] | None = None) -> torch.Tensor:
     """Summed completion log-probs (B,) from final hidden states (B, L, H), in chunks of ``chunk`` positions.
 
     With ``training`` the chunk's dropout + LM head are re-run in the backward pass (activation checkpointing), so
-    training also never keeps more than one chunk's logits.
+    training also never keeps more than one chunk's logits. The dropout masks of row ``b`` are draws of
+    ``generators[b]`` when given (:func:`step_seed`: a row's masks then depend on the row and the optimizer step, not
+    on which micro-batch or process it lands in), else of torch's global RNG.
     """
     rows, cols = _target_positions(completion_mask)
     h = hidden[rows, cols]                       # (N, H): only positions that predict a completion token
     targets = input_ids[rows, cols + 1]
     out = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
+    drop = dropout > 0 and training
+    kept = _row_keep_masks(generators, rows, h.shape[-1], dropout, h.device) if drop and generators else None
 
     def piece(hc, tc, keep):
         return _token_logps(hc if keep is None else hc * keep, lm_head, tc)
@@ -81,7 +86,9 @@ def completion_logps(hidden: torch.Tensor, lm_head, input_ids: torch.Tensor, com
         # The mask is drawn outside the checkpointed function, so the backward recomputation reuses the very same
         # mask without torch's RNG-state preservation (which costs ~10x the chunk's work on CPU).
         keep = None
-        if dropout > 0 and training:
+        if kept is not None:
+            keep = kept[s:s + chunk].to(hc.dtype) / (1.0 - dropout)
+        elif drop:
             keep = (torch.rand_like(hc) >= dropout).to(hc.dtype) / (1.0 - dropout)
         if training and torch.is_grad_enabled() and hc.is_cuda:  # CPU: checkpoint costs ~10x here, memory is no issue
             lp = checkpoint(piece, hc, tc, keep, use_reentrant=False, preserve_rng_state=False)
@@ -89,6 +96,25 @@ def completion_logps(hidden: torch.Tensor, lm_head, input_ids: torch.Tensor, com
             lp = piece(hc, tc, keep)
         out = out.index_add(0, rows[s:s + chunk], lp)
     return out
+
+
+def _row_keep_masks(generators, rows: torch.Tensor, hidden_size: int, p: float, device) -> torch.Tensor:
+    """Boolean keep-masks (N, H) of the completion positions ``rows`` (row-major, as :func:`_target_positions`
+    gives them): each row's positions are consecutive draws of its own generator."""
+    counts = torch.bincount(rows, minlength=len(generators)).tolist()
+    if len(counts) > len(generators):
+        raise ValueError(f"{len(generators)} generators for {len(counts)} rows")
+    parts = [torch.rand((n, hidden_size), generator=generators[b], device=device) >= p
+             for b, n in enumerate(counts) if n]
+    return torch.cat(parts) if parts else torch.zeros((0, hidden_size), dtype=torch.bool, device=device)
+
+
+def step_seed(row: int, step: int) -> int:
+    """The training-mask seed of one sequence at one optimizer step: its :func:`row_seed` and the step, hashed, so
+    each epoch (each step a row is seen at) draws new masks, and a resumed run draws the very masks it would have."""
+    digest = hashlib.blake2b(int(step).to_bytes(8, "little", signed=True), digest_size=8,
+                             key=int(row).to_bytes(8, "little", signed=True)).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def draw_masks(generator: torch.Generator, n_tokens: int, num_samples: int, hidden_size: int, p: float,

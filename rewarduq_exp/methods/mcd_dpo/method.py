@@ -49,10 +49,18 @@ from rewarduq_exp.methods.mcd_dpo.logprobs import (
     row_seed,
     tokenize_completion,
 )
+from rewarduq_exp.methods.mcd_dpo.memory import (
+    auto_chunk,
+    scoring_head,
+    scoring_token,
+    training_reserved,
+    training_token,
+)
 from rewarduq_exp.methods.mcd_dpo.trainer import _checkpointing_key, _history, _make_trainer_class
 from rewarduq_exp.methods.mcd_dpo.weights import _load_params, _param_tensors, full_weights, load_causal_lm
 from rewarduq_exp.models.backbone import resolve_device
-from rewarduq_exp.models.shared_prefix import batch_order, shared_prefix_hidden
+from rewarduq_exp.models.shared_prefix import shared_prefix_hidden, token_batches
+from rewarduq_exp.models.token_budget import budget_from_memory, check_setting
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -66,19 +74,20 @@ class McdDpo(RewardMethod):
     fine_tunes_backbone = True  # the whole causal LM, with DPO
 
     def __init__(self, encoder=None, learning_rate: float = 1e-6, dpo_beta: float = 0.1, dropout: float = 0.1,
-                 num_samples: int = 20, beta: float = 2.0, batch_size: int = 64, micro_batch_size: int = 8,
+                 num_samples: int = 20, beta: float = 2.0, batch_size: int = 64, micro_batch_size="auto",
                  num_epochs: float = 1.0, warmup_ratio: float = 0.05, weight_decay: float = 0.0,
-                 seed: int = 0, device: str = "auto", show_progress: bool = True, score_batch_size: int = 8,
-                 logprob_chunk: int = 64, gradient_checkpointing: bool | str = "auto", log_every: int = 1,
-                 max_grad_norm: float | None = 1.0):
+                 seed: int = 0, device: str = "auto", show_progress: bool = True, score_batch_size="auto",
+                 score_batch_tokens="auto", logprob_chunk="auto", gradient_checkpointing: bool | str = "auto",
+                 log_every: int = 1, max_grad_norm: float | None = 1.0):
         if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
             raise UserError(f"method.dropout={dropout} is invalid: must be in [0, 1)")
         check_positive(num_samples, "method.num_samples", integer=True, minimum=2, inclusive=True)
         check_positive(dpo_beta, "method.dpo_beta")
         check_positive(beta, "method.beta", inclusive=True)
-        check_positive(micro_batch_size, "method.micro_batch_size", integer=True, minimum=1, inclusive=True)
-        check_positive(score_batch_size, "method.score_batch_size", integer=True, minimum=1, inclusive=True)
-        check_positive(logprob_chunk, "method.logprob_chunk", integer=True, minimum=1, inclusive=True)
+        micro_batch_size = check_setting(micro_batch_size, "method.micro_batch_size")
+        score_batch_size = check_setting(score_batch_size, "method.score_batch_size")
+        self.score_batch_tokens = check_setting(score_batch_tokens, "method.score_batch_tokens")
+        self.logprob_chunk = check_setting(logprob_chunk, "method.logprob_chunk")
         checkpointing = {"auto": "auto", "true": True, "false": False}.get(str(gradient_checkpointing).lower())
         if checkpointing is None:
             raise UserError(f"method.gradient_checkpointing={gradient_checkpointing} is invalid; allowed: auto, true, "
@@ -89,7 +98,7 @@ class McdDpo(RewardMethod):
                                          num_epochs=float(num_epochs), warmup_ratio=float(warmup_ratio),
                                          weight_decay=float(weight_decay), max_grad_norm=max_grad_norm)
         self.schedule.validate()
-        if int(batch_size) % int(micro_batch_size) and int(batch_size) > int(micro_batch_size):
+        if micro_batch_size != "auto" and int(batch_size) % micro_batch_size and int(batch_size) > micro_batch_size:
             raise UserError(f"method.batch_size={batch_size} must be a multiple of method.micro_batch_size="
                             f"{micro_batch_size} (gradient accumulation)")
         self.encoder = encoder
@@ -97,13 +106,16 @@ class McdDpo(RewardMethod):
         self.dropout = float(dropout)
         self.num_samples = int(num_samples)
         self.beta = float(beta)
-        self.micro_batch_size = min(int(micro_batch_size), int(batch_size))
+        # "auto": chosen at fit from the device's free memory (:meth:`_training_batches`); a number: as given
+        self.micro_setting = micro_batch_size
+        self.micro_batch_size = None if micro_batch_size == "auto" else min(micro_batch_size, int(batch_size))
         self.seed = int(seed)
         self.device = resolve_device(device)
         self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
-        self.score_batch_size = int(score_batch_size)
-        self.logprob_chunk = int(logprob_chunk)
-        self.gradient_checkpointing = checkpointing   # "auto" (GPU only), True or False
+        self.score_batch_size = None if score_batch_size == "auto" else score_batch_size   # rows cap (None: none)
+        self.gradient_checkpointing = checkpointing   # "auto" (from the plan of the micro-batch), True or False
+        self.training_plan: dict = {}                 # what fit chose: micro-batch, checkpointing, chunk, budget
+        self._arch = None                             # the policy's sizes, for the token budgets
         self.log_every = int(log_every)
         self.history: list[dict] = []
         self.fit_summary: dict = {}
@@ -116,7 +128,7 @@ class McdDpo(RewardMethod):
         s = self.schedule
         return {"learning_rate": s.learning_rate, "dpo_beta": self.dpo_beta, "dropout": self.dropout,
                 "num_samples": self.num_samples, "beta": self.beta, "batch_size": s.batch_size,
-                "micro_batch_size": self.micro_batch_size, "num_epochs": s.num_epochs,
+                "micro_batch_size": self.micro_setting, "num_epochs": s.num_epochs,
                 "warmup_ratio": s.warmup_ratio, "weight_decay": s.weight_decay, "max_grad_norm": s.max_grad_norm,
                 "seed": self.seed}
 
@@ -194,12 +206,63 @@ class McdDpo(RewardMethod):
         self._shared_dir = path[0]
         return load_from_disk(path[0])
 
+    def _architecture(self):
+        from rewarduq_exp.models.shapes import architecture_of_model
+
+        if self._arch is None:
+            self._arch = architecture_of_model(self.backbone.name, self._ensure_policy())
+        return self._arch
+
+    def _longest_row(self, prompts, completions) -> int:
+        """Tokens of the longest prompt + completion (the template rendered as training and scoring see it, plus a
+        few for the generation prompt's split): the width a micro-batch pads to at most."""
+        from rewarduq_exp.data.contract import render_all
+
+        texts = render_all(self.tokenizer, list(prompts), list(completions))
+        return max(len(x) for x in self.tokenizer(texts, add_special_tokens=False)["input_ids"]) + 8
+
+    def _chunk(self, a, rows: int) -> int:
+        return self.logprob_chunk if self.logprob_chunk != "auto" else auto_chunk(a.vocab, rows)
+
+    def _training_batches(self, train: pd.DataFrame) -> dict:
+        """The micro-batch (pairs per forward, a divisor of this process's share of ``batch_size``), activation
+        checkpointing and chunk of this fit: as configured, or (``auto``) the largest micro-batch that the device's
+        free memory holds at the per-token cost of :mod:`.memory`, without checkpointing where that holds a
+        micro-batch large enough to keep the device busy. Every micro-batch size gives the same step: each row's
+        masks are its own and the loss is the whole step's weighted mean (:mod:`.trainer`)."""
+        from rewarduq_exp.models.token_budget import choose_micro_batch, free_bytes
+
+        per_rank = max(1, self.schedule.batch_size // world_size())
+        a = self._architecture()
+        cuda = self.device.type == "cuda"
+        chunk = self._chunk(a, 1)
+        longest = self._longest_row(list(train["prompt"]) * 2, list(train["chosen"]) + list(train["rejected"]))
+        free = free_bytes(self.device)
+        reserved = training_reserved(a, self._bf16(), chunk, cuda)
+        costs = [training_token(a, longest, self._bf16(), not cuda, ckpt) for ckpt in (False, True)]
+        micro, checkpointing = choose_micro_batch(per_rank, 2 * longest, free, reserved, *costs, self.device.type,
+                                                  self.gradient_checkpointing, divides=True)
+        if self.micro_setting != "auto":
+            micro = min(self.micro_setting, per_rank)
+            if self.gradient_checkpointing == "auto":   # on where the given micro-batch needs it
+                checkpointing = budget_from_memory(free, costs[0], self.device.type, reserved) < 2 * longest * micro
+        # the reference pass (no grad, before training): pairs of the scoring budget without the K-mask head
+        ref_tokens = budget_from_memory(free, scoring_token(a, longest, not cuda), self.device.type,
+                                        reserved=3.0 * chunk * a.vocab * 4)
+        self.micro_batch_size = micro
+        self.training_plan = {"micro_batch_size": micro, "gradient_checkpointing": bool(checkpointing),
+                              "logprob_chunk": chunk, "longest_row_tokens": longest,
+                              "reference_batch_pairs": max(1, ref_tokens // (2 * longest)),
+                              "free_bytes_at_start": int(free)}
+        return self.training_plan
+
     def _make_trainer(self, train: pd.DataFrame, output_dir: str):
         from trl import DPOConfig
 
         model = self._ensure_policy()
         s = self.schedule
         cuda = self.device.type == "cuda"
+        plan = self.training_plan or self._training_batches(train)
         # method.batch_size is the global batch: under torchrun each of the N ranks takes micro-batches, so the
         # accumulation steps are divided by N (one process: unchanged).
         accumulation = max(1, s.batch_size // (self.micro_batch_size * world_size()))
@@ -218,14 +281,13 @@ class McdDpo(RewardMethod):
             # Explicit, not the Trainer's default by accident: Table 1's eq. 13 values were tuned with the HF Trainer
             # clipping at 1.0; transformers 5 clips only when max_grad_norm > 0, so null (no clipping) -> 0.0.
             max_grad_norm=s.max_grad_norm if s.max_grad_norm is not None else 0.0,
-            precompute_ref_log_probs=True, precompute_ref_batch_size=self.score_batch_size,
+            precompute_ref_log_probs=True, precompute_ref_batch_size=plan["reference_batch_pairs"],
             max_length=None,                        # the run already drops over-long pairs (never truncate)
             disable_dropout=True,                   # Qwen3's own dropouts off; our head dropout is separate
             # bf16=True -> accelerate's bf16 autocast (CPU autocast under use_cpu=True; transformers 5.23 accepts it)
             bf16=self._bf16(), use_cpu=not cuda,
-            # auto: on a GPU only (activation memory); on CPU it only costs time unless asked for explicitly
-            **{_checkpointing_key(DPOConfig): cuda if self.gradient_checkpointing == "auto"
-               else self.gradient_checkpointing},
+            # as _training_batches chose it (auto: where the micro-batch needs it)
+            **{_checkpointing_key(DPOConfig): plan["gradient_checkpointing"]},
             logging_steps=self.log_every, save_strategy="no", report_to=[], disable_tqdm=not self.show_progress,
             remove_unused_columns=False, dataloader_num_workers=0,
         )
@@ -237,8 +299,9 @@ class McdDpo(RewardMethod):
             warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated",
                                     category=FutureWarning)
             trainer = Trainer(model=model, ref_model=None, args=args, train_dataset=dataset,
-                              processing_class=self.tokenizer, dropout=self.dropout, logprob_chunk=self.logprob_chunk,
-                              show_progress=self.show_progress)
+                              processing_class=self.tokenizer, dropout=self.dropout,
+                              logprob_chunk=plan["logprob_chunk"], show_progress=self.show_progress,
+                              mask_seed=self.seed)
         if not self.show_progress:
             from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -269,6 +332,7 @@ class McdDpo(RewardMethod):
     def _fit(self, train: pd.DataFrame, eval: pd.DataFrame | None, t0: float) -> dict:
         checkpoints = training_checkpoint.active()
         phase = checkpoints.phase(self.name) if checkpoints is not None else None
+        self._training_batches(train)
         total = self._optimizer_steps(len(train))
         saved = phase.load(total) if phase is not None else None
         if saved is not None and saved.done:
@@ -315,6 +379,7 @@ class McdDpo(RewardMethod):
             # signalled during the last step: leave with the result saved
             raise job_signals.TrainingInterrupted(stop, f"after the last step of {self.name}")
         self.fit_summary = {"train_pairs": len(train), "optimizer_steps": int(result.global_step),
+                            **{k: v for k, v in self.training_plan.items() if k != "free_bytes_at_start"},
                             "seconds_reference_and_tokenize": round(t_ref, 2),
                             "seconds_training": round(time.perf_counter() - t1, 2),
                             "final_train_loss": self.history[-1]["loss"] if self.history else float("nan")}
@@ -359,16 +424,20 @@ class McdDpo(RewardMethod):
         return policy.to(self.device)
 
     # ------------------------------------------------------------------ scoring
-    def _batches(self, prompts, completions):
-        """(indices, ids, attention, completion mask, mask seeds, completion starts) per batch of
-        ``score_batch_size`` sequences."""
+    def _batches(self, prompts, completions) -> list[tuple]:
+        """(indices, ids, attention, completion mask, mask seeds, completion starts) per scoring batch: at most
+        ``score_batch_tokens`` padded tokens (auto: what the device's free memory holds, :meth:`score_tokens`) and
+        ``score_batch_size`` rows, sorted by length or grouped by prompt (prompts that repeat run once per batch)."""
         tok = self.tokenizer
         encoded = [tokenize_completion(tok, _messages(p), _messages(c)) for p, c in zip(prompts, completions)]
-        # little padding, and where prompts repeat, batches of one prompt (run once per batch)
-        order = batch_order([ids for ids, _ in encoded], [start for _, start in encoded], self.score_batch_size)
+        if not encoded:
+            return []
+        ids_list = [ids for ids, _ in encoded]
+        max_tokens = self.score_tokens(max(len(x) for x in ids_list))
+        batches = token_batches(ids_list, [start for _, start in encoded], max_tokens, self.score_batch_size)
         pad = tok.pad_token_id
-        for s in range(0, len(order), self.score_batch_size):
-            idx = order[s:s + self.score_batch_size]
+        out = []
+        for idx in batches:
             width = max(len(encoded[i][0]) for i in idx)
             ids = torch.full((len(idx), width), pad, dtype=torch.long)
             attn = torch.zeros((len(idx), width), dtype=torch.long)
@@ -380,7 +449,23 @@ class McdDpo(RewardMethod):
                 comp[row, start:len(seq)] = 1
             seeds = [row_seed(self.seed, encoded[i][0]) for i in idx]
             starts = [encoded[i][1] for i in idx]
-            yield idx, ids.to(self.device), attn.to(self.device), comp.to(self.device), seeds, starts
+            out.append((idx, ids, attn, comp, seeds, starts))
+        return out
+
+    def score_tokens(self, longest: int) -> int:
+        """Padded tokens per scoring batch: ``score_batch_tokens``, or (auto) what the device's free memory holds,
+        with the policy and the reference loaded, at :func:`~.memory.scoring_token` per token after the K-mask head
+        step's :func:`~.memory.scoring_head`."""
+        from rewarduq_exp.models.token_budget import resolve_tokens
+
+        if self.score_batch_tokens != "auto":
+            return self.score_batch_tokens
+        self._ensure_policy(), self._ensure_reference()
+        a = self._architecture()
+        cpu = self.device.type != "cuda"
+        return resolve_tokens("auto", "method.score_batch_tokens", self.device, scoring_token(a, longest, cpu),
+                              reserved=scoring_head(a, self.num_samples, self._chunk(a, self.num_samples),
+                                                    self._bf16()))
 
     def _autocast(self):
         # The same bf16 autocast as training (accelerate's, see _make_trainer), on the model's device type: CPU
@@ -400,10 +485,10 @@ class McdDpo(RewardMethod):
         self._ensure_policy().eval()
         prompts, completions = list(prompts), list(completions)
         out = np.zeros((len(prompts), self.num_samples))
-        n_batches = math.ceil(len(prompts) / self.score_batch_size)
-        batches = progress(self._batches(prompts, completions), total=n_batches, desc="mcd_dpo scoring",
-                           unit="batches", show=self.show_progress, quiet=not is_main())
+        batches = progress(self._batches(prompts, completions), desc="mcd_dpo scoring", unit="batches",
+                           show=self.show_progress, quiet=not is_main())
         for idx, ids, attn, comp, seeds, starts in batches:
+            ids, attn, comp = (t.to(self.device, non_blocking=True) for t in (ids, attn, comp))
             rewards = self.mask_rewards_ids(ids, attn, comp, row_generators(seeds, self.device), starts)  # (K, B)
             out[idx] = rewards.T.double().cpu().numpy()
         return out
@@ -416,12 +501,14 @@ class McdDpo(RewardMethod):
         head, one of the reference; what :meth:`sample_rewards` runs per batch (and ``scripts/bench_gpu.py`` measures).
         """
         policy, reference = self._ensure_policy(), self._ensure_reference()
+        a = self._architecture()
         with self._autocast():
             hidden = shared_prefix_hidden(policy.get_decoder(), ids, attn, starts)
             logps = mc_completion_logps(hidden, policy.lm_head, ids, comp, self.num_samples, self.dropout,
-                                        generators, self.logprob_chunk)  # (K, B)
+                                        generators, self._chunk(a, self.num_samples))  # (K, B)
+            del hidden   # not alive while the reference runs (the budget counts one body's states)
             ref_hidden = shared_prefix_hidden(reference.get_decoder(), ids, attn, starts)
-            ref = completion_logps(ref_hidden, reference.lm_head, ids, comp, self.logprob_chunk)  # (B,)
+            ref = completion_logps(ref_hidden, reference.lm_head, ids, comp, self._chunk(a, 1))  # (B,)
         return self.dpo_beta * (logps - ref.unsqueeze(0))
 
     def score(self, prompts, completions) -> Scores:

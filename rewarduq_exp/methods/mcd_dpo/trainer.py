@@ -23,13 +23,15 @@ from rewarduq_exp.core.distributed import is_main
 from rewarduq_exp.core.progress import ProgressClock
 from rewarduq_exp.methods.mcd_dpo.callbacks import _progress_log_callback_class
 from rewarduq_exp.methods.mcd_dpo.gradients import average_gradients
-from rewarduq_exp.methods.mcd_dpo.logprobs import completion_logps
+from rewarduq_exp.methods.mcd_dpo.logprobs import completion_logps, row_generators, row_seed, step_seed
 from rewarduq_exp.methods.mcd_dpo.weights import _load_params
 from rewarduq_exp.models.shared_prefix import shared_prefix_hidden
 
 
 class WeightCollator:
-    """TRL's preference collator plus a float32 ``weight`` (B,) taken from the examples' ``weight`` column.
+    """TRL's preference collator plus a float32 ``weight`` (B,) taken from the examples' ``weight`` column, and each
+    row's dropout-mask seed (``row_seeds``, 2B ints in the collator's [chosen; rejected] order: :func:`row_seed` of
+    the row's prompt + completion ids) when ``seed`` is given.
 
     TRL 1.16 keeps every dataset column through its tokenisation ``map`` (``DPOTrainer._prepare_dataset`` only adds
     ``prompt_ids``/``chosen_ids``/``rejected_ids``) and through the reference pre-computation (it concatenates the
@@ -38,13 +40,17 @@ class WeightCollator:
     only, so ``weight`` is dropped there. This wrapper puts it back (one value per pair, same order as the rows).
     """
 
-    def __init__(self, inner):
+    def __init__(self, inner, seed: int | None = None):
         self.inner = inner
+        self.seed = seed
 
     def __call__(self, examples):
         out = self.inner(examples)
         if examples and "weight" in examples[0]:
             out["weight"] = torch.tensor([float(e["weight"]) for e in examples], dtype=torch.float32)
+        if self.seed is not None and examples and "prompt_ids" in examples[0]:
+            out["row_seeds"] = ([row_seed(self.seed, e["prompt_ids"] + e["chosen_ids"]) for e in examples]
+                                + [row_seed(self.seed, e["prompt_ids"] + e["rejected_ids"]) for e in examples])
         return out
 
 
@@ -80,9 +86,16 @@ def _make_trainer_class():
         reference pre-computation, the optimizer, scheduler, accumulation and logging.
         """
 
-        def __init__(self, *args, dropout: float, logprob_chunk: int, show_progress: bool = True, **kwargs):
+        # compute_loss divides by the whole optimizer step's weight itself (get_batch_samples), so the Trainer must
+        # not divide by the number of micro-batches again.
+        loss_is_scaled_for_ga = True
+
+        def __init__(self, *args, dropout: float, logprob_chunk: int, show_progress: bool = True,
+                     mask_seed: int = 0, **kwargs):
             self.head_dropout = dropout
             self.logprob_chunk = logprob_chunk
+            self.mask_seed = mask_seed
+            self._step_weight: torch.Tensor | None = None
             # With bars off, the reference pass (inside TRL's __init__) and training log a line every few minutes.
             config, data = kwargs["args"], kwargs["train_dataset"]
             batches = math.ceil(len(data) / (config.precompute_ref_batch_size or config.per_device_train_batch_size))
@@ -95,7 +108,7 @@ def _make_trainer_class():
             # Wrapped only now: TRL's __init__ builds its collator (pad token checks, mirrored onto the model config)
             # and already ran the reference pre-computation with it, whose batches must not carry ``weight``
             # (``compute_ref_log_probs`` passes every non-mask key to the model). Training batches get it.
-            self.data_collator = WeightCollator(self.data_collator)
+            self.data_collator = WeightCollator(self.data_collator, seed=mask_seed)
 
         # A PhaseCheckpoint while the run's training checkpoints are active (train.py), else None. The four methods
         # below are the Trainer's own checkpoint I/O; with save_strategy="no" they run only for the phase: a save the
@@ -118,6 +131,18 @@ def _make_trainer_class():
             # epoch (whose iterator draws a base seed from torch's RNG), so the next step draws what it would have.
             if checkpoint is not None:
                 training_checkpoint.restore_rng(self.phase_checkpoint.saved)
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            """The micro-batches of one optimizer step, and their total pair weight over every process: each
+            micro-batch's loss is its share of the step's weighted mean (:meth:`compute_loss`), so a step's gradient
+            is that of one batch whatever the micro-batch size and the number of processes."""
+            samples, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+            total = sum(float(b["weight"].sum()) if "weight" in b else float(len(b["input_ids"]) // 2)
+                        for b in samples)
+            weight = torch.tensor(total, dtype=torch.float64, device=self.accelerator.device)
+            self._step_weight = self.accelerator.reduce(weight, "sum") if self.accelerator.num_processes > 1 \
+                else weight
+            return samples, items
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -148,7 +173,8 @@ def _make_trainer_class():
 
         def _completion_logps(self, model, inputs, dropout: float, training: bool) -> torch.Tensor:
             """Summed completion log-probs (2B,) of a [chosen; rejected] batch: the body's final hidden states, then
-            the LM head (with the head dropout when ``training``) on the completion positions only."""
+            the LM head (with the head dropout when ``training``) on the completion positions only. A row's masks
+            are draws of its own generator, seeded by the row and the optimizer step (:func:`step_seed`)."""
             lm = self.accelerator.unwrap_model(model)
             body = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
             # Accelerate applies mixed precision by wrapping ``model.forward``; the body and the LM head are called
@@ -160,19 +186,29 @@ def _make_trainer_class():
                 else:  # chosen and rejected (and pairs asking the same) share their prompt: run once
                     prompt_lengths = inputs["completion_mask"].argmax(1).tolist()
                     hidden = shared_prefix_hidden(body, ids, attention, prompt_lengths)
+                generators = None
+                if training and dropout > 0 and "row_seeds" in inputs:
+                    step = self.state.global_step
+                    generators = row_generators([step_seed(r, step) for r in inputs["row_seeds"]], ids.device)
                 return completion_logps(hidden, lm.lm_head, inputs["input_ids"], inputs["completion_mask"],
-                                        self.logprob_chunk, dropout, training=training)
+                                        self.logprob_chunk, dropout, training=training, generators=generators)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             logps = self._completion_logps(model, inputs, self.head_dropout, training=model.training)
             chosen, rejected = logps.chunk(2)          # the collator stacks [chosen; rejected]
             ref_c, ref_r = inputs["ref_chosen_logps"].float(), inputs["ref_rejected_logps"].float()
             margin = self.beta * ((chosen - ref_c) - (rejected - ref_r))
-            # eq. 13, weighted mean over THIS micro-batch's pairs. With gradient accumulation the Trainer divides each
-            # micro-batch loss by the number of accumulation steps (TRL sets model_accepts_loss_kwargs=False), so an
-            # optimizer step follows the plain mean of the micro-batches' weighted means, not one weighted mean over
-            # the whole effective batch; with micro_batch_size == batch_size the two coincide.
-            loss = weighted_dpo_loss(margin, inputs.get("weight"))
+            if model.training and self._step_weight is not None:
+                # eq. 13 as the weighted mean over the whole optimizer step (every micro-batch of every process):
+                # this micro-batch's weighted sum over the step's total weight, times the number of processes,
+                # whose gradients are averaged. Summed over the micro-batches it is the one-batch loss.
+                weight = inputs.get("weight")
+                nll = -torch.nn.functional.logsigmoid(margin)
+                weighted = (nll * weight.to(nll.device, nll.dtype)).sum() if weight is not None else nll.sum()
+                loss = weighted * self.accelerator.num_processes / self._step_weight.to(nll.dtype).clamp_min(
+                    torch.finfo(nll.dtype).tiny)
+            else:
+                loss = weighted_dpo_loss(margin, inputs.get("weight"))
             mode = "train" if model.training else "eval"
             # Over all processes' micro-batches (as TRL logs its own metrics): the logged values are the global
             # batch's, not rank 0's share. Sums and a count, a fixed shape whatever the batch sizes of the ranks.
