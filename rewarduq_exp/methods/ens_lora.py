@@ -138,8 +138,8 @@ class EnsLoRA(RewardMethod):
         self.device = resolve_device(device)
         # auto = all members in one batched forward, on every device: it runs the FLOPs of K passes in larger GEMMs
         # and saves K-1 launches of every other op (in training also K-1 backward passes). scripts/bench_lora.py on a
-        # 2-core CPU (K=8, the tiny Qwen3, batches of 16 texts or pairs): scoring 1.04-1.38x and training 1.70-1.84x
-        # with the default 2 threads; on one thread training 1.09x but scoring 0.74x at 128 rows a forward (the
+        # 2-core CPU (K=8, the tiny Qwen3, batches of 16 texts or pairs): scoring 1.04-1.38x and training 1.57-1.84x
+        # with the default 2 threads; on one thread training 1.09x but scoring 0.74-0.82x at 128 rows a forward (the
         # body's elementwise ops fall out of the cache; 1.63x at 32 rows). Except training with activation
         # checkpointing, which is on for memory: there the batched forward would keep K x the checkpointed
         # activations, so auto trains one member per pass (true still batches: the routing survives the recompute).
