@@ -305,3 +305,6 @@ def test_from_peft_refuses_what_it_cannot_batch(tiny_backbone):
         from_peft(model, ["m0", "m1"])
     with pytest.raises(UserError, match="has no adapter 'm2'"):
         from_peft(model, ["m0", "m2"])
+    model.add_adapter("dora", LoraConfig(r=4, target_modules="all-linear", use_dora=True))
+    with pytest.raises(UserError, match="LoRA variant"):
+        from_peft(model, ["m0", "dora"])

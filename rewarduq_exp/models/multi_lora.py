@@ -332,7 +332,8 @@ def from_peft(peft_model, member_names: Sequence[str]) -> MultiLoRAModel:
         missing = [n for n in names if n not in module.lora_A]
         if missing:
             raise UserError(f"{where} has no adapter {missing[0]!r}: every member must target the same layers")
-        if any(n in module.lora_variant for n in names) or module.fan_in_fan_out:
+        variants = getattr(module, "lora_variant", {})   # DoRA and the other variants (PEFT >= 0.15)
+        if any(n in variants or getattr(module, "use_dora", {}).get(n) for n in names) or module.fan_in_fan_out:
             raise UserError(f"{where} uses a LoRA variant (DoRA, ...) or fan_in_fan_out: not supported batched")
         if any(module.lora_B[n].bias is not None for n in names):
             raise UserError(f"{where} has a LoRA bias: not supported batched")
