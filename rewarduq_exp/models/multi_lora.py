@@ -8,9 +8,9 @@ Linear is wrapped by :class:`MultiLoRALinear`, which holds the K members' weight
 
 * all members at once: the rows of a batch are laid out member-major, K contiguous blocks of equal size with block k
   under member k (the batch replicated K times). The base GEMM runs once over all K x B rows, then one ``bmm`` gives
-  the K rank-r projections and one ``baddbmm`` adds the K updates to the base output: the FLOPs of K passes in a few
-  large GEMMs, with no Python loop over members and no gather or scatter of rows (PEFT's ``adapter_names=`` batch
-  selects and scatters the rows of every adapter in every layer);
+  the K rank-r projections and one ``baddbmm_`` adds the K updates into the base output in place: the FLOPs of K
+  passes in a few large GEMMs, with no Python loop over members and no gather or scatter of rows (PEFT's
+  ``adapter_names=`` batch selects and scatters the rows of every adapter in every layer);
 * one member (``members=k``): the rows are all under member k, computed as PEFT computes its active adapter.
 
 Routing is an explicit argument of every call: :meth:`MultiLoRAModel.forward` takes ``members`` (an index, or a
