@@ -48,7 +48,9 @@ def test_plan_prints_every_part_without_a_run_folder(tmp_path):
     proc = run_entry_point(ROOT / "train.py", ["method=mcd_dpo", "model=qwen3-0.6b", "dataset=ultrafeedback",
                                                "plan=true", f"paths.output_root={tmp_path}/out"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for phrase in ("596,049,920 total", "AdamW states", "reference weights", "activation checkpointing on",
+    # at 80 GB, pairs of 2 x 2048 tokens: 4 pairs a micro-batch (16k tokens) fit without checkpointing
+    for phrase in ("596,049,920 total", "AdamW states", "reference weights", "activation checkpointing off",
+                   "micro-batch of 4 pairs (auto)",
                    "FLOPs training", "62135 train pairs", "expected peak per device", "395.6 TFLOPS"):
         assert phrase in proc.stdout, proc.stdout
     assert not (tmp_path / "out").exists()
@@ -56,9 +58,9 @@ def test_plan_prints_every_part_without_a_run_folder(tmp_path):
 
 def test_plan_of_a_sweep_names_its_largest_point(tmp_path):
     proc = run_entry_point(ROOT / "train.py", ["method=ens_lora", "model=qwen3-0.6b", "dataset=ultrafeedback",
-                                               "method.batch_size=8,16", "plan=true"], tmp_path)
+                                               "method.micro_batch_size=1,2", "plan=true"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "sweep: 2 points planned" in proc.stdout and "method.batch_size=16" in proc.stdout.splitlines()[-1]
+    assert "sweep: 2 points planned" in proc.stdout and "method.micro_batch_size=2" in proc.stdout.splitlines()[-1]
 
 
 def test_feature_cache_size_on_disk_and_bay_lin_hessian(tmp_path):
@@ -86,7 +88,8 @@ def fake_sbatch(tmp_path: Path) -> dict:
 
 
 def test_slurm_launcher_refuses_a_sweep_that_does_not_fit_the_gpu_in_one_line(tmp_path):
-    args = ["-m", "method=ens_lora", "model=qwen3-4b", "dataset=ultrafeedback", "method.learning_rate=1e-4,1e-3",
+    # a full fine-tune of 8B: 16 bytes a parameter of weights, gradients and AdamW states before any activation
+    args = ["-m", "method=mcd_dpo", "model=qwen3-8b", "dataset=ultrafeedback", "method.learning_rate=1e-4,1e-3",
             "hydra/launcher=slurm", f"paths.output_root={tmp_path}/out"]
     proc = run_entry_point(ROOT / "train.py", args, tmp_path, env=fake_sbatch(tmp_path))
     assert proc.returncode == 2, proc.stderr[-2000:]

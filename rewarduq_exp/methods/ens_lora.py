@@ -73,7 +73,8 @@ from rewarduq_exp.methods.base import (
 )
 from rewarduq_exp.models.backbone import resolve_device
 from rewarduq_exp.models.multi_lora import MultiLoRAModel, from_peft, quiet_peft
-from rewarduq_exp.models.shared_prefix import batch_order, share_lengths, shared_prefix_hidden
+from rewarduq_exp.models.shared_prefix import share_lengths, shared_prefix_hidden, token_batches
+from rewarduq_exp.models.token_budget import check_setting
 
 HEAD_INITS = ("auto", "pretrained", "fresh")
 ANCHORS = ("l2", "mean_squared")
@@ -103,8 +104,9 @@ class EnsLoRA(RewardMethod):
                  num_epochs: float = 1.0, warmup_ratio: float = 0.05, weight_decay: float = 0.0,
                  adam_betas=(0.9, 0.999), adam_eps: float = 1e-8, max_grad_norm: float | None = 1.0,
                  head_init: str = "auto", mixed_adapter_training="auto", mixed_adapter_scoring="auto",
-                 gradient_checkpointing: bool = False, score_batch_size: int = 16, seed: int = 0,
-                 device: str = "auto", show_progress: bool = True, log_every: int = 10):
+                 gradient_checkpointing="auto", micro_batch_size="auto", score_batch_size="auto",
+                 score_batch_tokens="auto", seed: int = 0, device: str = "auto", show_progress: bool = True,
+                 log_every: int = 10):
         self.encoder = encoder
         self.num_members = int(check_positive(num_members, "method.num_members", integer=True, minimum=2,
                                               inclusive=True))
@@ -131,20 +133,26 @@ class EnsLoRA(RewardMethod):
         if head_init not in HEAD_INITS:
             raise UserError(f"method.head_init={head_init!r} is invalid; allowed: {', '.join(HEAD_INITS)}")
         self.head_init = head_init
-        self.gradient_checkpointing = bool(gradient_checkpointing)
-        self.score_batch_size = int(check_positive(score_batch_size, "method.score_batch_size", integer=True,
-                                                   minimum=1, inclusive=True))
+        checkpointing = {"auto": "auto", "true": True, "false": False}.get(str(gradient_checkpointing).lower())
+        if checkpointing is None:
+            raise UserError(f"method.gradient_checkpointing={gradient_checkpointing} is invalid; allowed: auto, true, "
+                            "false")
+        self.gradient_checkpointing = checkpointing   # auto: on where a micro-batch of one pair needs it to fit
+        self.micro_setting = check_setting(micro_batch_size, "method.micro_batch_size")
+        rows = check_setting(score_batch_size, "method.score_batch_size")
+        self.score_batch_size = None if rows == "auto" else rows   # texts per scoring forward at most
+        self.score_batch_tokens = check_setting(score_batch_tokens, "method.score_batch_tokens")
+        self.training_plan: dict = {}
         self.seed = int(seed)
         self.device = resolve_device(device)
         # auto = all members in one batched forward, on every device: it runs the FLOPs of K passes in larger GEMMs
         # and saves K-1 launches of every other op (in training also K-1 backward passes). scripts/bench_lora.py on a
         # 2-core CPU (K=8, the tiny Qwen3, batches of 16 texts or pairs): scoring 1.04-1.38x and training 1.57-1.84x
         # with the default 2 threads; on one thread training 1.09x but scoring 0.74-0.82x at 128 rows a forward (the
-        # body's elementwise ops fall out of the cache; 1.63x at 32 rows). Except training with activation
-        # checkpointing, which is on for memory: there the batched forward would keep K x the checkpointed
-        # activations, so auto trains one member per pass (true still batches: the routing survives the recompute).
+        # body's elementwise ops fall out of the cache; 1.63x at 32 rows). Memory is the micro-batch's business: a
+        # batched micro-batch of m pairs holds what one member's pass of K x m pairs holds (the token budget).
         self.mixed_adapter_training = _mixed_flag(mixed_adapter_training, "method.mixed_adapter_training",
-                                                  auto=not self.gradient_checkpointing)
+                                                  auto=True)
         self.mixed_adapter_scoring = _mixed_flag(mixed_adapter_scoring, "method.mixed_adapter_scoring", auto=True)
         self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
         self.log_every = int(check_positive(log_every, "method.log_every", integer=True, minimum=1, inclusive=True))
@@ -316,44 +324,67 @@ class EnsLoRA(RewardMethod):
         center) that, summed over the processes, are the step's per-member loss terms.
 
         ``weight`` is already divided by the GLOBAL batch's weight total and the anchor (which every process
-        computes in full) by the number of processes, so the gradients summed over the processes are exactly those
-        of one process training on the whole batch. With one process this is the plain eq. 11. ``shared``: the
-        (chosen, rejected) prompt lengths of every pair (``_shareable``), or ``None`` for plain forwards. The pairs
-        run as one batch; a token budget would split ``local`` into micro-batches here, each one's backward adding
-        to the gradients (the weights are already normalised by the global batch, so the sum is exact).
+        computes in full, once per step) by the number of processes, so the gradients summed over the micro-batches
+        (``training_plan["micro_batch_size"]`` pairs, longest first; chosen and rejected together) and the processes
+        are exactly those of one process training on the whole batch in one forward. With one process this is the
+        plain eq. 11. ``shared``: the (chosen, rejected) prompt lengths of every pair (``_shareable``), or ``None``.
         """
         K, device = self.num_members, self.device
-        zeros = torch.zeros(K, device=device)
-        bt, center = zeros, zeros
-        b = len(local)
-        rows = None
-        if b:
-            ids, mask = self._pad([chosen[i] for i in local] + [rejected[i] for i in local])
-            rows = None if shared is None else np.concatenate([shared[0][local], shared[1][local]])
-        if mixed:
-            anchor = (self._anchor() if self.reg_lambda > 0 else zeros) / world
-            if b:
-                r = self.member_rewards_ids(ids, mask, mixed=True, shared=rows)  # (K, 2b), one forward
-                bt = (bradley_terry_nll(r[:, :b] - r[:, b:]) * weight).sum(1)
-                center = ((r[:, :b] + r[:, b:]).pow(2) * weight).sum(1)
-            loss = (bt + self.reg_lambda * anchor + self.center_gamma * center).sum()
-            if loss.requires_grad:
-                loss.backward()
-            return torch.stack([bt, anchor, center]).detach()
-        # One pass (and one backward) per member: its 2b rows under member k only.
-        parts = []
-        for k, name in enumerate(self.member_names):
-            anchor_k = (self._anchor(k) if self.reg_lambda > 0 else torch.zeros((), device=device)) / world
-            bt_k = center_k = torch.zeros((), device=device)
-            if b:
-                rk = self._pooled(ids, mask, [name] * (2 * b), shared=rows) @ self.head[k]
-                bt_k = (bradley_terry_nll(rk[:b] - rk[b:]) * weight).sum()
-                center_k = ((rk[:b] + rk[b:]).pow(2) * weight).sum()
-            loss = bt_k + self.reg_lambda * anchor_k + self.center_gamma * center_k
-            if loss.requires_grad:
-                loss.backward()
-            parts.append(torch.stack([bt_k, anchor_k, center_k]).detach())
-        return torch.stack(parts, dim=1)
+        anchor = (self._anchor() if self.reg_lambda > 0 else torch.zeros(K, device=device)) / world
+        if anchor.requires_grad:
+            (self.reg_lambda * anchor.sum()).backward()
+        bt, center = torch.zeros(K, device=device), torch.zeros(K, device=device)
+        micro = self.training_plan.get("micro_batch_size") or max(1, len(local))
+        order = sorted(range(len(local)), key=lambda j: -max(len(chosen[local[j]]), len(rejected[local[j]])))
+        for start in range(0, len(order), micro):
+            part = order[start:start + micro]
+            pairs, w, b = [local[j] for j in part], weight[part], len(part)
+            ids, mask = self._pad([chosen[i] for i in pairs] + [rejected[i] for i in pairs])
+            rows = None if shared is None else np.concatenate([shared[0][pairs], shared[1][pairs]])
+            if mixed:   # all K members in one forward and one backward
+                r = self.member_rewards_ids(ids, mask, mixed=True, shared=rows)   # (K, 2b)
+                bt_m = (bradley_terry_nll(r[:, :b] - r[:, b:]) * w).sum(1)
+                center_m = ((r[:, :b] + r[:, b:]).pow(2) * w).sum(1)
+                (bt_m + self.center_gamma * center_m).sum().backward()
+            else:       # one pass (and one backward) per member: its 2b rows under member k only
+                bt_m, center_m = [], []
+                for k, name in enumerate(self.member_names):
+                    rk = self._pooled(ids, mask, [name] * (2 * b), shared=rows) @ self.head[k]
+                    bt_k = (bradley_terry_nll(rk[:b] - rk[b:]) * w).sum()
+                    center_k = ((rk[:b] + rk[b:]).pow(2) * w).sum()
+                    (bt_k + self.center_gamma * center_k).backward()
+                    bt_m.append(bt_k.detach())
+                    center_m.append(center_k.detach())
+                bt_m, center_m = torch.stack(bt_m), torch.stack(center_m)
+            bt, center = bt + bt_m.detach(), center + center_m.detach()
+        return torch.stack([bt, anchor.detach(), center])
+
+    def _training_batches(self, chosen, rejected, mixed: bool) -> dict:
+        """Pairs per micro-batch and activation checkpointing: as configured, or (``auto``) the largest micro-batch
+        that the device's free memory holds at the planner's per-token cost (one pair = its two rows x K members in
+        the batched forward), without checkpointing where that holds a micro-batch large enough to keep the device
+        busy (:func:`choose_micro_batch`). Every micro-batch size gives the same step (``_backward_step``)."""
+        from rewarduq_exp.models.activation_memory import lora_training_reserved, training_token_bytes
+        from rewarduq_exp.models.shapes import architecture_of_model
+        from rewarduq_exp.models.token_budget import budget_from_memory, choose_micro_batch, free_bytes
+
+        per_rank = max(1, math.ceil(self.schedule.batch_size / distributed.world_size()))
+        longest = max(max(map(len, chosen)), max(map(len, rejected)))
+        a = architecture_of_model(self._backbone().name, self.model)
+        act = torch.finfo(self._backbone().dtype).bits // 8
+        costs = [training_token_bytes(a, longest, act, self.device.type != "cuda", ckpt) for ckpt in (False, True)]
+        item = 2 * longest * (self.num_members if mixed else 1)
+        reserved = lora_training_reserved(sum(p.numel() for p in self.model.lora_parameters()) + self.head.numel())
+        free = free_bytes(self.device)
+        micro, ckpt = choose_micro_batch(per_rank, item, free, reserved, *costs, self.device.type,
+                                         self.gradient_checkpointing)
+        if self.micro_setting != "auto":
+            micro = min(self.micro_setting, per_rank)
+            if self.gradient_checkpointing == "auto":   # on where the given micro-batch needs it
+                ckpt = budget_from_memory(free, costs[0], self.device.type, reserved) < item * micro
+        self.training_plan = {"micro_batch_size": micro, "gradient_checkpointing": bool(ckpt),
+                              "longest_row_tokens": longest, "mixed_adapter_training": mixed}
+        return self.training_plan
 
     @staticmethod
     def _sum_over_processes(params, parts: torch.Tensor) -> torch.Tensor:
@@ -410,7 +441,8 @@ class EnsLoRA(RewardMethod):
         self._lora0 = [p.detach().clone() for p in lora]
         self._head0 = self.head.detach().clone()
         mixed = self.mixed_adapter_training
-        if self.gradient_checkpointing:   # the routing of each checkpointed layer is kept for its recomputation
+        checkpointing = self._training_batches(chosen, rejected, mixed)["gradient_checkpointing"]
+        if checkpointing:   # the routing of each checkpointed layer is kept for its recomputation
             self.model.checkpointing(True)
         params = [*lora, self.head]
         # Every process draws the same order (same seed) and takes every world-th pair of each global batch, so
@@ -433,12 +465,12 @@ class EnsLoRA(RewardMethod):
         total = run_training(params, n, self.schedule, step, seed=self.seed, desc=f"{self.name} training",
                              history=self.history, show_progress=self.show_progress, log_every=self.log_every,
                              clip=self._clip_per_member, synchronized=world > 1)
-        if self.gradient_checkpointing:
+        if checkpointing:
             self.model.checkpointing(False)
         self._finish_model()
         self.head.requires_grad_(False)
         self.fit_summary = {"train_pairs": n, "num_members": self.num_members, "steps": total,
-                            "mixed_adapter_training": mixed, "head_init": self.head_init_used,
+                            **self.training_plan, "head_init": self.head_init_used,
                             "seconds_tokenize": round(t_tok, 3), "seconds_training": time.perf_counter() - t1}
         if world > 1:
             self.fit_summary["processes"] = world
@@ -450,25 +482,42 @@ class EnsLoRA(RewardMethod):
     @torch.no_grad()
     def member_rewards(self, texts: list[str], mixed: bool | None = None, prompts=None) -> torch.Tensor:
         """Rewards (K, N) of rendered texts; ``prompts[i]`` (optional) the prompt of ``texts[i]``, run once per
-        batch for the texts that share it. Batches sorted by length, or grouped by prompt where that runs fewer
-        token positions (``batch_order``)."""
+        batch for the texts that share it. Batches hold at most ``score_batch_tokens`` member-token positions (auto:
+        what the device's free memory holds; a text runs under K members in the batched forward) and
+        ``score_batch_size`` texts, sorted by length or grouped by prompt (``token_batches``)."""
         if self.model is None:
             raise RuntimeError("ENS-LoRA is not trained or loaded yet (call fit or load)")
         mixed = self.mixed_adapter_scoring if mixed is None else mixed
         self.model.eval()
         seqs = self._tokenize(texts)
+        if not seqs:
+            return torch.empty(self.num_members, 0, dtype=torch.float64)
         shared = self._shareable(prompts, seqs) if prompts is not None else None
-        order = batch_order(seqs, shared if shared is not None else np.zeros(len(seqs), dtype=np.int64),
-                            self.score_batch_size)
+        cut = shared if shared is not None else np.zeros(len(seqs), dtype=np.int64)
+        per_text = self.num_members if mixed else 1
+        tokens = max(1, self.score_tokens(max(map(len, seqs)), shared is not None) // per_text)
+        batches = token_batches(seqs, cut, tokens, self.score_batch_size)
         out = torch.empty(self.num_members, len(seqs), dtype=torch.float64)
-        bar = progress(range(0, len(seqs), self.score_batch_size), desc=f"{self.name} scoring", unit="batches",
-                       show=self.show_progress, quiet=not distributed.is_main())
-        for i in bar:
-            idx = order[i:i + self.score_batch_size]
+        for idx in progress(batches, desc=f"{self.name} scoring", unit="batches", show=self.show_progress,
+                            quiet=not distributed.is_main()):
             ids, mask = self._pad([seqs[j] for j in idx])
             rows = None if shared is None else shared[idx]
             out[:, torch.as_tensor(idx)] = self.member_rewards_ids(ids, mask, mixed, rows).double().cpu()
         return out
+
+    def score_tokens(self, longest: int, shared: bool) -> int:
+        """Member-token positions per scoring forward: ``score_batch_tokens``, or (auto) what the device's free
+        memory holds at the planner's inference cost per token (the shared prompts' KV cache counted)."""
+        from rewarduq_exp.models.activation_memory import inference_token_bytes
+        from rewarduq_exp.models.shapes import architecture_of_model
+        from rewarduq_exp.models.token_budget import resolve_tokens
+
+        if self.score_batch_tokens != "auto":
+            return self.score_batch_tokens
+        a = architecture_of_model(self._backbone().name, self.model)
+        act = torch.finfo(self._backbone().dtype).bits // 8
+        per_token = inference_token_bytes(a, longest, act, self.device.type != "cuda", kv_cache=shared)
+        return resolve_tokens("auto", "method.score_batch_tokens", self.device, per_token)
 
     def _scores(self, rewards: torch.Tensor) -> Scores:
         reward = rewards.mean(0).numpy()

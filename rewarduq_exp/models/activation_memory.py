@@ -66,3 +66,9 @@ def inference_token_bytes(a: Architecture, length: int, act_bytes: int, math_ker
 def inference_activations(a: Architecture, rows: int, length: int, act_bytes: int, math_kernel: bool,
                           all_hidden_states: bool = False, kv_cache: bool = False) -> float:
     return rows * length * inference_token_bytes(a, length, act_bytes, math_kernel, all_hidden_states, kv_cache)
+
+
+def lora_training_reserved(trainable: int) -> float:
+    """Bytes of a LoRA fit besides the frozen body and the activations: the float32 trainable weights' gradients,
+    AdamW's two states and the anchor's initial copy (the weights themselves are allocated before the budget)."""
+    return 4.0 * 4 * trainable

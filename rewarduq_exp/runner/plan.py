@@ -66,7 +66,7 @@ PLANNED_METHODS = ("ens_mlp", "bay_lin", "ens_lora", "mcd_dpo")
 KNOWN_TRAIN_PAIRS = {"ultrafeedback": 62_135, "skywork_pref": 77_016}
 KNOWN_EVAL_PAIRS = {"ultrafeedback": 1_000, "reward_bench": 2_985}
 GIB = 2**30
-DEFAULT_GPU_MEMORY_GIB = 80.0   # an H100
+DEFAULT_GPU_MEMORY_GIB = 79.6   # an H100 80GB as nvidia-smi reports its usable memory
 
 
 @dataclass
@@ -124,7 +124,7 @@ class Plan:
 
 # ---------------------------------------------------------------------------------------------------- memory
 def device_memory(cfg: DictConfig, device: str) -> float:
-    """Bytes of the device a run gets: ``plan.device_memory_gib``, else an H100's 80 GiB for a GPU (what the token
+    """Bytes of the device a run gets: ``plan.device_memory_gib``, else an H100's 79.6 GiB for a GPU (what the token
     budgets and the default batch sizes aim at) or this host's available memory for a CPU."""
     given = OmegaConf.select(cfg, "plan.device_memory_gib", default=None)
     if given is not None:
@@ -290,6 +290,12 @@ def _feature_head(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tok
 
 
 def _ens_lora(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens, tflops, math_kernel) -> Plan:
+    """ENS-LoRA as the method sizes itself: the micro-batch and checkpointing that ``auto`` picks on this device's
+    memory for pairs of two ``max_length`` rows under K members (the batched forward), scoring batches of the token
+    budget in member-tokens."""
+    from rewarduq_exp.models.activation_memory import lora_training_reserved
+    from rewarduq_exp.models.token_budget import choose_micro_batch
+
     m = cfg.method
     wb = DTYPE_BYTES[dtype]
     act = wb   # bf16 autocast on a bf16 backbone, float32 otherwise
@@ -298,26 +304,41 @@ def _ens_lora(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens,
         raise UserError("plan: ENS-LoRA is planned for method.target_modules=all-linear only")
     lora = a.lora_params(rank)
     trainable = k * (lora + a.hidden)
-    checkpointing = bool(m.get("gradient_checkpointing", False))
 
-    def mixed(key):
+    def flag(key):
         value = m.get(key, "auto")
-        return device == "cuda" if value == "auto" else bool(value)
+        return True if value == "auto" else bool(value)
+
+    mixed_training, mixed_scoring = flag("mixed_adapter_training"), flag("mixed_adapter_scoring")
+    gc = m.get("gradient_checkpointing", "auto")
+    gc = "auto" if str(gc) == "auto" else bool(gc)
+    micro_setting = check_setting(m.get("micro_batch_size", "auto"), "method.micro_batch_size")
+    body = a.params_body * wb
+    free = device_memory(cfg, device) - body - trainable * 4
+    reserved = lora_training_reserved(trainable)
+    costs = [training_token_bytes(a, length, act, math_kernel, ckpt) for ckpt in (False, True)]
+    item = 2 * length * (k if mixed_training else 1)
+    micro, checkpointing = choose_micro_batch(batch, item, free, reserved, *costs, device, gc)
+    if micro_setting != "auto":
+        micro = min(micro_setting, batch)
+        if gc == "auto":
+            checkpointing = budget_from_memory(free, costs[0], device, reserved) < item * micro
 
     def training_phase(ckpt: bool) -> Phase:
-        mixed_training = mixed("mixed_adapter_training") and not ckpt
-        rows = (k if mixed_training else 1) * 2 * batch
+        rows = (k if mixed_training else 1) * 2 * micro
         return Phase("training", {
-            "frozen body": a.params_body * wb,
+            "frozen body": body,
             f"{k} LoRA adapters + heads (float32: weights, grads, AdamW x2, anchor copy)": 5 * trainable * 4,
             f"activations ({rows} rows x {length} tokens{', checkpointed' if ckpt else ''})":
-                training_activations(a, rows, length, act, math_kernel, ckpt)})
+                rows * length * costs[ckpt]})
 
-    score_rows = int(m.get("score_batch_size", 16)) * (k if mixed("mixed_adapter_scoring") else 1)
-    scoring = Phase("scoring", {"frozen body": a.params_body * wb,
-                                f"{k} LoRA adapters + heads": trainable * 4,
-                                f"activations (inference, {score_rows} rows)":
-                                    inference_activations(a, score_rows, length, act, math_kernel)})
+    rows_cap = check_setting(m.get("score_batch_size", "auto"), "method.score_batch_size")
+    per_text = k if mixed_scoring else 1
+    per_token = inference_token_bytes(a, length, act, math_kernel, kv_cache=True)
+    tokens = budget_tokens(m.get("score_batch_tokens", "auto"), "method.score_batch_tokens", cfg, device, per_token,
+                           body + trainable * 4, None if rows_cap == "auto" else rows_cap * per_text, length)
+    scoring = Phase("scoring", {"frozen body": body, f"{k} LoRA adapters + heads": trainable * 4,
+                                f"activations (inference, batches of {tokens:,} member-tokens)": tokens * per_token})
     train_tokens = 2 * n_train * mean_tokens * float(m.num_epochs)
     per_member = 4 * a.params_body + 6 * lora + (2 * a.params_body if checkpointing else 0)
     flops = {"training": k * (per_member * train_tokens + 2 * _attention_flops(a, train_tokens, mean_tokens)),
@@ -325,42 +346,74 @@ def _ens_lora(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens,
     plan = Plan(name, a.name, device, dtype, a.params_body + trainable, trainable, [training_phase(checkpointing),
                 scoring], flops, tflops, n_train, n_eval, length, checkpointing=checkpointing)
     plan.without_checkpointing = max(training_phase(not checkpointing).peak, scoring.peak)
+    plan.notes.append(f"micro-batch of {micro} pairs x {k if mixed_training else 1} member(s) "
+                      f"({'auto' if micro_setting == 'auto' else 'as set'}), activation checkpointing "
+                      f"{'on' if checkpointing else 'off'}")
     return plan
 
 
 def _mcd_dpo(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens, tflops, math_kernel) -> Plan:
+    """MCD-DPO as the method sizes itself (:mod:`rewarduq_exp.methods.mcd_dpo.memory`): the micro-batch and
+    checkpointing that ``auto`` picks on this device's memory for pairs of two ``max_length`` rows, and scoring
+    batches of the token budget."""
+    from rewarduq_exp.methods.mcd_dpo.memory import (
+        auto_chunk,
+        scoring_head,
+        scoring_token,
+        training_reserved,
+        training_token,
+    )
+    from rewarduq_exp.models.token_budget import choose_micro_batch
+
     m = cfg.method
     if a.classifier and not a.tied:
         raise UserError(f"plan: model '{a.name}' is a sequence classifier without tied embeddings: it has no LM head "
                         "and method=mcd_dpo refuses it")
     p = a.params_causal_lm
-    act = 2 if dtype == "bfloat16" else 4   # bf16 autocast on a bf16 backbone; float32 weights either way
-    micro = min(int(m.micro_batch_size), int(m.batch_size), n_train)
-    rows = 2 * micro
+    bf16 = dtype == "bfloat16"
+    cuda = device == "cuda"
+    k = int(m.num_samples)
+    chunk_setting = check_setting(m.get("logprob_chunk", "auto"), "method.logprob_chunk")
+    chunk = auto_chunk(a.vocab, 1) if chunk_setting == "auto" else chunk_setting
+    score_chunk = auto_chunk(a.vocab, k) if chunk_setting == "auto" else chunk_setting
     gc = m.get("gradient_checkpointing", "auto")
-    checkpointing = device == "cuda" if str(gc) == "auto" else bool(gc)
-    chunk, v = int(m.get("logprob_chunk", 64)), a.vocab
-    completion = float(OmegaConf.select(cfg, "plan.completion_fraction", default=1.0) or 1.0)
+    gc = "auto" if str(gc) == "auto" else bool(gc)
+    micro_setting = check_setting(m.get("micro_batch_size", "auto"), "method.micro_batch_size")
+    batch = min(int(m.batch_size), n_train)
+    memory = device_memory(cfg, device)
+    weights = p * 4.0
+    free = memory - weights
+    reserved = training_reserved(a, bf16, chunk, cuda)
+    costs = [training_token(a, length, bf16, math_kernel, ckpt) for ckpt in (False, True)]
+    micro, checkpointing = choose_micro_batch(batch, 2 * length, free, reserved, *costs, device, gc, divides=True)
+    if micro_setting != "auto":
+        micro = min(micro_setting, batch)
+        if gc == "auto":
+            checkpointing = budget_from_memory(free, costs[0], device, reserved) < 2 * length * micro
 
     def training_phase(ckpt: bool) -> Phase:
-        parts = {"policy weights (float32)": p * 4, "gradients (float32)": p * 4,
-                 "AdamW states (2 x float32)": 2 * p * 4,
+        rows = 2 * micro
+        parts = {"policy weights (float32)": weights, "gradients (float32)": p * 4.0,
+                 "AdamW states (2 x float32)": 2 * p * 4.0,
                  f"activations ({rows} rows x {length} tokens{', checkpointed' if ckpt else ''})":
-                     training_activations(a, rows, length, act, math_kernel, ckpt)}
-        if device == "cuda":   # one checkpointed chunk of logits at a time (+ its log-softmax)
-            parts[f"logits of one chunk ({chunk} x {v})"] = 3 * chunk * v * 4
-        else:                  # no checkpoint on CPU: every chunk's logits and log-softmax kept for backward
-            parts["completion logits kept for backward"] = 2 * rows * length * completion * v * 4
+                     rows * length * costs[ckpt]}
+        rest = reserved - 12.0 * p
+        if rest > 0:
+            parts[f"autocast's bf16 weight copies{' + one chunk of logits' if cuda else ''}"] = rest
         return Phase("training", parts)
 
-    score_rows = int(m.get("score_batch_size", 8))
-    k = int(m.num_samples)
-    scoring = Phase("scoring", {"policy weights (float32)": p * 4, "reference weights (float32)": p * 4,
-                                f"activations (inference, {score_rows} rows)":
-                                    inference_activations(a, score_rows, length, act, math_kernel),
-                                f"{k} masked chunks through the LM head ({chunk} x {v})": 3 * k * chunk * v * 4})
+    rows_cap = check_setting(m.get("score_batch_size", "auto"), "method.score_batch_size")
+    head = scoring_head(a, k, score_chunk, bf16)
+    per_token = scoring_token(a, length, math_kernel)
+    tokens = budget_tokens(m.get("score_batch_tokens", "auto"), "method.score_batch_tokens", cfg, device, per_token,
+                           2 * weights + head, None if rows_cap == "auto" else rows_cap, length)
+    scoring = Phase("scoring", {"policy weights (float32)": weights, "reference weights (float32)": weights,
+                                f"activations (inference, batches of {tokens:,} tokens)": tokens * per_token,
+                                f"{k} masked chunks of {score_chunk} positions through the LM head": head})
+    completion = float(OmegaConf.select(cfg, "plan.completion_fraction", default=1.0) or 1.0)
     train_tokens = 2 * n_train * mean_tokens * float(m.num_epochs)
     eval_tokens = 2 * n_eval * mean_tokens
+    v = a.vocab
     flops = {"reference pass": 2 * p * train_tokens + _attention_flops(a, train_tokens, mean_tokens),
              "training": (8 if checkpointing else 6) * p * train_tokens
              + 3 * _attention_flops(a, train_tokens, mean_tokens),
@@ -368,6 +421,9 @@ def _mcd_dpo(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens, 
     plan = Plan(name, a.name, device, dtype, p, p, [training_phase(checkpointing), scoring], flops, tflops, n_train,
                 n_eval, length, checkpointing=checkpointing)
     plan.without_checkpointing = max(training_phase(not checkpointing).peak, scoring.peak)
+    plan.notes.append(f"micro-batch of {micro} pairs ({'auto' if micro_setting == 'auto' else 'as set'}), "
+                      f"{batch // micro} accumulation steps, activation checkpointing "
+                      f"{'on' if checkpointing else 'off'}, log-prob chunks of {chunk} positions")
     return plan
 
 
@@ -396,7 +452,7 @@ def format_plan(plan: Plan) -> str:
     if plan.without_checkpointing is not None:
         state = "on" if plan.checkpointing else "off"
         other = "off" if plan.checkpointing else "on"
-        rows.append(f"  activation checkpointing {state} (as configured); {other}: peak "
+        rows.append(f"  activation checkpointing {state} (as the run decides it); {other}: peak "
                     f"{human_bytes(plan.without_checkpointing)}")
     for what, value in plan.flops.items():
         rows.append(f"  FLOPs {what:<66} {value:12.3e}")
