@@ -20,8 +20,10 @@ from rewarduq_exp.core.distributed import launcher_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# probe.batch_size: several extraction batches per split (the token budget would take each split in one), so a rank
+# that extracts half the texts runs fewer of them
 SMALL = ["dataset.n_train=96", "dataset.n_eval=32", "dataset.n_ood=16", "progress=false", "device=cpu",
-         "metric.diagrams=false"]
+         "metric.diagrams=false", "probe.batch_size=16"]
 EVAL_SETS = ("synthetic_eval", "synthetic_ood")
 
 

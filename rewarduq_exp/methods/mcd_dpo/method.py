@@ -259,6 +259,11 @@ class McdDpo(RewardMethod):
     def _make_trainer(self, train: pd.DataFrame, output_dir: str):
         from trl import DPOConfig
 
+        from rewarduq_exp.core import distributed
+
+        # Under torchrun with a CPU device, accelerate's state must be the one whose barriers stay on the CPU
+        # (train.py sets it up first; a direct call of fit under a launcher gets it here).
+        distributed.setup(self.device.type)
         model = self._ensure_policy()
         s = self.schedule
         cuda = self.device.type == "cuda"
