@@ -10,27 +10,32 @@ shape, in one process, each measured after a warm-up as the median of ``--repeat
 around each), with its peak memory (``torch.cuda.max_memory_allocated``, reset before each measurement, so it counts
 what is alive then: the measured phase's weights included):
 
-* extraction: the frozen body (backbone dtype) over ``--batch`` x ``--length`` tokens, last-token pooling, as the
-  feature encoder runs it; tokens/s and model FLOPs utilisation (MFU = achieved FLOPs / the GPU's dense bf16 peak:
-  H100 SXM and H200 989 TFLOPS, A100 312; FLOPs = 2 x non-embedding parameters per token + the causal attention
-  term of the planner). Planned: ENS-MLP / BAY-LIN's extraction phase.
+* extraction: the frozen body (backbone dtype) over ``--batch`` x ``--length`` tokens (the old fixed batch), then
+  over the batch the token budget picks (``probe.batch_tokens=auto``: the device's free memory now over the
+  planner's per-token cost, capped at 64k tokens), last-token pooling, as the feature encoder runs it; tokens/s and
+  model FLOPs utilisation (MFU = achieved FLOPs / the GPU's dense bf16 peak: H100 SXM and H200 989 TFLOPS, A100
+  312; FLOPs = 2 x non-embedding parameters per token + the causal attention term of the planner). Planned:
+  ENS-MLP / BAY-LIN's extraction phase (which counts the KV cache that shared prompts keep; these rows share none).
 * ENS-LoRA (the K members as one batched multi-LoRA module, ``rewarduq_exp.models.multi_lora``; LoRA weights drawn
   at random so every update is non-zero): scoring ``--batch`` rows (``EnsLoRA.member_rewards_ids``) with all K
   members in one batched forward of K x ``--batch`` rows, against one pass of ``--batch`` rows per member, and
   against the same weights as a PEFT model routed by PEFT's mixed-adapter batch (``adapter_names=``, ENS-LoRA's
   previous implementation); tokens/s counts member-tokens (K x the batch's), the printed ratio batched / extraction
   is per member-token (aim: >= 0.8), and the largest reward difference against the batched path is printed (bf16
-  rounding). Planned: the scoring phase with ``mixed_adapter_scoring`` true / false. Then one training step of all
-  K members on ``--lora-pairs`` pairs (2 x that many rows of ``--length`` tokens each member; activation
-  checkpointing on a GPU), batched and one pass per member: forward, the eq. 11 loss, backward into the float32
+  rounding). Planned: the scoring phase with ``mixed_adapter_scoring`` true / false. Batched scoring again at the
+  batch ``score_batch_tokens=auto`` picks, with its tokens/s per member-token over the planned extraction's (the
+  target: >= 0.8). Then one training step of all K members on ``--lora-pairs`` pairs (2 x that many rows of
+  ``--length`` tokens each member; activation checkpointing where the planner's auto turns it on), batched and one
+  pass per member: forward, the eq. 11 loss, backward into the float32
   LoRA weights and heads, per-member clipping and an AdamW step (``EnsLoRA._backward_step``, ``_clip_per_member``).
   FLOPs: the forward (and its recomputation when checkpointed), the frozen body's backward without weight gradients
   (its linears 1x the forward, attention 2x), LoRA 3x its forward. Planned: the training phase at ``batch_size`` =
   ``--lora-pairs``.
 * MCD-DPO: one training step of the policy (float32 weights, bf16 autocast on a bf16 backbone, activation
-  checkpointing on a GPU as ``gradient_checkpointing=auto`` does) on ``--mcd-pairs`` pairs (2 x that many rows of
-  ``--length`` tokens): the body, the chunked completion log-probs with head dropout (``completion_logps``), the DPO
-  loss against fixed reference log-probs, backward, gradient clipping and an AdamW step: the work of
+  checkpointing where ``gradient_checkpointing=auto`` turns it on for this micro-batch, log-prob chunks of
+  ``logprob_chunk=auto``, each row's dropout masks from its own generator) on ``--mcd-pairs`` pairs (2 x that many
+  rows of ``--length`` tokens): the body, the chunked completion log-probs with head dropout (``completion_logps``),
+  the DPO loss against fixed reference log-probs, backward, gradient clipping and an AdamW step: the work of
   ``compute_loss`` and the optimizer step, without the Trainer around it. Planned: the training phase at
   ``micro_batch_size`` = ``--mcd-pairs``. Then, with the trained policy's parameters frozen as after ``McdDpo.fit``,
   scoring ``--batch`` rows with K = ``--masks`` dropout masks on one body forward (``mc_completion_logps``,
@@ -79,7 +84,7 @@ PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A1
 # Sizes when none are given: (GPU, smoke)
 DEFAULTS = {"batch": (8, 4), "length": (512, 32), "members": (8, 4), "masks": (20, 4), "repeats": (5, 2),
             "pairs": (None, 2048), "mcd_pairs": (16, 2), "lora_pairs": (4, 2)}
-DROPOUT, CHUNK, LORA_RANK, DPO_BETA = 0.1, 64, 16, 0.1
+DROPOUT, LORA_RANK, DPO_BETA = 0.1, 16, 0.1
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
@@ -242,10 +247,11 @@ class ShapeBench:
         fields.pop("architectures", None)
         self.config = AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
         self.dtype = DTYPES[backbone_dtype(OmegaConf.create({"model": model_cfg}), device.type)]
-        self.checkpointing = device.type == "cuda"   # MCD-DPO's gradient_checkpointing=auto
+        self.checkpointing = False   # per measurement, as the planner's auto decides it
         self.planner = Planner(name, device.type, args.length, args.pairs, cache_dir)
         self.results: dict[str, dict] = {}
         self.ratios: dict[str, float] = {}
+        self.budgets: dict[str, dict] = {}   # the token budgets picked now, as a run would (auto)
         g = torch.Generator().manual_seed(0)
         b, n = args.batch, args.length
         self.ids = torch.randint(3, self.arch.vocab, (b, n), generator=g).to(device)
@@ -352,8 +358,50 @@ class ShapeBench:
         planned = self.planner.phase("extraction", ["method=bay_lin", f"probe.batch_size={b}"], "extraction")
         self.measure("extraction", f"extraction ({b} x {n} tokens)", extract, tokens=tokens,
                      flops=self.body_flops(tokens), planned=planned)
-
+        self.extraction_at_the_planned_batch(body)
+        free(self.device)
         self.ens_lora(body)
+
+    def budget_rows(self, key: str, per_token: float, reserved: float = 0.0, per_row: int = 1) -> int:
+        """Rows of ``--length`` tokens in the batch a run picks now (``auto``: the token budget of the device's free
+        memory at ``per_token``), ``per_row`` token rows each (K members); recorded under ``key``."""
+        from rewarduq_exp.models.token_budget import resolve_tokens
+
+        tokens = resolve_tokens("auto", key, self.device, per_token, reserved)
+        rows = max(1, tokens // (self.args.length * per_row))
+        self.budgets[key] = {"tokens": tokens, "rows": rows}
+        return rows
+
+    def rows_of(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, self.arch.vocab, (rows, self.args.length), generator=g).to(self.device)
+        return ids, torch.ones_like(ids)
+
+    def extraction_at_the_planned_batch(self, body) -> None:
+        """Extraction at the batch the planner's token budget picks (``probe.batch_tokens=auto``; texts without a
+        shared prompt, so no KV cache is kept): what ENS-MLP and BAY-LIN run."""
+        from rewarduq_exp.models.activation_memory import inference_token_bytes
+        from rewarduq_exp.models.features import pool
+
+        n, cpu = self.args.length, self.device.type != "cuda"
+        wb = torch.finfo(self.dtype).bits // 8
+        rows = self.budget_rows("extraction", inference_token_bytes(self.arch, n, wb, cpu))
+        try:
+            ids, attn = self.rows_of(rows)
+        except torch.cuda.OutOfMemoryError as err:
+            self.results["extraction_planned"] = {"label": "extraction (planner's batch)", "error": oom(err)}
+            return
+
+        @torch.no_grad()
+        def extract():
+            hidden = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+            return pool(hidden, attn, "last")   # stays on the device, as the encoder keeps it until the end
+
+        planned = self.planner.phase("extraction_planned", ["method=bay_lin", f"probe.batch_tokens={rows * n}"],
+                                     "extraction")
+        self.measure("extraction_planned", f"extraction, planner's batch ({rows} x {n} tokens)", extract,
+                     tokens=rows * n, flops=self.body_flops(rows * n), planned=planned)
+        self._throughput_ratio("extraction_planned_over_fixed", "extraction_planned", "extraction")
 
     def ens_lora(self, body) -> None:
         """ENS-LoRA's scoring (batched, one pass per member, PEFT's mixed batch) and training step (module docstring);
@@ -399,9 +447,36 @@ class ShapeBench:
         if "tokens_per_s" in extraction and "tokens_per_s" in batched:
             self.ratios["lora_batched_over_extraction"] = batched["tokens_per_s"] / extraction["tokens_per_s"]
         free(self.device)
+        self.ens_lora_scoring_at_the_planned_batch(method)
+        free(self.device)
         self.ens_lora_train_steps(method, _attention_flops)
         free(self.device)
         self.ens_lora_peft_mixed(method, flops)
+
+    def ens_lora_scoring_at_the_planned_batch(self, method) -> None:
+        """K=``--members`` batched scoring at the batch ``score_batch_tokens=auto`` picks (member-tokens), against
+        extraction at its own planned batch: the tokens/s ratio per member-token."""
+        n, k = self.args.length, self.args.members
+        rows = max(1, method.score_tokens(n, shared=False) // (k * n))
+        self.budgets["lora_scoring"] = {"member_tokens": rows * k * n, "rows": rows}
+        try:
+            ids, attn = self.rows_of(rows)
+        except torch.cuda.OutOfMemoryError as err:
+            self.results["lora_batched_planned"] = {"label": "ENS-LoRA scoring (planner's batch)", "error": oom(err)}
+            return
+
+        @torch.no_grad()
+        def score():
+            return method.member_rewards_ids(ids, attn, mixed=True)
+
+        flops = k * (self.body_flops(rows * n) + 2 * self.arch.lora_params(LORA_RANK) * rows * n)
+        overrides = ["method=ens_lora", f"method.num_members={k}", f"method.lora_rank={LORA_RANK}",
+                     f"method.score_batch_tokens={rows * k * n}"]
+        self.measure("lora_batched_planned", f"ENS-LoRA scoring, K={k} batched, planner's batch ({k * rows} rows)",
+                     score, tokens=k * rows * n, flops=flops,
+                     planned=self.planner.phase("lora_batched_planned", overrides, "scoring"))
+        self._throughput_ratio("lora_batched_planned_over_extraction_planned", "lora_batched_planned",
+                               "extraction_planned")
 
     def ens_lora_train_steps(self, method, attention_flops) -> None:
         """One optimizer step of all K members, batched and one pass per member; the optimizer lives only here."""
@@ -415,6 +490,10 @@ class ShapeBench:
         method.head.requires_grad_(True)
         method._lora0 = [p.detach().clone() for p in lora]
         method._head0 = method.head.detach().clone()
+        base = ["method=ens_lora", f"method.num_members={k}", f"method.lora_rank={LORA_RANK}",
+                f"method.batch_size={pairs}", f"method.micro_batch_size={pairs}"]
+        self.planner.phase("lora_train_batched", base, "training")   # checkpointing as auto decides it here
+        self.checkpointing = bool(self.planner.plans.get("lora_train_batched", {}).get("checkpointing", False))
         if self.checkpointing:
             method.model.checkpointing(True)
         method.model.train()
@@ -433,8 +512,7 @@ class ShapeBench:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-            overrides = ["method=ens_lora", f"method.num_members={k}", f"method.lora_rank={LORA_RANK}",
-                         f"method.batch_size={pairs}", f"method.mixed_adapter_training={str(mixed).lower()}",
+            overrides = [*base, f"method.mixed_adapter_training={str(mixed).lower()}",
                          f"method.gradient_checkpointing={str(self.checkpointing).lower()}"]
             planned = self.planner.phase(key, overrides, "training")
             label = (f"ENS-LoRA training step, K={k} {'batched' if mixed else 'sequential'} ({pairs} pairs"
@@ -479,15 +557,18 @@ class ShapeBench:
         from transformers import AutoModelForCausalLM
 
         from rewarduq_exp.methods.mcd_dpo import McdDpo, row_generators
+        from rewarduq_exp.methods.mcd_dpo.memory import auto_chunk
 
         b, n, k, pairs = self.args.batch, self.args.length, self.args.masks, self.args.mcd_pairs
         if pairs < 1:
             raise SystemExit("--mcd-pairs must be at least 1")
         tokens = b * n
+        # the run's own choices: checkpointing as auto decides it for this micro-batch, chunks of logprob_chunk=auto
         mcd = ["method=mcd_dpo", f"method.micro_batch_size={pairs}", f"method.batch_size={pairs}",
-               f"method.num_samples={k}", f"method.score_batch_size={b}", f"method.logprob_chunk={CHUNK}",
-               f"method.dropout={DROPOUT}", f"method.gradient_checkpointing={str(self.checkpointing).lower()}",
+               f"method.num_samples={k}", f"method.score_batch_size={b}", f"method.dropout={DROPOUT}",
                f"plan.completion_fraction={self.n_completion / tokens}"]
+        self.planner.phase("mcd_train_step", mcd, "training")
+        self.checkpointing = bool(self.planner.plans.get("mcd_train_step", {}).get("checkpointing", False))
         try:
             policy = random_model(AutoModelForCausalLM, self.config, torch.float32, self.device)
         except torch.cuda.OutOfMemoryError as err:
@@ -506,10 +587,12 @@ class ShapeBench:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_mcd import naive, shared
 
+        chunk = auto_chunk(self.arch.vocab, k)
+
         @torch.no_grad()
         def k_masks():
             with cast:
-                return shared(policy, self.ids, self.attn, self.comp, k, DROPOUT, CHUNK)
+                return shared(policy, self.ids, self.attn, self.comp, k, DROPOUT, chunk)
 
         @torch.no_grad()
         def k_passes():
@@ -530,8 +613,8 @@ class ShapeBench:
             self.results["mcd_scoring"] = {"label": "MCD-DPO scoring batch", "error": oom(err)}
             return
         method = McdDpo(encoder=Encoder(RandomBackbone(self.name, self.dtype, policy)), dpo_beta=DPO_BETA,
-                        dropout=DROPOUT, num_samples=k, score_batch_size=b, logprob_chunk=CHUNK,
-                        device=str(self.device), show_progress=False)
+                        dropout=DROPOUT, num_samples=k, score_batch_size=b, device=str(self.device),
+                        show_progress=False)
         method.policy, method.reference = policy, reference
         starts = [n // 2] * b   # each row's first completion token
 
@@ -546,9 +629,11 @@ class ShapeBench:
     def mcd_train_step(self, policy, cast, mcd: list[str]) -> None:
         """One optimizer step of ``compute_loss`` + AdamW on ``--mcd-pairs`` pairs, timed; the optimizer lives only
         in here."""
-        from rewarduq_exp.methods.mcd_dpo import completion_logps, weighted_dpo_loss
+        from rewarduq_exp.methods.mcd_dpo import completion_logps, row_generators, weighted_dpo_loss
+        from rewarduq_exp.methods.mcd_dpo.memory import auto_chunk
 
         pairs, n = self.args.mcd_pairs, self.args.length
+        chunk = auto_chunk(self.arch.vocab)
         rows = 2 * pairs   # [chosen; rejected]
         tokens = rows * n
         g = torch.Generator().manual_seed(1)
@@ -562,11 +647,13 @@ class ShapeBench:
         policy.train()
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=self.device.type == "cuda")
         ref = torch.zeros(rows, device=self.device)   # reference log-probs: precomputed once per pair in the method
+        generators = row_generators(range(rows), self.device)   # each row's masks its own, as in training
 
         def step():
             with cast:
                 hidden = policy.model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
-                logps = completion_logps(hidden, policy.lm_head, ids, comp, CHUNK, DROPOUT, training=True)
+                logps = completion_logps(hidden, policy.lm_head, ids, comp, chunk, DROPOUT, training=True,
+                                         generators=generators)
             chosen, rejected = logps.float().chunk(2)
             ref_c, ref_r = ref.chunk(2)
             weighted_dpo_loss(DPO_BETA * ((chosen - ref_c) - (rejected - ref_r)), None).backward()
@@ -574,11 +661,17 @@ class ShapeBench:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        planned = self.planner.phase("mcd_train_step", mcd, "training")
+        planned = self.planner.phase("mcd_train_step", mcd, "training")   # the same plan as chose checkpointing
         passes = 3 + self.checkpointing   # forward, backward (2x), + the recomputation when checkpointed
         flops = passes * (self.body_flops(tokens) + self.head_flops(n_completion))
         label = f"MCD-DPO training step ({pairs} pairs{', checkpointed' if self.checkpointing else ''})"
         self.measure("mcd_train_step", label, step, tokens=tokens, flops=flops, planned=planned)
+
+    def _throughput_ratio(self, name: str, a: str, b: str) -> None:
+        """tokens/s of measurement ``a`` over that of ``b`` (batches of different sizes)."""
+        ra, rb = self.results.get(a, {}), self.results.get(b, {})
+        if ra.get("tokens_per_s") and rb.get("tokens_per_s"):
+            self.ratios[name] = ra["tokens_per_s"] / rb["tokens_per_s"]
 
     def _ratio(self, name: str, slow: str, fast: str) -> None:
         s, f = self.results.get(slow, {}), self.results.get(fast, {})
@@ -594,18 +687,18 @@ def gib(n) -> str:
 
 
 def table(shapes: dict[str, ShapeBench]) -> str:
-    head = f"{'shape':<12} {'measurement':<52} {'median':>10} {'tokens/s':>12} {'MFU':>6} {'peak':>11} " \
+    head = f"{'shape':<12} {'measurement':<64} {'median':>10} {'tokens/s':>12} {'MFU':>6} {'peak':>11} " \
            f"{'planned':>11} {'meas/plan':>9}"
     lines = [head, "-" * len(head)]
     for name, bench in shapes.items():
         for row in bench.results.values():
             if "error" in row:
-                lines.append(f"{name:<12} {row['label']:<52} {row['error'][:60]}")
+                lines.append(f"{name:<12} {row['label']:<64} {row['error'][:60]}")
                 continue
             tps = f"{row['tokens_per_s']:,.0f}" if row.get("tokens_per_s") else "-"
             mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "n/a"
             ratio = f"{row['measured_over_planned']:.2f}" if row.get("measured_over_planned") else "n/a"
-            lines.append(f"{name:<12} {row['label']:<52} {row['median_s'] * 1e3:>8.1f}ms {tps:>12} {mfu:>6} "
+            lines.append(f"{name:<12} {row['label']:<64} {row['median_s'] * 1e3:>8.1f}ms {tps:>12} {mfu:>6} "
                          f"{gib(row['peak_bytes']):>11} {gib(row['planned_peak_bytes']):>11} {ratio:>9}")
     for name, bench in shapes.items():
         a = bench.args
@@ -618,6 +711,12 @@ def table(shapes: dict[str, ShapeBench]) -> str:
         if "lora_batched_over_extraction" in r:
             lines.append(f"ratio ({name}): ENS-LoRA batched member-tokens/s / extraction tokens/s: "
                          f"{r['lora_batched_over_extraction']:.2f} (aim >= 0.8)")
+        if "extraction_planned_over_fixed" in r:
+            lines.append(f"ratio ({name}): extraction tokens/s at the planner's batch / at {a.batch} x {a.length}: "
+                         f"{r['extraction_planned_over_fixed']:.2f}x")
+        if "lora_batched_planned_over_extraction_planned" in r:
+            lines.append(f"ratio ({name}): ENS-LoRA batched member-tokens/s / extraction tokens/s, both at the "
+                         f"planner's batch: {r['lora_batched_planned_over_extraction_planned']:.2f} (aim >= 0.8)")
         if "lora_train_sequential_over_batched" in r:
             lines.append(f"ratio ({name}): ENS-LoRA K={a.members} training step, sequential passes / batched: "
                          f"{r['lora_train_sequential_over_batched']:.2f}x")
@@ -704,11 +803,12 @@ def run(args) -> None:
     result = {"device": str(device), "device_name": gpu_name, "peak_bf16_tflops": tflops, "memory": memory.kind,
               "settings": {k: getattr(args, k) for k in ("batch", "length", "members", "lora_pairs", "masks",
                                                          "mcd_pairs", "pairs", "repeats")}
-              | {"lora_rank": LORA_RANK, "dropout": DROPOUT, "logprob_chunk": CHUNK, "smoke": smoke},
+              | {"lora_rank": LORA_RANK, "dropout": DROPOUT, "logprob_chunk": "auto", "smoke": smoke},
               "torch": torch.__version__, "seconds": time.perf_counter() - t0,
               "shapes": {name: {"dtype": str(b.dtype).removeprefix("torch."), "params_causal_lm":
                                 b.arch.params_causal_lm, "params_body": b.arch.params_body,
-                                "measurements": b.results, "ratios": b.ratios, "plans": b.planner.plans}
+                                "measurements": b.results, "ratios": b.ratios, "budgets": b.budgets,
+                                "plans": b.planner.plans}
                          for name, b in done.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, result)
