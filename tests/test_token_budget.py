@@ -119,3 +119,13 @@ def test_the_plan_budgets_extraction_as_the_run_does(monkeypatch):
     assert f"{expected:,} tokens" in label and activations == pytest.approx(expected * per_token)
     assert tokens == min(expected, token_budget.CPU_TOKENS_CAP)   # resolved for a CPU here: its cap
     assert expected < token_budget.GPU_TOKENS_CAP   # 24 GiB binds before the cap at 4B
+
+
+def test_a_launcher_run_refuses_a_device_that_names_one_gpu(monkeypatch):
+    from rewarduq_exp.runner.validation import check_device_per_rank
+
+    check_device_per_rank("cuda:1")                      # one process: any GPU it names
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_device_per_rank("cuda")                        # each rank its cuda:LOCAL_RANK
+    with pytest.raises(UserError, match=r"device=cuda:0 names one GPU, but this run has 2 processes.*device=cuda"):
+        check_device_per_rank("cuda:0")

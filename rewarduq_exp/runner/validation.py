@@ -45,6 +45,17 @@ def validate_run_config(cfg: DictConfig) -> None:
     check_integer("max_length", cfg.max_length, minimum=1)
     validate_metric_config(cfg.metric)
     check_cache_dir(cfg.paths.cache_dir)
+    check_device_per_rank(str(cfg.get("device", "auto")))
+
+
+def check_device_per_rank(device: str) -> None:
+    """Under a launcher (torchrun, accelerate launch, a multi-task Slurm job) every rank takes ``cuda:LOCAL_RANK``
+    (nccl, one GPU per rank): a device naming one GPU would put every rank on it, which nccl refuses."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and device.startswith("cuda:"):
+        raise UserError(f"device={device} names one GPU, but this run has {os.environ['WORLD_SIZE']} processes that "
+                        "each take their own (cuda:LOCAL_RANK); use device=cuda or device=auto")
 
 
 def check_cache_dir(cache_dir) -> None:
