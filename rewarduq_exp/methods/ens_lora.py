@@ -153,6 +153,8 @@ class EnsLoRA(RewardMethod):
         # batched micro-batch of m pairs holds what one member's pass of K x m pairs holds (the token budget).
         self.mixed_adapter_training = _mixed_flag(mixed_adapter_training, "method.mixed_adapter_training",
                                                   auto=True)
+        # auto also falls back to one member per pass where K members of one pair do not fit even checkpointed
+        self._mixed_training_auto = mixed_adapter_training == "auto"
         self.mixed_adapter_scoring = _mixed_flag(mixed_adapter_scoring, "method.mixed_adapter_scoring", auto=True)
         self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
         self.log_every = int(check_positive(log_every, "method.log_every", integer=True, minimum=1, inclusive=True))
@@ -366,16 +368,21 @@ class EnsLoRA(RewardMethod):
         busy (:func:`choose_micro_batch`). Every micro-batch size gives the same step (``_backward_step``)."""
         from rewarduq_exp.models.activation_memory import lora_training_reserved, training_token_bytes
         from rewarduq_exp.models.shapes import architecture_of_model
-        from rewarduq_exp.models.token_budget import budget_from_memory, choose_micro_batch, free_bytes
+        from rewarduq_exp.models.token_budget import MEMORY_FRACTION, budget_from_memory, choose_micro_batch, free_bytes
 
         per_rank = max(1, math.ceil(self.schedule.batch_size / distributed.world_size()))
         longest = max(max(map(len, chosen)), max(map(len, rejected)))
         a = architecture_of_model(self._backbone().name, self.model)
         act = torch.finfo(self._backbone().dtype).bits // 8
         costs = [training_token_bytes(a, longest, act, self.device.type != "cuda", ckpt) for ckpt in (False, True)]
-        item = 2 * longest * (self.num_members if mixed else 1)
         reserved = lora_training_reserved(sum(p.numel() for p in self.model.lora_parameters()) + self.head.numel())
         free = free_bytes(self.device)
+        if mixed and self._mixed_training_auto:
+            # K members of one pair (checkpointed unless that is switched off) must fit; else one member per pass,
+            # which holds K x fewer activations
+            cost = costs[0] if self.gradient_checkpointing is False else costs[1]
+            mixed = MEMORY_FRACTION * (free - reserved) >= 2 * longest * self.num_members * cost
+        item = 2 * longest * (self.num_members if mixed else 1)
         micro, ckpt = choose_micro_batch(per_rank, item, free, reserved, *costs, self.device.type,
                                          self.gradient_checkpointing)
         if self.micro_setting != "auto":
@@ -440,8 +447,8 @@ class EnsLoRA(RewardMethod):
             p.requires_grad_(True)
         self._lora0 = [p.detach().clone() for p in lora]
         self._head0 = self.head.detach().clone()
-        mixed = self.mixed_adapter_training
-        checkpointing = self._training_batches(chosen, rejected, mixed)["gradient_checkpointing"]
+        plan = self._training_batches(chosen, rejected, self.mixed_adapter_training)
+        mixed, checkpointing = plan["mixed_adapter_training"], plan["gradient_checkpointing"]
         if checkpointing:   # the routing of each checkpointed layer is kept for its recomputation
             self.model.checkpointing(True)
         params = [*lora, self.head]

@@ -294,7 +294,7 @@ def _ens_lora(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens,
     memory for pairs of two ``max_length`` rows under K members (the batched forward), scoring batches of the token
     budget in member-tokens."""
     from rewarduq_exp.models.activation_memory import lora_training_reserved
-    from rewarduq_exp.models.token_budget import choose_micro_batch
+    from rewarduq_exp.models.token_budget import MEMORY_FRACTION, choose_micro_batch
 
     m = cfg.method
     wb = DTYPE_BYTES[dtype]
@@ -317,6 +317,8 @@ def _ens_lora(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens,
     free = device_memory(cfg, device) - body - trainable * 4
     reserved = lora_training_reserved(trainable)
     costs = [training_token_bytes(a, length, act, math_kernel, ckpt) for ckpt in (False, True)]
+    if mixed_training and m.get("mixed_adapter_training", "auto") == "auto":   # as the method falls back
+        mixed_training = MEMORY_FRACTION * (free - reserved) >= 2 * length * k * costs[0 if gc is False else 1]
     item = 2 * length * (k if mixed_training else 1)
     micro, checkpointing = choose_micro_batch(batch, item, free, reserved, *costs, device, gc)
     if micro_setting != "auto":
