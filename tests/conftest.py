@@ -75,6 +75,7 @@ def pytest_runtest_teardown(item, nextitem):
 LONGEST_FIRST = ["test_borp_run.py",         # ~60
                  "test_label_ranking_run.py",  # ~45
                  "test_cli.py",              # ~40
+                 "test_plain_install.py",    # ~30
                  "test_run_ownership.py",    # ~25
                  "test_cli_resume.py",       # ~15
                  "test_cli_datasets.py",     # ~23
@@ -87,6 +88,7 @@ LONGEST_FIRST = ["test_borp_run.py",         # ~60
                  "test_untrusted_run_folders.py",  # ~15
                  "test_cli_finetune.py",     # ~13
                  "test_ens_lora.py",         # ~12
+                 "test_multi_lora.py",       # ~12
                  "test_config_composition.py"]  # ~12  # ~14
 
 
