@@ -134,12 +134,12 @@ def read_method_info(directory: Path, name: str | None = None) -> dict:
 
 
 # Constructor settings that change how a method runs, not what it learned or the numbers it gives (within float
-# tolerance: a micro-batch accumulates to the same step); they are not saved in method.json and come from the caller
-# when a saved method is rebuilt.
+# tolerance); they are not saved in method.json and come from the caller when a saved method is rebuilt.
+# (micro_batch_size, which gives the same step whatever it is, stays saved: run folders written before it became
+# "auto" hold it, and loading refuses a saved setting that is not one.)
 RUNTIME_SETTINGS = frozenset({"encoder", "device", "show_progress", "log_every", "score_batch_size",
-                              "score_batch_tokens", "micro_batch_size", "gradient_checkpointing",
-                              "mixed_adapter_training", "mixed_adapter_scoring", "logprob_chunk", "num_threads",
-                              "n_jobs"})
+                              "score_batch_tokens", "gradient_checkpointing", "mixed_adapter_training",
+                              "mixed_adapter_scoring", "logprob_chunk", "num_threads", "n_jobs"})
 
 
 def constructor_settings(cls) -> set[str]:

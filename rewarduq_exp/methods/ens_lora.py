@@ -172,8 +172,8 @@ class EnsLoRA(RewardMethod):
         return {"num_members": self.num_members, "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
                 "lora_dropout": self.lora_dropout, "target_modules": self.target_modules,
                 "reg_lambda": self.reg_lambda, "anchor": self.anchor, "center_gamma": self.center_gamma,
-                "beta": self.beta, **vars(self.schedule), "head_init": self.head_init,
-                "head_init_used": self.head_init_used, "seed": self.seed}
+                "beta": self.beta, **vars(self.schedule), "micro_batch_size": self.micro_setting,
+                "head_init": self.head_init, "head_init_used": self.head_init_used, "seed": self.seed}
 
     # ------------------------------------------------------------------ building
     def _backbone(self):
