@@ -34,7 +34,6 @@ from rewarduq_exp.models.token_counter import TokenCounter
 from rewarduq_exp.runner.cli import in_multirun, report_user_error
 from rewarduq_exp.runner.data_loading import load_split, quiet_datasets_unless
 from rewarduq_exp.runner.evaluation import evaluate_method, evaluate_pointwise
-from rewarduq_exp.runner.label_ranking_run import LabelRankingTask
 from rewarduq_exp.runner.loggers import NullLogger, make_logger
 from rewarduq_exp.runner.run_output import RunOutput
 from rewarduq_exp.runner.summary import summary_table
@@ -146,7 +145,14 @@ def _run(cfg: DictConfig, out: Path, folder: RunFolder, checkpoints: TrainingChe
     t0 = time.perf_counter()
     validate_run_config(cfg)
     seed_everything(int(cfg.seed))
-    task_class = LabelRankingTask if check_task(cfg) == "label_ranking" else RewardModelTask
+    if check_task(cfg) == "label_ranking":
+        # imported here: its learners and ranking metrics take about a second to import, which a reward-model run
+        # (the GPU node's common case) does not need
+        from rewarduq_exp.runner.label_ranking_run import LabelRankingTask
+
+        task_class = LabelRankingTask
+    else:
+        task_class = RewardModelTask
     task = task_class(cfg, out, folder)     # validation: a UserError here is recorded as invalid settings
     folder.stage = "running"                # the settings are valid; from here a failure is the run's
     logger = make_logger(cfg, out, out.name) if folder.writer else NullLogger()
