@@ -14,7 +14,7 @@ Offline, on one GPU, in under 8 minutes. The steps, each in its own processes un
    BoRP, on CUDA in bf16 (on a CPU: float32).
 3. ``resume``: ENS-LoRA and MCD-DPO stopped by SIGTERM in the middle of training and launched again, against an
    uninterrupted run and a second uninterrupted run beside it (the device's own run-to-run difference): the resumed
-   run must end within that difference (or 1e-6).
+   run must end within 4 x that difference (or 1e-5).
 4. ``bench``: ``scripts/bench_gpu.py`` at the Qwen3-0.6B and -4B shapes (``--smoke`` on a CPU): tokens/s, MFU,
    measured against planned memory, at the old fixed batch and at the planner's.
 5. ``mission``: ``train.py method=ens_mlp model=qwen3-4b`` on a random-init 4B backbone built from
@@ -205,7 +205,9 @@ class Check:
             return {"ok": False, "error": f"the relaunch exited {code} with state {status.get('state')}"}
         resumed = _max_difference(runs["uninterrupted"], folder)
         run_to_run = _max_difference(runs["uninterrupted"], runs["again"])
-        allowed = max(1e-6, 4 * run_to_run)
+        # a resume bug moves rewards by ~lr (1e-3 and more); float32 sums reduced by several CPU threads already
+        # differ by ~2e-6 between two uninterrupted processes (MCD-DPO, 2 threads, measured)
+        allowed = max(1e-5, 4 * run_to_run)
         return {"ok": resumed <= allowed, "stopped_at_step": int(step.group(1)) if step else None,
                 "resumed_vs_uninterrupted": resumed, "run_to_run": run_to_run, "allowed": allowed}
 
