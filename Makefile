@@ -97,10 +97,18 @@ bench-gpu: setup
 # The check of a GPU node (scripts/gpu_check.py): the tests with CUDA visible, every method on the tiny model in bf16,
 # a run stopped by SIGTERM and resumed, bench_gpu.py at the 0.6B and 4B shapes and the mission command on a random 4B;
 # under 8 minutes on one GPU, offline. Without a GPU the same steps at tiny sizes on the CPU (what CI runs).
-# GPU_CHECK_OUT: where the summary, the logs and the benchmark JSON go.
+# GPU_CHECK_OUT: where the summary, the logs and the benchmark JSON go. The Python: this folder's .venv where make setup
+# made one; else the machine's own python3 where it already imports the project (a GPU node's image with its CUDA
+# torch and the project's wheels beside it: make setup would install the CPU torch); else make setup first.
 GPU_CHECK_OUT ?= outputs/gpu_check
-gpu-check: setup
-	$(PY) scripts/gpu_check.py --out $(GPU_CHECK_OUT)
+gpu-check:
+	@py=$(PY); \
+	if [ ! -x "$$py" ]; then \
+		if $(PYTHON) -c "import torch, hydra, trl, submitit, rewarduq_exp" 2>/dev/null; then py=$(PYTHON); \
+		else $(MAKE) setup && py=$(PY); fi; \
+	fi; \
+	echo "$$py scripts/gpu_check.py --out $(GPU_CHECK_OUT)"; \
+	"$$py" scripts/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -122,6 +122,12 @@ class Check:
 
     # ------------------------------------------------------------------------------------------------ steps
     def tests(self, log: Log, timeout: float) -> dict:
+        import importlib.util
+
+        missing = [m for m in ("pytest", "xdist") if importlib.util.find_spec(m) is None]
+        if missing:   # a plain install: the test tools are the dev extra
+            return {"ok": False, "seconds": 0.0, "figures": {"error": f"{', '.join(missing)} not installed: "
+                                                                      "pip install -e '.[dev]' (or make setup)"}}
         cmd = [self.python, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         if self.cuda:
             workers = max(2, min(8, (os.cpu_count() or 2) // 2))
