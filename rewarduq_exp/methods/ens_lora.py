@@ -33,7 +33,9 @@ and the K low-rank updates run as one batched matmul over the stacked adapters. 
 pass of B rows (one backward per member in training). Both give the same rewards and gradients (the tests check them
 against PEFT's ``set_adapter`` passes), in train mode, with LoRA dropout and with activation checkpointing (the
 routing is kept for the recomputation). Both settings default to ``auto``: the batched forward, except in training
-with activation checkpointing, where one member per pass keeps one member's activations (see ``__init__``).
+where K members of one pair do not fit the device even checkpointed (``_training_batches``). A training step runs in
+micro-batches sized from the device's free memory (``micro_batch_size``, ``gradient_checkpointing``: ``auto``), whose
+gradients add up to the step's: the pair weights are normalised by the whole batch, the anchor is added once.
 
 The prompt of a batch's texts runs once per batch and member (``shared_prefix_hidden``): chosen and rejected share
 it, so a training step runs the prompt once per pair instead of twice, in either path. The rewards equal the plain
