@@ -370,7 +370,7 @@ class EnsLoRA(RewardMethod):
         busy (:func:`choose_micro_batch`). Every micro-batch size gives the same step (``_backward_step``)."""
         from rewarduq_exp.models.activation_memory import lora_training_reserved, training_token_bytes
         from rewarduq_exp.models.shapes import architecture_of_model
-        from rewarduq_exp.models.token_budget import MEMORY_FRACTION, budget_from_memory, choose_micro_batch, free_bytes
+        from rewarduq_exp.models.token_budget import choose_micro_batch, fits_in_memory, free_bytes
 
         per_rank = max(1, math.ceil(self.schedule.batch_size / distributed.world_size()))
         longest = max(max(map(len, chosen)), max(map(len, rejected)))
@@ -383,14 +383,10 @@ class EnsLoRA(RewardMethod):
             # K members of one pair (checkpointed unless that is switched off) must fit; else one member per pass,
             # which holds K x fewer activations
             cost = costs[0] if self.gradient_checkpointing is False else costs[1]
-            mixed = MEMORY_FRACTION * (free - reserved) >= 2 * longest * self.num_members * cost
+            mixed = fits_in_memory(free, reserved, 2 * longest * self.num_members, cost)
         item = 2 * longest * (self.num_members if mixed else 1)
         micro, ckpt = choose_micro_batch(per_rank, item, free, reserved, *costs, self.device.type,
-                                         self.gradient_checkpointing)
-        if self.micro_setting != "auto":
-            micro = min(self.micro_setting, per_rank)
-            if self.gradient_checkpointing == "auto":   # on where the given micro-batch needs it
-                ckpt = budget_from_memory(free, costs[0], self.device.type, reserved) < item * micro
+                                         self.gradient_checkpointing, micro=self.micro_setting)
         self.training_plan = {"micro_batch_size": micro, "gradient_checkpointing": bool(ckpt),
                               "longest_row_tokens": longest, "mixed_adapter_training": mixed}
         return self.training_plan

@@ -119,13 +119,19 @@ def split_by_tokens(order, lengths, max_tokens: int, max_rows: int | None = None
 SATURATING_TOKENS = 16_384
 
 
+def fits_in_memory(free: float, reserved: float, tokens: float, token_bytes: float) -> bool:
+    """Whether ``tokens`` at ``token_bytes`` each fit the budget's share of ``free`` after ``reserved`` (no cap:
+    what memory holds, not what a batch should hold)."""
+    return MEMORY_FRACTION * (free - reserved) >= tokens * token_bytes
+
+
 def largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)
 
 
 def choose_micro_batch(batch: int, item_tokens: int, free: float, reserved: float, token_bytes_plain: float,
                        token_bytes_checkpointed: float, device_type: str, checkpointing="auto",
-                       divides: bool = False) -> tuple[int, bool]:
+                       divides: bool = False, micro="auto") -> tuple[int, bool]:
     """(items per micro-batch, activation checkpointing) for a training step of ``batch`` items (pairs) of
     ``item_tokens`` padded tokens each (all the rows an item runs: 2 for a pair, 2 x K for a pair under K members),
     in ``free`` bytes of which ``reserved`` go to what the step allocates besides activations (gradients, optimizer
@@ -135,7 +141,13 @@ def choose_micro_batch(batch: int, item_tokens: int, free: float, reserved: floa
     :data:`SATURATING_TOKENS` tokens (on a CPU: whenever one item fits without it), else on (the largest micro-batch
     that fits). ``True`` / ``False``: as given, the
     micro-batch as large as fits. ``divides``: the micro-batch divides ``batch`` (a trainer that accumulates whole
-    micro-batches). At least one item per micro-batch, whatever the memory says."""
+    micro-batches). At least one item per micro-batch, whatever the memory says. ``micro``: a micro-batch the
+    configuration gives (``auto``: chosen here); ``checkpointing="auto"`` is then on where it needs it to fit."""
+    if micro != "auto":
+        micro = min(int(micro), batch)
+        if checkpointing == "auto":
+            checkpointing = not fits_in_memory(free, reserved, micro * item_tokens, token_bytes_plain)
+        return micro, bool(checkpointing)
 
     def items(per_token: float) -> int:
         tokens = budget_from_memory(free, per_token, device_type, reserved)
@@ -145,7 +157,7 @@ def choose_micro_batch(batch: int, item_tokens: int, free: float, reserved: floa
     if checkpointing != "auto":
         return items(token_bytes_checkpointed if checkpointing else token_bytes_plain), bool(checkpointing)
     plain = items(token_bytes_plain)
-    fits = MEMORY_FRACTION * (free - reserved) >= item_tokens * token_bytes_plain   # one item, without the cap
+    fits = fits_in_memory(free, reserved, item_tokens, token_bytes_plain)   # one item, without the cap
     # A CPU is saturated by small batches: there checkpointing only costs time, unless nothing fits without it.
     busy = device_type != "cuda" or plain * item_tokens >= SATURATING_TOKENS
     if fits and (plain == batch or busy):

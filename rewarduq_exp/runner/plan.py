@@ -294,7 +294,7 @@ def _ens_lora(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens,
     memory for pairs of two ``max_length`` rows under K members (the batched forward), scoring batches of the token
     budget in member-tokens."""
     from rewarduq_exp.models.activation_memory import lora_training_reserved
-    from rewarduq_exp.models.token_budget import MEMORY_FRACTION, choose_micro_batch
+    from rewarduq_exp.models.token_budget import choose_micro_batch, fits_in_memory
 
     m = cfg.method
     wb = DTYPE_BYTES[dtype]
@@ -318,13 +318,9 @@ def _ens_lora(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens,
     reserved = lora_training_reserved(trainable)
     costs = [training_token_bytes(a, length, act, math_kernel, ckpt) for ckpt in (False, True)]
     if mixed_training and m.get("mixed_adapter_training", "auto") == "auto":   # as the method falls back
-        mixed_training = MEMORY_FRACTION * (free - reserved) >= 2 * length * k * costs[0 if gc is False else 1]
+        mixed_training = fits_in_memory(free, reserved, 2 * length * k, costs[0 if gc is False else 1])
     item = 2 * length * (k if mixed_training else 1)
-    micro, checkpointing = choose_micro_batch(batch, item, free, reserved, *costs, device, gc)
-    if micro_setting != "auto":
-        micro = min(micro_setting, batch)
-        if gc == "auto":
-            checkpointing = budget_from_memory(free, costs[0], device, reserved) < item * micro
+    micro, checkpointing = choose_micro_batch(batch, item, free, reserved, *costs, device, gc, micro=micro_setting)
 
     def training_phase(ckpt: bool) -> Phase:
         rows = (k if mixed_training else 1) * 2 * micro
@@ -387,11 +383,8 @@ def _mcd_dpo(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens, 
     free = memory - weights
     reserved = training_reserved(a, bf16, chunk, cuda)
     costs = [training_token(a, length, bf16, math_kernel, ckpt) for ckpt in (False, True)]
-    micro, checkpointing = choose_micro_batch(batch, 2 * length, free, reserved, *costs, device, gc, divides=True)
-    if micro_setting != "auto":
-        micro = min(micro_setting, batch)
-        if gc == "auto":
-            checkpointing = budget_from_memory(free, costs[0], device, reserved) < 2 * length * micro
+    micro, checkpointing = choose_micro_batch(batch, 2 * length, free, reserved, *costs, device, gc, divides=True,
+                                              micro=micro_setting)
 
     def training_phase(ckpt: bool) -> Phase:
         rows = 2 * micro

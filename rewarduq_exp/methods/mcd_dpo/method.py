@@ -241,11 +241,7 @@ class McdDpo(RewardMethod):
         reserved = training_reserved(a, self._bf16(), chunk, cuda)
         costs = [training_token(a, longest, self._bf16(), not cuda, ckpt) for ckpt in (False, True)]
         micro, checkpointing = choose_micro_batch(per_rank, 2 * longest, free, reserved, *costs, self.device.type,
-                                                  self.gradient_checkpointing, divides=True)
-        if self.micro_setting != "auto":
-            micro = min(self.micro_setting, per_rank)
-            if self.gradient_checkpointing == "auto":   # on where the given micro-batch needs it
-                checkpointing = budget_from_memory(free, costs[0], self.device.type, reserved) < 2 * longest * micro
+                                                  self.gradient_checkpointing, divides=True, micro=self.micro_setting)
         # the reference pass (no grad, before training): pairs of the scoring budget without the K-mask head
         ref_tokens = budget_from_memory(free, scoring_token(a, longest, not cuda), self.device.type,
                                         reserved=3.0 * chunk * a.vocab * 4)
