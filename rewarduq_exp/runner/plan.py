@@ -266,6 +266,8 @@ def _feature_head(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tok
         per_head = d * h + (nh - 1) * h * h + h + nh * h
         trainable = k * per_head
         training.parts["ENS-MLP heads (weights, grads, AdamW x2, anchor copy)"] = 5 * trainable * 4
+        if float(m.reg_lambda) > 0:   # the anchor penalty's p - p0 is kept for its backward
+            training.parts["anchor penalty (p - p0, kept for backward)"] = trainable * 4
         # each hidden layer's ReLU output is kept for backward, two more (K, 2B, h) tensors are alive while computing
         training.parts["head activations"] = 2 * batch * (d + k * h * (nh + 2)) * 4
         train_flops = 6 * trainable * texts * float(m.num_epochs)
