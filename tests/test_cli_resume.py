@@ -50,6 +50,13 @@ def test_sigterm_then_the_same_command_resumes_and_ends_with_the_same_metrics(tm
     assert "ens_mlp training: resumed at step" in log
     status = json.loads((folder / "status.json").read_text())
     assert status["state"] == "completed" and "resumed" in status
+    # the time of both attempts: status.json's seconds and method.json's training time
+    assert [a["state"] for a in status["attempts"]] == ["interrupted", "completed"], status["attempts"]
+    assert status["seconds"] == round(sum(a["seconds"] for a in status["attempts"]), 2)
+    assert status["seconds"] > status["attempts"][-1]["seconds"]
+    fit = json.loads((folder / "model" / "method.json").read_text())["fit_summary"]
+    assert 0 < fit["seconds_training_earlier_attempts"] < fit["seconds_training"], fit
+    assert status["fit"]["seconds_training"] == fit["seconds_training"]
     assert not (folder / "checkpoint").exists()            # a completed run keeps no training state
     assert numbers(json.loads((folder / "metrics.json").read_text())) == numbers(json.loads(expected.read_text()))
     history = json.loads((folder / "train_history.json").read_text())

@@ -7,8 +7,9 @@ attempt of the same config. Each phase's state lives in one file, ``<run>/checkp
 * the tensors: the trainable parameters, the optimizer's state, the data order of the epoch (and its generator), the
   torch RNG states (CPU and every CUDA device), numpy's Mersenne twister keys;
 * in the file's header (safetensors metadata, JSON): the step, the scheduler's state, the optimizer's param groups,
-  python's and numpy's remaining RNG state, the training history, the config hash of the run, and whether the phase
-  is done.
+  python's and numpy's remaining RNG state, the training history, the config hash of the run, whether the phase
+  is done, and the seconds the phase has trained so far over every attempt (``seconds``; a resumed run adds them to
+  its training time, so ``method.json`` reports the whole of it, see :attr:`TrainingCheckpoints.earlier_seconds`).
 
 One file per phase, written to a temporary name and renamed (``atomic_path``), so a job killed while writing leaves the
 previous checkpoint intact; safetensors and JSON only, so a checkpoint from a shared run folder runs no code when it
@@ -78,6 +79,9 @@ class TrainingCheckpoints:
         self.every_s = float(every_minutes) * 60 if every_minutes else None
         self._phases = 0
         self.resumed: list[str] = []   # what this attempt took from a checkpoint (reported in status.json)
+        # Training seconds of earlier attempts in the phases this one resumed, up to their last save (work after it
+        # was lost and is done again, so it is counted once, in this attempt).
+        self.earlier_seconds = 0.0
 
     def phase(self, name: str) -> Phase:
         """The next phase of the run (its number is its order: the same in every attempt of one config)."""
@@ -99,7 +103,8 @@ class Phase:
 
     def __init__(self, owner: TrainingCheckpoints, path: Path, name: str):
         self.owner, self.path, self.name = owner, path, name
-        self._last_save = time.monotonic()
+        self._last_save = self._begun = time.monotonic()
+        self._earlier_s = 0.0   # this phase's training seconds in earlier attempts (from the checkpoint it resumes)
 
     def load(self, total: int) -> TrainingState | None:
         """The saved state of this phase, or None to start it fresh (no file; a file of another config or another
@@ -117,6 +122,10 @@ class Phase:
             return None
         self.owner.resumed.append(f"{self.name}: step {meta['step']} of {total}" + (" (done)" if meta.get("done")
                                                                                      else ""))
+        earlier = meta.get("seconds")
+        if isinstance(earlier, (int, float)) and not isinstance(earlier, bool) and 0 <= earlier < float("inf"):
+            self._earlier_s = float(earlier)
+            self.owner.earlier_seconds += self._earlier_s
         return TrainingState(tensors, meta)
 
     def due(self, step: int) -> bool:
@@ -133,7 +142,8 @@ class Phase:
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
-        header = {"format": FORMAT, "config_hash": self.owner.config_hash, "phase": self.name, **meta}
+        header = {"format": FORMAT, "config_hash": self.owner.config_hash, "phase": self.name,
+                  "seconds": round(self._earlier_s + time.monotonic() - self._begun, 3), **meta}
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         with atomic_path(self.path) as tmp:
             save_file(tensors, str(tmp), metadata={"state": json.dumps(header)})

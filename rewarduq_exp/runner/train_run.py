@@ -22,7 +22,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from rewarduq_exp.core import distributed, job_signals, progress, training_checkpoint
+from rewarduq_exp.core import distributed, job_signals, job_threads, progress, training_checkpoint
 from rewarduq_exp.core.checks import check_integer, check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.training_checkpoint import CHECKPOINT_DIR, TrainingCheckpoints
@@ -64,12 +64,14 @@ def train(cfg: DictConfig) -> dict | None:
         if folder.writer:
             print(summary_table(blocks), flush=True)
         return blocks
+    threads = job_threads.apply()   # a Slurm job's CPUs, before anything computes
     try:
-        folder.start(chash, force=bool(cfg.force))
+        folder.start(chash, force=bool(cfg.force), **threads)
     except UserError as err:  # another live run's folder, or not writable: nothing was written, nothing to record
         report_user_error(err)
         return None
     log_file = _log_to_file(out / "train.log") if folder.writer else None
+    log.info("threads: %d (%s)", threads["threads"], threads["threads_reason"])
     checkpoints = None
     job_signals.install()
     try:
@@ -177,6 +179,19 @@ def _run(cfg: DictConfig, out: Path, folder: RunFolder, checkpoints: TrainingChe
         logger.finish(failed=failed)  # always finished, also on error
 
 
+def add_earlier_training(fit_summary: dict) -> None:
+    """A resumed run trained partly in earlier attempts: its ``seconds_training`` (``method.json``, ``status.json``'s
+    ``fit``) covers them too, and ``seconds_training_earlier_attempts`` says how much of it they were (from the
+    training checkpoints it resumed; see :class:`TrainingCheckpoints`)."""
+    checkpoints = training_checkpoint.active()
+    earlier = checkpoints.earlier_seconds if checkpoints is not None else 0.0
+    if not earlier:
+        return
+    fit_summary["seconds_training_earlier_attempts"] = round(earlier, 3)
+    if isinstance(fit_summary.get("seconds_training"), (int, float)):
+        fit_summary["seconds_training"] += earlier
+
+
 class RewardModelTask:
     """Reward models and probes (RewardUQ's methods, BoRP): a backbone, training data, eval sets.
 
@@ -225,6 +240,7 @@ class RewardModelTask:
         if method.uses_eval_set:
             first_eval = next((f for f in eval_frames.values() if data_kind(f) == "pairs"), None)
         fit_summary = method.fit(train_frame, first_eval).fit_summary
+        add_earlier_training(fit_summary)
         log.info("trained %s: %s", type(method).__name__, fit_summary)
         if folder.writer:
             method.save(folder.model_dir)

@@ -1,7 +1,8 @@
 """The run folder: one self-describing directory per run that everything downstream reads.
 
 ``.hydra/`` (the resolved config, Hydra's config, the overrides), ``status.json`` (running | completed | failed,
-error, timings, config hash, owner and heartbeat, library versions), ``metrics.json`` (one object per evaluated
+error, timings summed over the run's attempts and per attempt (:mod:`rewarduq_exp.runs.attempts`), config hash, owner
+and heartbeat, library versions, threads), ``metrics.json`` (one object per evaluated
 dataset), ``predictions/<dataset>.parquet``, ``figures/<dataset>/``, ``model/`` (what the method's ``save`` wrote),
 ``data_summary.json``, ``train.log``. Every file is written to a temporary name and renamed, so a killed run never
 leaves a half-written result. Every JSON file is strict JSON: an undefined number (NaN, inf) is written as ``null``
@@ -13,6 +14,9 @@ process is gone, see ``run_owner``) or, on a relaunch, the same config unfinishe
 :class:`RunFolderBusy`, nothing written) while another live process runs in it, or when it holds a completed run of
 another config (unless ``force``). That is why Hydra does not write ``.hydra/`` itself here
 (``hydra.output_subdir: null``): :meth:`write_config` does it once the folder is ours.
+
+Every write stays inside the folder (:mod:`rewarduq_exp.core.inside_folder`): before a run claims it, and before
+``evaluate.py`` writes or swaps anything in, a link or a non-folder where the results go is refused in one line.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from filelock import FileLock
 
 from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
 from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.inside_folder import check_writes_inside
 from rewarduq_exp.core.saved_files import read_json_object
 from rewarduq_exp.core.strict_json import nulls_to_nan, write_json  # noqa: F401 (write_json: the runners' writer)
+from rewarduq_exp.runs import attempts
 from rewarduq_exp.runs.run_identity import (  # noqa: F401 (config_hash: API)
     COMPLETED,
     VALIDATION,
@@ -50,6 +56,15 @@ from rewarduq_exp.runs.run_owner import (
 )
 
 CLAIM_STALE_S = 30.0
+# What a run writes, relative to its folder. TREES are rewritten inside (a save, a re-run's figures, the training
+# checkpoint: training_checkpoint.CHECKPOINT_DIR, named here to keep this module free of torch): no link anywhere
+# below them. FOLDERS must be real folders; what is inside is another program's (wandb makes links of its own
+# there) or a mutex. FILES are results and lock files: a regular file or nothing.
+TREES = (".hydra", "model", "predictions", "figures", "checkpoint")
+FOLDERS = ("wandb", ".claiming")
+METRICS_LOCK = ".metrics.json.lock"
+FILES = ("status.json", "metrics.json", METRICS_LOCK, "data_summary.json", "train_history.json",
+         "metrics_per_fold.json", "train.log")
 # Libraries whose versions change a run's numbers in the last decimals: recorded in status.json.
 VERSIONED = ("torch", "transformers", "peft", "trl", "accelerate", "datasets", "numpy", "scikit-learn",
              "hydra-core", "rewarduq_exp")
@@ -85,6 +100,7 @@ class RunFolder:
         self._status: dict | None = None      # this process's status.json, once it has claimed the folder
         self._lock = threading.Lock()         # the heartbeat thread and the run write status.json in turn
         self._heartbeat: Heartbeat | None = None
+        self._earlier: list[dict] = []        # the attempts before this one of the run this process continues
 
     # ------------------------------------------------------------------ paths
     @property
@@ -105,6 +121,33 @@ class RunFolder:
     def figures_dir(self, dataset: str) -> Path:
         return self.root / "figures" / dataset
 
+    # ------------------------------------------------------------------ writes stay inside
+    def check_run_writes(self) -> None:
+        """A run's writes (``TREES``, ``FOLDERS``, ``FILES``) stay inside the folder; :class:`UserError` naming the
+        first link or misplaced non-folder otherwise."""
+        check_writes_inside(self.root, trees=TREES, folders=FOLDERS, files=FILES)
+
+    def check_evaluation_writes(self, datasets) -> None:
+        """What ``evaluate.py`` writes for ``datasets`` (predictions files, figure folders, metrics.json and its lock)
+        stays inside the folder. The figure folders are swapped in whole, so what is below them does not matter."""
+        check_writes_inside(self.root, folders=("predictions", "figures", *(f"figures/{d}" for d in datasets)),
+                            files=("metrics.json", METRICS_LOCK, *(f"predictions/{d}.parquet" for d in datasets)))
+
+    @contextlib.contextmanager
+    def metrics_lock(self):
+        """Held while ``metrics.json`` is read, merged and replaced, so two ``evaluate.py`` runs finishing together
+        on one run folder both land. The lock file must be a plain file of the folder: ``FileLock`` opens it for
+        writing and would follow a link out of the folder (or fail on a folder)."""
+        check_writes_inside(self.root, files=(METRICS_LOCK,))
+        with FileLock(str(self.root / METRICS_LOCK)):
+            yield
+
+    def merged_metrics(self, blocks: dict[str, dict]) -> dict:
+        """``metrics.json`` with ``blocks`` added or replacing theirs (as stored: undefined values stay null); call it
+        under :meth:`metrics_lock`."""
+        kept = read_json_object(self.metrics_path) if self.metrics_path.exists() else {}
+        return {**kept, **blocks}
+
     # ------------------------------------------------------------------ status
     def status(self) -> dict:
         return read_status(self.root)
@@ -112,22 +155,27 @@ class RunFolder:
     def is_completed(self, chash: str) -> bool:
         return is_completed(self.root, chash)
 
-    def start(self, chash: str | None, force: bool = False) -> None:
+    def start(self, chash: str | None, force: bool = False, **info) -> None:
         """Claim the folder for this process and mark the run ``running`` (see the module docstring), then keep
-        its heartbeat going. ``chash`` is None when the config could not be resolved (it fails validation next).
-        Raises :class:`RunFolderBusy`, having written nothing, when the folder is not free."""
-        self._started = time.time()
+        its heartbeat going. ``chash`` is None when the config could not be resolved (it fails validation next);
+        ``info`` goes into ``status.json`` as it is. Raises :class:`RunFolderBusy`, having written nothing, when
+        the folder is not free."""
+        self._started, self._started_at = time.time(), now_iso()
         if not self.writer:
             return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            self.check_run_writes()  # nothing written yet: a link or a misplaced file is refused in one line
             with self._claim_mutex():
-                self._refuse_unless_free(self.status(), chash, force)
+                previous = self.status()
+                self._refuse_unless_free(previous, chash, force)
+                self._earlier = attempts.earlier_attempts(previous, chash, force)
                 every = heartbeat_interval()
-                now = now_iso()
-                self._status = {"state": RUNNING, "config_hash": chash, "started_at": now,
-                                **this_owner(), "heartbeat_at": now, "heartbeat_every_s": every,
-                                "versions": library_versions()}
+                self._status = {"state": RUNNING, "config_hash": chash, "started_at": self._started_at,
+                                **this_owner(), "heartbeat_at": now_iso(), "heartbeat_every_s": every,
+                                "versions": library_versions(), **info}
+                if self._earlier:
+                    self._status["attempts"] = self._earlier
                 write_json(self.status_path, self._status)
         except PermissionError as err:
             raise UserError(f"run folder {self.root} is not writable ({err.strerror}); choose another "
@@ -198,8 +246,8 @@ class RunFolder:
         if not self.writer:
             return
         st = dict(self._status or self.status())
-        st.update(state=COMPLETED, finished_at=now_iso(), seconds=round(time.time() - self._started, 2),
-                  **info)
+        st.update(state=COMPLETED, finished_at=now_iso(), **info)
+        self._close_attempt(st, st["finished_at"])
         for key in ("error", "traceback", "stage", "heartbeat_at"):
             st.pop(key, None)
         self._end(st)
@@ -212,8 +260,7 @@ class RunFolder:
         st = dict(self._status or self.status())
         st.update(state=INTERRUPTED, interrupted_at=now_iso(), error=message, stage=self.stage)
         st.pop("heartbeat_at", None)
-        if hasattr(self, "_started"):
-            st["seconds"] = round(time.time() - self._started, 2)
+        self._close_attempt(st, st["interrupted_at"])
         self._end(st)
 
     def fail(self, err: BaseException, with_traceback: bool = True) -> None:
@@ -225,11 +272,20 @@ class RunFolder:
         st.pop("heartbeat_at", None)
         if not self.writer:
             st["failed_rank"] = _rank()
-        if hasattr(self, "_started"):
-            st["seconds"] = round(time.time() - self._started, 2)
+        self._close_attempt(st, st["finished_at"])
         if with_traceback:
             st["traceback"] = traceback.format_exc()
         self._end(st)
+
+    def _close_attempt(self, st: dict, ended_at: str) -> None:
+        """Add this attempt to ``st["attempts"]`` and make ``st["seconds"]`` their sum (nothing when this process
+        never started the run)."""
+        if not hasattr(self, "_started"):
+            return
+        # A non-main process has no earlier attempts of its own: it continues the list rank 0's status holds.
+        earlier = self._earlier if self.writer else attempts.recorded(st)
+        done = [*earlier, attempts.attempt(self._started_at, ended_at, time.time() - self._started, st["state"])]
+        st.update(attempts=done, seconds=attempts.total_seconds(done))
 
     # ------------------------------------------------------------------ results
     def read_metrics(self) -> dict:
@@ -248,9 +304,8 @@ class RunFolder:
             write_json(self.metrics_path, blocks)
             return
         self.root.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.root / ".metrics.json.lock")):
-            kept = read_json_object(self.metrics_path) if self.metrics_path.exists() else {}
-            write_json(self.metrics_path, {**kept, **blocks})
+        with self.metrics_lock():
+            write_json(self.metrics_path, self.merged_metrics(blocks))
 
     def write_predictions(self, dataset: str, frame: pd.DataFrame) -> Path:
         path = self.predictions_path(dataset)

@@ -79,11 +79,17 @@ def this_owner() -> dict:
     return owner
 
 
-def _age_s(stamp) -> float | None:
+def stamp_seconds(stamp) -> float | None:
+    """A time stamp of :func:`now_iso` as seconds since the epoch; None when it is not one."""
     try:
-        return time.time() - datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%S%z").timestamp()
+        return datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%S%z").timestamp()
     except ValueError:
         return None
+
+
+def _age_s(stamp) -> float | None:
+    seconds = stamp_seconds(stamp)
+    return None if seconds is None else time.time() - seconds
 
 
 def owner_alive(status: dict) -> bool:
