@@ -185,6 +185,7 @@ def test_jsonl_gz_in_hh_rlhf_schema_reads_transcripts(tmp_path):
     ]
     cfg = load_dataset_config("local", seed=0)
     cfg.path = str(write_jsonl_gz(tmp_path / "train.jsonl.gz", rows))
+    cfg.eval_fraction = 0   # the whole file as split train: no prompt held out
     f = build_loader(cfg).load("train")
     check_contract(f)
     assert f["id"].tolist() == ["train-0", "train-1"] and f.attrs["dropped_unsplittable"] == 1
@@ -247,11 +248,41 @@ def test_missing_file(tmp_path):
         LocalPreferenceFile(str(tmp_path / "nope.jsonl"), eval_path=str(tmp_path / "gone.csv")).load("eval")
 
 
-def test_eval_split_without_eval_path(tmp_path):
-    """Asking for the eval split of a loader without eval_path points at dataset.eval_path."""
+def test_eval_split_without_eval_path_or_held_out_share(tmp_path):
+    """With eval_fraction=0 and no eval_path there is no eval split: the error points at both settings."""
     path = write_jsonl(tmp_path / "x.jsonl", STRING_ROWS)
-    with pytest.raises(UserError, match=r"split 'eval'.*dataset\.eval_path"):
-        LocalPreferenceFile(str(path)).load("eval")
+    with pytest.raises(UserError, match=r"split 'eval'.*dataset\.eval_path.*dataset\.eval_fraction"):
+        LocalPreferenceFile(str(path), eval_fraction=0).load("eval")
+
+
+def test_without_eval_path_a_share_of_the_prompts_is_held_out(tmp_path):
+    """dataset=local dataset.path=<file> alone: the eval split is the rows of about eval_fraction of the prompts,
+    the train split the others; no prompt is in both, every row is in one, and the sides do not depend on the order
+    of the rows."""
+    rows = [{"prompt": f"question {i % 50}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(400)]
+    path = write_jsonl(tmp_path / "x.jsonl", rows)
+    loader = LocalPreferenceFile(str(path), eval_fraction=0.2)
+    train, held = loader.load("train"), loader.load("eval")
+    assert len(train) + len(held) == 400
+    assert not set(train["prompt"].map(str)) & set(held["prompt"].map(str))
+    assert held["prompt"].map(str).nunique() == 10          # 0.2 of the 50 prompts
+    check_contract(held)
+    shuffled = write_jsonl(tmp_path / "y.jsonl", rows[::-1])
+    again = LocalPreferenceFile(str(shuffled), eval_fraction=0.2).load("eval")
+    assert set(again["chosen"].map(str)) == set(held["chosen"].map(str))
+
+
+def test_a_held_out_share_keeps_a_prompt_on_each_side(tmp_path):
+    """A tiny share still holds out one prompt and never all of them; one prompt alone cannot be split."""
+    path = write_jsonl(tmp_path / "x.jsonl", STRING_ROWS)
+    loader = LocalPreferenceFile(str(path), eval_fraction=1e-9)
+    assert len(loader.load("eval")) == len(loader.load("train")) == 1
+    assert len(LocalPreferenceFile(str(path), eval_fraction=0.99).load("train")) == 1
+    single = write_jsonl(tmp_path / "one.jsonl", [STRING_ROWS[0]] * 3)
+    with pytest.raises(UserError, match=r"share one prompt.*dataset\.eval_path"):
+        LocalPreferenceFile(str(single), eval_fraction=0.1).load("eval")
+    with pytest.raises(UserError, match=r"dataset\.eval_fraction=1 is invalid"):
+        LocalPreferenceFile(str(path), eval_fraction=1)
 
 
 def test_unknown_split(tmp_path):

@@ -19,15 +19,19 @@ and they are reported by the length filter like any row it drops (``frame.attrs[
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
+from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import content_chars, validate_preferences
 from rewarduq_exp.data.conversation import PairColumns, normalise_pairs, parse_transcript
 from rewarduq_exp.data.hub import check_utf8, file_builder, no_rows, reader_errors_unlogged
+
+log = logging.getLogger(__name__)
 
 TEXT = ("prompt", "chosen", "rejected")
 REQUIRED = ("chosen", "rejected")          # prompt may be implicit in chosen/rejected conversations
@@ -42,9 +46,13 @@ def _text_if_scalar(value):
 
 class LocalPreferenceFile:
     def __init__(self, path: str, eval_path: str | None = None, columns: dict | None = None, name: str = "local",
-                 train_split: str = "train", eval_splits=("eval",)):
+                 train_split: str = "train", eval_splits=("eval",), eval_fraction: float = 0.0):
         self.name = name
         self.paths = {"train": path, "eval": eval_path}
+        self.eval_fraction = float(check_positive(eval_fraction, "dataset.eval_fraction", inclusive=True))
+        if self.eval_fraction >= 1:
+            raise UserError(f"dataset.eval_fraction={eval_fraction} is invalid: must be in [0, 1) (0: no held-out "
+                            "split; the evaluation then needs dataset.eval_path=<file>)")
         self.columns = {c: c for c in TEXT + OPTIONAL} | dict(columns or {})
         self.train_split = train_split
         self.eval_splits = tuple(eval_splits)
@@ -52,16 +60,53 @@ class LocalPreferenceFile:
     def load(self, split: str, max_chars: int | None = None):
         """The split's file as a contract frame. ``max_chars``: rows whose contents have more characters than this
         cannot fit ``max_length`` tokens (the tokenizer's bound, given by the run) and are dropped before loading."""
+        if split not in self.paths:
+            raise UserError(f"dataset '{self.name}' has splits train and eval, not '{split}'")
+        if self.paths["eval"] or not self.eval_fraction:
+            return self._load_file(split, max_chars)
+        return self._held_out(self._load_file("train", max_chars), split)
+
+    def _held_out(self, frame, split: str):
+        """Split ``split`` of the one file: the rows of the held-out prompts (``eval``) or of the others (``train``).
+        The held-out prompts are the ``eval_fraction`` share (at least one, never all) of the file's distinct prompts
+        with the smallest hash of their text: a prompt is on one side only (several pairs of one prompt would
+        otherwise leak it into the evaluation), and the sides depend neither on the order of the rows nor on the
+        seed, so every run on the file evaluates on the same rows."""
+        import hashlib
+        import json
+
+        def key(prompt) -> bytes:
+            text = json.dumps(prompt, sort_keys=True, default=str, ensure_ascii=False)
+            return hashlib.blake2b(text.encode(), digest_size=8).digest()
+
+        keys = [key(p) for p in frame["prompt"]]
+        prompts = sorted(set(keys))
+        if len(prompts) < 2:
+            raise UserError(f"dataset.path={self.paths['train']}: all its rows share one prompt, so none can be held "
+                            "out for the evaluation; give it its own file (dataset.eval_path=<file>)")
+        n_held = min(max(1, round(self.eval_fraction * len(prompts))), len(prompts) - 1)
+        held = set(prompts[:n_held])
+        keep = np.array([(k in held) == (split == "eval") for k in keys], dtype=bool)
+        out = frame[keep].reset_index(drop=True)
+        out.attrs = dict(frame.attrs)
+        if split == "eval":   # rows the length filter dropped are reported once, by the train split
+            out.attrs["dropped_too_long"] = []
+        else:
+            log.info("%s: dataset.eval_path not set, so %d of the file's %d prompts (%d of %d pairs, "
+                     "dataset.eval_fraction=%g) are held out as split 'eval'", self.name, n_held, len(prompts),
+                     int((~keep).sum()), len(frame), self.eval_fraction)
+        return out
+
+    def _load_file(self, split: str, max_chars: int | None):
         import datasets
 
         datasets.disable_progress_bars()
 
-        if split not in self.paths:
-            raise UserError(f"dataset '{self.name}' has splits train and eval, not '{split}'")
         path = self.paths[split]
         key = "dataset.path" if split == "train" else "dataset.eval_path"
         if not path:
-            raise UserError(f"dataset '{self.name}' split '{split}' has no file: set {key}=<file>")
+            raise UserError(f"dataset '{self.name}' split '{split}' has no file: set {key}=<file> (or "
+                            "dataset.eval_fraction > 0 to hold out part of dataset.path)")
         path = Path(path)
         if not path.exists():
             raise UserError(f"{key}={path}: file not found")
