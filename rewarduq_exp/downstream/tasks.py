@@ -5,12 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.inside_folder import check_writes_inside
 
 TASKS = ("best_of_n", "active_learning")
+# What each task writes into its folder (a fresh one per call, unless hydra.run.dir names an existing one).
+OUTPUTS = {"best_of_n": ("curves.csv", "summary.csv", "correlation.csv", "best_of_n.png"),
+           "active_learning": ("curves.csv", "summary.csv", "active_learning.png")}
 
 
 def run_task(cfg, out_dir: Path) -> dict:
     name = str(cfg.task.name)
+    if name in OUTPUTS:  # before any work: nothing is written through a link out of the task folder
+        check_writes_inside(out_dir, files=OUTPUTS[name])
     if name == "best_of_n":
         from rewarduq_exp.downstream.best_of_n_task import best_of_n
 

@@ -4,9 +4,12 @@
   and ``model/``, score the dataset (its config changed by the ``dataset.<key>`` options, e.g.
   ``dataset.subsets=[harmless-base]``), and add its predictions, diagrams and metrics block to that run folder
   (metrics.json is merged, not replaced), so selection and tables see the new evaluation. Everything it reads is
-  checked before anything is written, and the new predictions and diagrams are written beside the old ones (a hidden
-  staging folder in the run folder) and swapped in only once every dataset was evaluated: a failure changes no file
-  of the run.
+  checked before anything is written, and so is every place it writes: a link or a non-folder where the results go
+  (``predictions/``, ``figures/<dataset>/``, ``metrics.json`` and its lock) is refused in one line, so nothing is
+  ever written outside the run folder. The new predictions, diagrams and merged metrics.json are written beside the
+  old ones (a hidden staging folder in the run folder) and swapped in together, under the metrics lock, only once
+  every step that can fail is done (every dataset evaluated, the lock taken, metrics.json read and merged): a
+  failure changes no file of the run.
 * ``predictions=<file.parquet>``: re-score a predictions file (from any source) with the chosen metric config; the
   metrics and diagrams go to this evaluation's own output folder.
 """
@@ -26,6 +29,7 @@ from omegaconf import OmegaConf
 
 from rewarduq_exp.core.checks import check_integer
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.inside_folder import check_writes_inside
 from rewarduq_exp.core.saved_files import read_json_object
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.data.registry import build_loader, resolve_eval_sets, with_options
@@ -67,6 +71,7 @@ def rescore_predictions(cfg) -> dict:
     name = path.stem
     metrics = score_predictions(frame, cfg.metric)  # validates the columns with one-line errors
     out = Path(HydraConfig.get().runtime.output_dir)
+    check_writes_inside(out, folders=("figures", f"figures/{name}"), files=("metrics.json",))
     diagrams(frame, out / "figures" / name, cfg.metric, title=name, metrics=metrics)
     write_json(out / "metrics.json", {name: metrics})
     print(f"re-scored {path} -> {out / 'metrics.json'}\n{summary_table({name: metrics})}", flush=True)
@@ -76,8 +81,6 @@ def rescore_predictions(cfg) -> dict:
 def evaluate_run_folder(cfg) -> dict:
     check_cache_dir(cfg.paths.cache_dir)  # before the run's config, data or model is read
     folder, run_cfg = read_run_config(cfg.run)  # checked before any data or model is touched
-    if folder.metrics_path.exists():  # merged into at the end: a corrupt one is refused now, before any work
-        read_json_object(folder.metrics_path, "the run's metrics")
     quiet_datasets_unless(bool(cfg.progress))
     if cfg.paths.get("datasets_dir"):  # this machine's local copies win over the ones the run was trained with
         run_cfg.paths.datasets_dir = cfg.paths.datasets_dir
@@ -90,6 +93,9 @@ def evaluate_run_folder(cfg) -> dict:
     if options is not None and not isinstance(options, dict):
         raise UserError(f"dataset options must be dataset.<key>=<value>, not dataset={options}")
     eval_sets = with_options(eval_sets, options)
+    folder.check_evaluation_writes([es.name for es in eval_sets])  # before any work; again before the swap
+    if folder.metrics_path.exists():  # merged into at the end: a corrupt one is refused now, before any work
+        read_json_object(folder.metrics_path, "the run's metrics")
     eval_loaders = {es.name: build_loader(es.config) for es in eval_sets}
     task = method_task(run_cfg.method)
     for name, loader in eval_loaders.items():
@@ -108,8 +114,13 @@ def evaluate_run_folder(cfg) -> dict:
             frame, _ = load_split(eval_loaders[es.name], es.split, es.name, backbone.tokenizer, max_length, count)
             evaluate = evaluate_pointwise if data_kind(frame) == "pointwise" else evaluate_method
             blocks[es.name], _ = evaluate(method, frame, es.name, staging, cfg.metric)
-        swap_in(staging, folder, list(blocks))
-        folder.write_metrics(blocks, merge=True)
+        # Every step that can fail comes before the first rename: the lock (a link or a folder there is refused),
+        # the checks (a link made while the datasets were scored), reading and merging metrics.json. What is left
+        # are renames within one filesystem.
+        with folder.metrics_lock():
+            folder.check_evaluation_writes(list(blocks))
+            write_json(staging.metrics_path, folder.merged_metrics(blocks))
+            swap_in(staging, folder, list(blocks))
     print(f"evaluated {folder.root}\n{summary_table(blocks)}", flush=True)
     return blocks
 
@@ -120,14 +131,20 @@ def staged_results(folder: RunFolder):
     afterwards whatever happened."""
     staging = folder.root / f".evaluate-{uuid.uuid4().hex[:12]}"
     try:
+        os.mkdir(staging)  # a fresh real folder (never an existing name, nor a link someone left there)
+    except PermissionError as err:
+        raise UserError(f"run folder {folder.root} is not writable ({err.strerror}): evaluate.py adds its results "
+                        "there; copy the run folder somewhere writable and evaluate the copy") from None
+    try:
         yield RunFolder(staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
 def swap_in(staging: RunFolder, folder: RunFolder, names: list[str]) -> None:
-    """Move each dataset's staged predictions file and diagrams folder over the run's own: a file by one rename, a
-    folder by renaming the old one aside first."""
+    """Move each dataset's staged predictions file and diagrams folder, then the staged metrics.json, over the run's
+    own: a file by one rename, a folder by renaming the old one aside first. metrics.json comes last: it is what
+    selection and tables read, so it never names an evaluation whose files are not in place."""
     for name in names:
         staged = staging.predictions_path(name)
         if staged.exists():
@@ -141,3 +158,5 @@ def swap_in(staging: RunFolder, folder: RunFolder, names: list[str]) -> None:
                 os.replace(figures, old)
             os.replace(staged_figures, figures)
             shutil.rmtree(old, ignore_errors=True)
+    if staging.metrics_path.exists():
+        os.replace(staging.metrics_path, folder.metrics_path)
