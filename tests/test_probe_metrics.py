@@ -237,6 +237,10 @@ def test_figure_compares_the_probe_with_the_baselines(tmp_path, monkeypatch):
     y = rng.integers(1, 6, 50).astype(float)
     plot_probe_diagnostics(y, y + rng.normal(0, 0.5, 50), rng.uniform(0, 1, 50), tmp_path / "p.png",
                            compare=compare)
-    panel = figures[0].axes[2]
-    assert len(panel.patches) == 3 * 3  # three models x (alpha, Pearson, RMSE)
-    assert "n/a" in [t.get_text() for t in panel.texts]
+    agreement, error = figures[0].axes[2:]
+    # three models x (alpha, Pearson), and the probe's partial correlation given length (n/a: not in these metrics)
+    assert len(agreement.patches) == 3 * 2 + 1
+    assert [t.get_text() for t in agreement.texts].count("n/a") == 2 + 1  # the constant judge's alpha and Pearson
+    # the RMSEs on an axis of their own, whose scale the judge's 1.5 sets without squeezing the correlations
+    assert [round(p.get_height(), 2) for p in error.patches] == [0.5, 0.6, 1.5]
+    assert agreement.get_ylim()[1] < 1.5

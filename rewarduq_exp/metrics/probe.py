@@ -23,12 +23,14 @@ and uncertainties. Names are flat under ``probe/…``.
   covariates is the length baseline (``probe/baseline/length_ridge/...``).
 
 :func:`plot_probe_diagnostics` draws the predicted-vs-human panel and the RMSE-by-u panel into one PNG, and with
-``compare`` a third panel with the probe's and the baselines' alpha, Pearson and RMSE side by side (matplotlib
+``compare`` two more: the probe's and the baselines' alpha and Pearson with the probe's partial correlation given
+length, and their RMSE on an axis of its own; a red line names a baseline that matches or beats the probe (matplotlib
 ``Figure`` on the Agg canvas, written atomically through :func:`rewarduq_exp.metrics.diagrams.save_figure`).
 """
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -209,19 +211,27 @@ def length_metrics(y_true, y_pred, lengths) -> dict:
             "probe/pearson_with_log_length": pearson(np.log1p(covariates[:, 0]), p)}
 
 
-# The bars of the comparison panel: (metric key under probe/, label).
-COMPARED = (("alpha_interval", "K-alpha"), ("pearson", "Pearson"), ("rmse", "RMSE"))
+# The bars of the agreement panel (c), on one axis as they share a scale (-1..1 for sensible predictions), and of the
+# error panel (d), on its own axis (a judge's RMSE of 2.45 would squeeze every correlation): (key under probe/, label).
+AGREEMENT = (("alpha_interval", "K-alpha"), ("pearson", "Pearson"))
+ERROR = (("rmse", "RMSE"),)
+COMPARED = AGREEMENT + ERROR
+# The probe's own bar in panel (c): what it knows beyond length (a baseline has no such number).
+PARTIAL = ("partial_pearson_given_length", "partial r | length")
 
 
 def comparison(metrics: dict) -> dict[str, dict[str, float]]:
     """``{"probe": {...}, "<baseline>": {...}}`` of :data:`COMPARED` read from a dataset's probe metrics
-    (``probe/<key>`` and ``probe/baseline/<name>/<key>``); a metric a baseline lacks (a constant answer) is NaN."""
-    def read(prefix: str) -> dict[str, float]:
-        values = {key: metrics.get(f"{prefix}{key}") for key, _ in COMPARED}
+    (``probe/<key>`` and ``probe/baseline/<name>/<key>``), the probe also with its :data:`PARTIAL` correlation; a
+    metric a model lacks (a constant answer, a run without lengths) is NaN."""
+    def read(prefix: str, keys) -> dict[str, float]:
+        values = {key: metrics.get(f"{prefix}{key}") for key in keys}
         return {key: float("nan") if v is None else float(v) for key, v in values.items()}
 
+    keys = [key for key, _ in COMPARED]
     names = sorted({k.split("/")[2] for k in metrics if k.startswith("probe/baseline/")})
-    return {"probe": read("probe/"), **{name: read(f"probe/baseline/{name}/") for name in names}}
+    return {"probe": read("probe/", [*keys, PARTIAL[0]]),
+            **{name: read(f"probe/baseline/{name}/", keys) for name in names}}
 
 
 # Scores on more distinct values than this (means over raters) are binned in panel (a) instead of one point per value.
@@ -233,12 +243,14 @@ def plot_probe_diagnostics(y_true, y_pred, u, path: str | Path, *, n_bins: int =
                            compare: dict[str, dict[str, float]] | None = None) -> Path:
     """Write a PNG with (a) predicted vs human score (jittered points, per-score mean) and (b) RMSE per quantile bin
     of ``u`` with the bin counts (figure 3b); with ``compare`` (:func:`comparison`: the probe and the baselines of the
-    same rows) also (c) their alpha, Pearson and RMSE side by side. Returns the path."""
+    same rows) also (c) their alpha and Pearson and the probe's partial correlation given length, (d) their RMSE on
+    an axis of its own, and in red the line that says which baseline matches or beats the probe
+    (:mod:`rewarduq_exp.metrics.probe_rivals`). Returns the path."""
     y, p = _pair(y_true, y_pred)
     table = rmse_by_uncertainty(y, p, u, n_bins)
     path = Path(path)
-    fig = Figure(figsize=(15.5 if compare else 10, 4.2))
-    ax_a, ax_b, *ax_c = fig.subplots(1, 3 if compare else 2)
+    fig = Figure(figsize=(12, 8.8) if compare else (10, 4.2))
+    ax_a, ax_b, *ax_cd = fig.subplots(2, 2).ravel() if compare else fig.subplots(1, 2)
     levels = np.unique(y)
     if len(levels) <= MAX_SCORE_LEVELS:  # ratings on a few levels: jittered, the mean prediction per level
         jitter = np.random.default_rng(seed).uniform(-0.15, 0.15, len(y))
@@ -253,7 +265,10 @@ def plot_probe_diagnostics(y_true, y_pred, u, path: str | Path, *, n_bins: int =
     ax_a.plot([lo, hi], [lo, hi], "--", color="0.4", linewidth=1.0, label="perfect agreement")
     ax_a.set_xlabel("human score")
     ax_a.set_ylabel("predicted score")
-    ax_a.set_title(f"(a) Pearson {pearson(y, p):.3f}, K-alpha {krippendorff_alpha(y, p, 'interval', score_range):.3f}")
+    heading = f"(a) Pearson {pearson(y, p):.3f}, K-alpha {krippendorff_alpha(y, p, 'interval', score_range):.3f}"
+    partial = (compare or {}).get("probe", {}).get(PARTIAL[0], float("nan"))
+    ax_a.set_title(heading + (f", partial r given length {partial:.3f}" if np.isfinite(partial) else ""),
+                   fontsize=10)
     ax_a.legend(loc="upper left", fontsize=8)
     ax_a.grid(alpha=0.3)
     labels = [f"{r.u_low:.2g}-{r.u_high:.2g}" for r in table.itertuples()]
@@ -264,37 +279,79 @@ def plot_probe_diagnostics(y_true, y_pred, u, path: str | Path, *, n_bins: int =
     ax_b.set_xticks(np.arange(len(table)), labels, rotation=30, fontsize=7)
     ax_b.set_xlabel("u = |score(final) - score(intermediate)|, quantile bins")
     ax_b.set_ylabel("RMSE")
-    ax_b.set_title("(b) RMSE by uncertainty")
+    ax_b.set_title("(b) RMSE by uncertainty", fontsize=10)
     ax_b.grid(alpha=0.3, axis="y")
+    note = None
     if compare:
-        _plot_comparison(ax_c[0], compare)
+        from rewarduq_exp.metrics.probe_rivals import METRIC, rival_note
+
+        _plot_agreement(ax_cd[0], compare)
+        _plot_error(ax_cd[1], compare)
+        note = rival_note(compare["probe"].get(METRIC, float("nan")),
+                          {n: m.get(METRIC, float("nan")) for n, m in compare.items() if n != "probe"}, partial)
     if title:
         fig.suptitle(title)
-    fig.subplots_adjust(left=0.05 if compare else 0.07, right=0.98, bottom=0.2, top=0.85 if title else 0.9,
-                        wspace=0.25)
+    if note:
+        fig.text(0.5, 0.955 if title else 0.985, textwrap.fill(note, 160), ha="center", va="top", fontsize=8,
+                 color="tab:red")
+    if compare:
+        fig.subplots_adjust(left=0.07, right=0.98, bottom=0.1, top=0.88 if title or note else 0.94, wspace=0.22,
+                            hspace=0.45)
+    else:
+        fig.subplots_adjust(left=0.07, right=0.98, bottom=0.2, top=0.85 if title else 0.9, wspace=0.25)
     save_figure(fig, path)
     return path
 
 
-def _plot_comparison(ax, compare: dict[str, dict[str, float]]) -> None:
-    """Panel (c): one group of bars per metric of :data:`COMPARED`, one bar per model; a missing value says n/a."""
+COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:gray", "tab:brown", "tab:olive")
+
+
+def _bars(ax, xs, values, width: float, color, label=None) -> None:
+    """Bars at ``xs`` with their values written on them (upright on wide bars); a missing value is a zero-height bar
+    that says n/a."""
+    ax.bar(xs, np.nan_to_num(values), width, label=label, color=color, edgecolor="0.25")
+    for x, v in zip(xs, values):
+        ax.annotate("n/a" if np.isnan(v) else f"{v:.2f}", (x, 0 if np.isnan(v) else v), ha="center",
+                    va="top" if v < 0 else "bottom", fontsize=7, rotation=90 if width < 0.25 else 0)
+
+
+def _limits(ax, values) -> None:
+    found = np.asarray(values, dtype=float)
+    found = found[np.isfinite(found)]
+    low, high = (min(found.min(), 0.0), max(found.max(), 0.0)) if len(found) else (0.0, 1.0)
+    span = (high - low) or 1.0
+    ax.set_ylim(low - 0.25 * span * (low < 0), high + 0.25 * span)  # room for the value labels
+    ax.axhline(0, color="0.3", linewidth=0.8)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _plot_agreement(ax, compare: dict[str, dict[str, float]]) -> None:
+    """Panel (c): one group of bars per metric of :data:`AGREEMENT`, one bar per model, then the probe's partial
+    correlation given length; a missing value says n/a."""
     names = list(compare)
     width = 0.8 / len(names)
-    found = np.array([v for m in compare.values() for v in m.values()], dtype=float)
-    found = found[np.isfinite(found)]
-    colors = ["tab:blue", "tab:green", "tab:purple", "tab:gray", "tab:brown", "tab:olive"]
+    shown = []
     for i, name in enumerate(names):
-        xs = np.arange(len(COMPARED)) + (i - (len(names) - 1) / 2) * width
-        values = np.array([compare[name].get(key, float("nan")) for key, _ in COMPARED], dtype=float)
-        ax.bar(xs, np.nan_to_num(values), width, label=name.replace("_", " "), color=colors[i % len(colors)],
-               edgecolor="0.25")
-        for x, v in zip(xs, values):
-            ax.annotate("n/a" if np.isnan(v) else f"{v:.2f}", (x, 0 if np.isnan(v) else v), ha="center",
-                        va="top" if v < 0 else "bottom", fontsize=6, rotation=90)
-    ax.axhline(0, color="0.3", linewidth=0.8)
-    ax.set_xticks(np.arange(len(COMPARED)), [label for _, label in COMPARED])
-    ax.set_title("(c) probe vs baselines, same rows")
-    low, high = (min(found.min(), 0.0), max(found.max(), 0.0)) if len(found) else (0.0, 1.0)
-    ax.set_ylim(low - 0.2 * (high - low) * (low < 0), high + 0.2 * (high - low))  # room for the labels
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(names), fontsize=7, frameon=False)
-    ax.grid(alpha=0.3, axis="y")
+        xs = np.arange(len(AGREEMENT)) + (i - (len(names) - 1) / 2) * width
+        values = np.array([compare[name].get(key, float("nan")) for key, _ in AGREEMENT], dtype=float)
+        _bars(ax, xs, values, width, COLORS[i % len(COLORS)], name.replace("_", " "))
+        shown.extend(values)
+    partial = np.array([compare["probe"].get(PARTIAL[0], float("nan"))])
+    _bars(ax, np.array([float(len(AGREEMENT))]), partial, width, COLORS[0])
+    shown.extend(partial)
+    ax.set_xticks(np.arange(len(AGREEMENT) + 1), [label for _, label in AGREEMENT] + [PARTIAL[1]])
+    ax.set_title("(c) agreement with the ratings, same rows", fontsize=10)
+    _limits(ax, shown)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.07), ncol=len(names), fontsize=7, frameon=False)
+
+
+def _plot_error(ax, compare: dict[str, dict[str, float]]) -> None:
+    """Panel (d): each model's RMSE, on an axis of its own."""
+    names = list(compare)
+    values = np.array([compare[name].get(ERROR[0][0], float("nan")) for name in names], dtype=float)
+    for i, value in enumerate(values):
+        _bars(ax, np.array([float(i)]), np.array([value]), 0.6, COLORS[i % len(COLORS)])
+    ax.set_xticks(np.arange(len(names)), [n.replace("_", " ") for n in names], fontsize=8)
+    ax.set_ylabel(ERROR[0][1])
+    ax.set_title(f"(d) {ERROR[0][1]}, same rows (lower is better)", fontsize=10)
+    _limits(ax, values)

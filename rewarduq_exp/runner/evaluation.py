@@ -181,10 +181,11 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
     (``probe/...``: Krippendorff's alpha, Pearson, Spearman, RMSE, RMSE by uncertainty bins; for a method that
     counts response lengths also ``probe/partial_pearson_given_length`` and ``probe/pearson_with_log_length``), the
     baselines the method offers on the same rows (``probe/baseline/<name>/...``, e.g. ``length_ridge``; see
-    :func:`baseline_metrics` for a baseline that answers one value throughout), the predictions file (one row per
-    response: ``score``, ``prediction``, ``lower``, ``upper``, ``u``, the lengths ``n_chars``, ``n_words``,
-    ``n_tokens`` and each baseline's prediction) and the diagnostic figure (with the probe and the baselines' alpha,
-    Pearson and RMSE side by side)."""
+    :func:`baseline_metrics` for a baseline that answers one value throughout) and whether each matches or beats
+    the probe (:mod:`rewarduq_exp.metrics.probe_rivals`; a log line names those that do), the predictions file
+    (one row per response: ``score``, ``prediction``, ``lower``, ``upper``, ``u``, the lengths ``n_chars``,
+    ``n_words``, ``n_tokens`` and each baseline's prediction) and the diagnostic figure (with the probe and the
+    baselines' alpha, Pearson and RMSE side by side, and the probe's partial correlation given length)."""
     from rewarduq_exp.metrics.probe import (
         LENGTH_COLUMNS,
         comparison,
@@ -193,6 +194,7 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
         probe_metrics,
         spearman,
     )
+    from rewarduq_exp.metrics.probe_rivals import rival_flags, rival_line
 
     y = data["score"].to_numpy(dtype=float)
     scores = method.score(list(data["prompt"]), list(data["response"]))
@@ -216,10 +218,15 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
         metrics.update(baseline_metrics(name, baseline, y, values, score_range))
     if "score_judge" in baselines:  # the flag a reader looks for first: did the judge say anything at all?
         metrics["probe/judge_constant"] = metrics["probe/baseline/score_judge/constant"]
+    if baselines:  # a probe that a cheap baseline matches says little: one line says so (metrics/probe_rivals.py)
+        metrics.update(rival_flags(metrics))
+        line = rival_line(name, metrics)
+        if line:
+            log.warning("%s", line)
     folder.write_predictions(name, predictions)
     figures = []
     if getattr(folder, "writer", True) and metric_cfg.get("diagrams", True):
         figures.append(plot_probe_diagnostics(y, scores.reward, u, folder.figures_dir(name) / "probe.png",
                                               title=name, score_range=score_range,
-                                              compare=comparison(metrics) if baselines else None))
+                                              compare=comparison(metrics)))
     return metrics, figures

@@ -1,6 +1,9 @@
-"""The table printed at the end of a run: one row per evaluated dataset, the paper's headline metrics."""
+"""The table printed at the end of a run: one row per evaluated dataset, the paper's headline metrics; under it, one
+line per rated eval set where a baseline matches or beats the probe (:mod:`rewarduq_exp.metrics.probe_rivals`)."""
 
 from __future__ import annotations
+
+from rewarduq_exp.metrics.probe_rivals import rival_line
 
 # (metric key, column title); truth/* columns appear only when the data has a ground truth (synthetic world).
 COLUMNS = (
@@ -47,7 +50,9 @@ def _fmt(value) -> str:
 
 
 def summary_table(blocks: dict[str, dict]) -> str:
-    """Plain-text table of ``{dataset: metrics}``; ``mean_width`` is the mean reward-interval width (upper - lower)."""
+    """Plain-text table of ``{dataset: metrics}``; ``mean_width`` is the mean reward-interval width (upper - lower).
+    Under it, ``warning: <dataset>: a baseline matches or beats the probe: ...`` for each probe that a baseline of
+    the same run matches (decided from the block's alphas, so an older run's metrics.json says it too)."""
     if not blocks:
         return "(no datasets evaluated)"
     keys = [(k, t) for k, t in COLUMNS if any(k in m for m in blocks.values())]
@@ -59,4 +64,5 @@ def summary_table(blocks: dict[str, dict]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
 
     sep = "-" * len(line(header))
-    return "\n".join([sep, line(header), sep] + [line(r) for r in rows] + [sep])
+    rivalled = [f"warning: {text}" for text in (rival_line(name, m) for name, m in blocks.items()) if text]
+    return "\n".join([sep, line(header), sep] + [line(r) for r in rows] + [sep] + rivalled)
