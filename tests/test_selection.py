@@ -63,12 +63,14 @@ def test_reader_fields_states_and_nesting(tmp_path):
     assert [r.path.name for r in find_runs([ok.path])] == ["ok"]
 
 
-def test_reader_resolves_interpolations_it_can(tmp_path):
-    # `${seed}` is the top-level seed; an interpolation whose target is gone stays as its text.
-    run = make_run(tmp_path, "interp", hp={"num_heads": "${seed}", "beta": "${removed.key}"}, seed=7)
+def test_reader_resolves_references_and_lists_a_broken_one_as_corrupt(tmp_path):
+    # `${seed}` is the top-level seed; a reference whose target is not in the file makes the run corrupt, named.
+    run = make_run(tmp_path / "a", "interp", hp={"num_heads": "${seed}"}, seed=7)
     (record,) = find_runs([run])
-    assert record.seed == 7
-    assert record.hyperparameters["num_heads"] == 7 and record.hyperparameters["beta"] == "${removed.key}"
+    assert record.seed == 7 and record.hyperparameters["num_heads"] == 7
+    broken = make_run(tmp_path / "b", "broken", hp={"beta": "${removed.key}"}, seed=7)
+    (record,) = find_runs([broken])
+    assert record.state == "corrupt" and "method.beta refers to ${removed.key}, which is not a setting" in record.error
 
 
 def test_reader_rejects_empty_and_missing_folders(tmp_path):

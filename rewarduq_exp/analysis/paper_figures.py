@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 from rewarduq_exp.analysis.selection import Configuration, Selection
 from rewarduq_exp.analysis.table1 import method_name, method_order, model_order
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.foreign_config import read_foreign_config
 from rewarduq_exp.metrics.calibration import calibration_curves
 from rewarduq_exp.metrics.diagrams import draw_reliability, save_figure
 from rewarduq_exp.metrics.preference import ranking_score_weight
@@ -228,7 +229,7 @@ def _run_metric_config(run: RunRecord) -> dict:
     path = run.path / ".hydra" / "config.yaml"
     if not path.is_file():
         return {}
-    node = OmegaConf.load(path).get("metric")
+    node = read_foreign_config(path).get("metric")  # a run folder's config: read as data, no resolver called
     return OmegaConf.to_container(node, resolve=False) if node is not None else {}
 
 

@@ -27,13 +27,65 @@ def check_positive(value, key: str, *, integer: bool = False, minimum: float = 0
     return value
 
 
-def check_integer(key: str, value, minimum: int) -> int:
-    """``value`` must be a whole number >= ``minimum``. Hydra hands ``seed=abc`` over as a string and ``seed=1.5`` as
-    a float, which ``int()`` would refuse with a traceback or silently round down; ``seed=true`` is a bool, which
-    Python counts as the integer 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        shown = str(value).lower() if isinstance(value, bool) else value
-        raise UserError(f"{key}={shown} is invalid: must be an integer >= {minimum}")
+def check_integer(key: str, value, minimum: int, maximum: int | None = None) -> int:
+    """``value`` must be a whole number >= ``minimum`` (and <= ``maximum``). Hydra hands ``seed=abc`` over as a
+    string and ``seed=1.5`` as a float, which ``int()`` would refuse with a traceback or silently round down;
+    ``seed=true`` is a bool, which Python counts as the integer 1."""
+    if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+            or (maximum is not None and value > maximum)):
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise UserError(f"{key}={_shown(value)} is invalid: must be an integer {allowed}")
+    return value
+
+
+def _shown(value) -> str:
+    """A value as it is written on the command line (``true``, not Python's ``True``)."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
+
+
+# Seeds in [0, 2**32 - 1]: what every generator a run seeds accepts (numpy's legacy ``np.random.seed`` and
+# ``datasets``' shuffles stop at 2**32 - 1, torch's at 2**64 - 1); a larger seed is a traceback in torch or, where
+# it was reduced modulo 2**32, the same run as a smaller seed.
+SEED_MAX = 2**32 - 1
+
+
+def is_seed(key: str) -> bool:
+    """Whether setting ``key`` (dotted) is a seed: ``seed``, ``method.seed``, ``dataset.sample_seed``, ..."""
+    name = key.rsplit(".", 1)[-1]
+    return name == "seed" or name.endswith("_seed")
+
+
+def check_seed(key: str, value) -> int:
+    return check_integer(key, value, minimum=0, maximum=SEED_MAX)
+
+
+def check_like_default(key: str, value, default, shown: str | None = None):
+    """A value given for setting ``key`` must be of the kind of its default: true or false for a boolean, a number
+    for a number (null too: several numbers mean "off" or "all" when null), settings one by one for a group of
+    settings; seeds as :func:`check_seed`. Text and null defaults take anything (their own checks judge it).
+
+    Our configs are plain YAML, so OmegaConf types nothing: ``progress=maybe`` would arrive as the text "maybe"
+    (and count as true), ``dataset.n_train=abc`` as the text "abc", which fails deep inside a constructor.
+    ``shown``: the value as the user wrote it (default: as it is written on the command line)."""
+    from omegaconf import DictConfig
+
+    shown = _shown(value) if shown is None else shown
+    if isinstance(value, str) and "${" in value:
+        return value  # an interpolation: judged once resolved, by the setting's own check
+    if is_seed(key) and value is not None:
+        return check_seed(key, value)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise UserError(f"{key}={shown} is invalid: must be true or false")
+    elif isinstance(default, (int, float)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UserError(f"{key}={shown} is invalid: must be a number (its default is {default})")
+    elif isinstance(default, (DictConfig, dict)) and not isinstance(value, (DictConfig, dict)) and value is not None:
+        first = next(iter(default.keys()), "<key>")
+        raise UserError(f"{key}={shown} is invalid: {key} is a group of settings ({', '.join(map(str, default))}), "
+                        f"not one value; set them one by one, e.g. {key}.{first}=<value>")
     return value
 
 
@@ -44,6 +96,19 @@ def check_max_grad_norm(value, key: str = "method.max_grad_norm") -> float | Non
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UserError(f"{key}={value!r} is invalid: must be a number > 0, or null for no clipping")
     return float(check_positive(value, key))
+
+
+def check_adam_betas(betas, key: str = "method.adam_betas") -> tuple[float, float]:
+    """Adam's two decay rates, each in [0, 1): a list of any other length is refused in one line before anything is
+    built (a method.json may hold millions of numbers there)."""
+    listed = isinstance(betas, Sequence) and not isinstance(betas, str)
+    ok = listed and len(betas) == 2
+    if ok:
+        ok = all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
+    if not ok:
+        shown = f"a list of {len(betas)} values" if listed and len(betas) != 2 else repr(betas)
+        raise UserError(f"{key}={shown} is invalid: must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    return float(betas[0]), float(betas[1])
 
 
 def check_choice(name: str, value, allowed: Sequence[str]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from pathlib import Path
 
@@ -22,27 +23,84 @@ from rewarduq_exp.core.errors import UserError
 # A safetensors file starts with the header's length (8 bytes, little-endian), then the JSON header. Headers beyond
 # this are not safetensors files (the format itself caps them at 100 MB).
 _MAX_HEADER = 100 * 2**20
+# Bounds of the JSON files of a run folder (method.json, metrics.json, status.json, adapter configs). The largest the
+# project writes are a few KB (a metrics.json with RewardBench's categories: 6 KB, nested 3 deep; a status.json with
+# a traceback: 3 KB); a run evaluated on a hundred datasets stays under 1 MB. Beyond these bounds a file was not
+# written by this project, and reading it on would cost minutes and gigabytes (10^8 numbers in adam_betas); at them,
+# reading costs a fraction of a second.
+MAX_JSON_BYTES = 4 * 2**20
+MAX_JSON_DEPTH = 64
+MAX_JSON_VALUES = 500_000
+
+
+def read_bounded(path: str | os.PathLike, limit: int, label: str) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them; a one-line :class:`UserError` naming
+    ``label`` when it is missing, unreadable, not a regular file (a fifo would block, a device never end) or larger.
+    """
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise UserError(f"{label} is missing") from None
+    except OSError as err:
+        raise UserError(f"{label} cannot be read ({err.strerror or type(err).__name__})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UserError(f"{label} is not a regular file")
+        if info.st_size > limit:
+            raise UserError(f"{label} is refused: {info.st_size} bytes, more than the {limit} such a file may have")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(limit + 1)  # the size may have grown since fstat
+    except OSError as err:
+        raise UserError(f"{label} cannot be read ({err.strerror or type(err).__name__})") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise UserError(f"{label} is refused: more than the {limit} bytes such a file may have")
+    return data
+
+
+def json_shape_problem(data, max_depth: int = MAX_JSON_DEPTH, max_values: int = MAX_JSON_VALUES) -> str | None:
+    """Why parsed JSON ``data`` is too deep or too large for the readers downstream (recursive walks, per-value
+    checks), or None. Walks without recursion."""
+    if not isinstance(data, (dict, list)):
+        return None
+    stack, count = [(data, 1)], 1
+    while stack:
+        value, depth = stack.pop()
+        if depth > max_depth:
+            return f"is nested more than {max_depth} levels deep"
+        count += len(value)  # counted before they are visited: a huge list is refused without a walk over it
+        if count > max_values:
+            return f"holds more than {max_values} values"
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return None
 
 
 def read_json_object(path: str | os.PathLike, what: str = "") -> dict:
     """The JSON object in ``path``; a one-line :class:`UserError` naming the file when it is missing, unreadable,
-    not valid UTF-8 / JSON, or not an object. ``what`` says what the file is for (shown in the message)."""
+    not valid UTF-8 / JSON, not an object, or beyond the bounds of a run folder's JSON files (:data:`MAX_JSON_BYTES`,
+    :data:`MAX_JSON_DEPTH`, :data:`MAX_JSON_VALUES`). ``what`` says what the file is for (shown in the message)."""
     path = Path(path)
     label = f"{path}{f' ({what})' if what else ''}"
+    raw = read_bounded(path, MAX_JSON_BYTES, label)
     try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{label} is missing") from None
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise UserError(f"{label} is corrupt: not UTF-8 text (byte {err.start})") from None
-    except OSError as err:
-        raise UserError(f"{label} cannot be read ({err.strerror or type(err).__name__})") from None
     try:
         data = json.loads(text)
+    except RecursionError:  # json's C parser stops at the interpreter's recursion limit
+        raise UserError(f"{label} is refused: nested more than {MAX_JSON_DEPTH} levels deep") from None
     except ValueError as err:
         raise UserError(f"{label} is corrupt: not valid JSON ({err})") from None
     if not isinstance(data, dict):
         raise UserError(f"{label} is corrupt: a JSON {type(data).__name__}, not an object")
+    problem = json_shape_problem(data)
+    if problem:
+        raise UserError(f"{label} is refused: it {problem}")
     return data
 
 

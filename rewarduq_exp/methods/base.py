@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
-from rewarduq_exp.core.checks import check_choice, check_max_grad_norm, check_positive
+from rewarduq_exp.core.checks import check_adam_betas, check_choice, check_max_grad_norm, check_positive
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.progress import progress
 from rewarduq_exp.core.saved_files import load_safetensors, read_json_object
@@ -84,6 +84,7 @@ class TrainingSchedule:
             raise UserError(f"{prefix}.warmup_ratio={self.warmup_ratio} is invalid: must be in [0, 1)")
         check_positive(self.weight_decay, f"{prefix}.weight_decay", inclusive=True)
         check_max_grad_norm(self.max_grad_norm, f"{prefix}.max_grad_norm")
+        check_adam_betas(self.adam_betas, f"{prefix}.adam_betas")
 
 
 def cosine_schedule_with_warmup(optimizer, warmup_steps: int, total_steps: int):

@@ -36,6 +36,10 @@ _NAME_OF_CLASS = {path: name for name, path in METHOD_CLASSES.items()}
 # None, lists of those such as adam_betas or target_modules). A mapping is refused: no method saves one, and a
 # mapping is how a config asks Hydra to build an object (``{"_target_": ...}``).
 PLAIN_SCALARS = (type(None), bool, int, float, str)
+# The longest list a setting may hold. The methods' lists are short (adam_betas: 2, score_range: 2, a label-ranking
+# net's hidden layer widths: a handful); a file with more was not written by this project, and its values would each
+# be checked and copied on (10^8 betas cost a minute and gigabytes).
+MAX_LIST_SETTING = 64
 
 
 def method_names() -> list[str]:
@@ -100,6 +104,9 @@ def check_settings(name: str, values, where: str, prefix: str, *, runtime: bool 
         if key not in accepted and key not in recorded:
             raise UserError(f"{where}: {prefix}{field_name(key)} is not a setting of {name}; allowed: "
                             f"{', '.join(sorted(accepted | recorded))}")
+        if isinstance(value, list) and len(value) > MAX_LIST_SETTING:
+            raise UserError(f"{where}: {prefix}{field_name(key)} is a list of {len(value)} values; a setting holds "
+                            f"at most {MAX_LIST_SETTING}")
         if not is_plain(value):
             raise UserError(f"{where}: {prefix}{field_name(key)} is a {type(value).__name__}, not a plain value "
                             "(a number, true/false, a string, null or a list of those)")

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 
 from rewarduq_exp.core.checks import check_integer
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.foreign_config import MACHINE_PATHS
 from rewarduq_exp.core.inside_folder import check_writes_inside
 from rewarduq_exp.core.saved_files import read_json_object
 from rewarduq_exp.data.contract import data_kind
@@ -80,10 +81,10 @@ def rescore_predictions(cfg) -> dict:
 
 def evaluate_run_folder(cfg) -> dict:
     check_cache_dir(cfg.paths.cache_dir)  # before the run's config, data or model is read
-    folder, run_cfg = read_run_config(cfg.run)  # checked before any data or model is touched
+    # this machine's local copies of the data win over the folders the run was trained with
+    own_paths = {key: cfg.paths.get(key) for key in MACHINE_PATHS}
+    folder, run_cfg = read_run_config(cfg.run, own_paths)  # checked before any data or model is touched
     quiet_datasets_unless(bool(cfg.progress))
-    if cfg.paths.get("datasets_dir"):  # this machine's local copies win over the ones the run was trained with
-        run_cfg.paths.datasets_dir = cfg.paths.datasets_dir
     names = cfg.eval_datasets if cfg.eval_datasets is not None else run_cfg.eval_datasets
     also = run_cfg.get("also_evaluate") or () if cfg.eval_datasets is None else ()
     seed = check_integer(f"{folder.root}/.hydra/config.yaml: seed", run_cfg.seed, minimum=0)

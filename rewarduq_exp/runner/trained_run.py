@@ -7,7 +7,9 @@ A run folder is a file someone may have handed you (copied from another cluster,
 executes code it names: its config may build only this package's methods and dataset loaders
 (:func:`read_run_config`), ``model/method.json`` names a method of the registry with checked hyperparameters
 (``load_method``), and a backbone whose config asks for ``trust_remote_code`` loads only when the caller allows it
-(:func:`run_model_config`); each refusal is one line naming the file and the field.
+(:func:`run_model_config`); each refusal is one line naming the file and the field. Its config is read as data
+(:func:`load_run_config_file`): no resolver runs and nothing of the environment is read, so reading a run writes
+nothing outside it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError, first_line, one_line
+from rewarduq_exp.core.foreign_config import read_foreign_config
 from rewarduq_exp.data.registry import check_untrusted_dataset
 from rewarduq_exp.methods.base import load_method, read_saved_method
 from rewarduq_exp.methods.registry import allowed_classes, method_name_of_target
@@ -35,9 +38,10 @@ class TrainedRun:
     backbone: Backbone
 
 
-def read_run_config(run_dir) -> tuple[RunFolder, DictConfig]:
-    """The folder and config of a completed run, its config checked (:func:`check_untrusted_run_config`); a
-    one-line error for anything else."""
+def read_run_config(run_dir, paths: dict | None = None) -> tuple[RunFolder, DictConfig]:
+    """The folder and config of a completed run, its config read as data (:func:`load_run_config_file`; ``paths``:
+    this machine's ``paths.<key>`` folders, which win over the run's) and checked
+    (:func:`check_untrusted_run_config`); a one-line error for anything else."""
     folder = RunFolder(run_dir)
     config_path = folder.root / ".hydra" / "config.yaml"
     if not config_path.exists():
@@ -45,21 +49,16 @@ def read_run_config(run_dir) -> tuple[RunFolder, DictConfig]:
     state = folder.status().get("state", "missing")
     if state != "completed":
         raise UserError(f"run={folder.root} did not complete (status: {state}); train it first")
-    config = load_run_config_file(config_path)
+    config = load_run_config_file(config_path, paths)
     check_untrusted_run_config(config, config_path)
     return folder, config
 
 
-def load_run_config_file(config_path: Path) -> DictConfig:
-    """A run's ``.hydra/config.yaml``; one line naming it when it is not a YAML mapping."""
-    try:
-        config = OmegaConf.load(config_path)
-    except Exception as err:  # noqa: BLE001 (YAML and OmegaConf errors: the file is damaged either way)
-        raise UserError(one_line(f"{config_path} is corrupt ({type(err).__name__}: "
-                                 f"{first_line(err)})")) from None
-    if not isinstance(config, DictConfig):
-        raise UserError(f"{config_path} is corrupt: not a mapping of settings")
-    return config
+def load_run_config_file(config_path: Path, paths: dict | None = None) -> DictConfig:
+    """A run's ``.hydra/config.yaml`` read as data (:func:`rewarduq_exp.core.foreign_config.read_foreign_config`):
+    bounded, references to its own settings resolved, no resolver called, nothing of the environment read; one line
+    naming the file and the key otherwise."""
+    return read_foreign_config(config_path, paths=paths)
 
 
 def check_untrusted_run_config(config: DictConfig, config_path: Path) -> None:

@@ -17,11 +17,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from rewarduq_exp.core.errors import UserError, first_line
+from rewarduq_exp.core.foreign_config import read_foreign_config, read_yaml_data
 from rewarduq_exp.core.saved_files import read_json_object
 from rewarduq_exp.core.strict_json import nulls_to_nan
 from rewarduq_exp.runs.completed_runs import damage
@@ -94,9 +93,9 @@ def read_run(folder: str | os.PathLike) -> RunRecord | None:
     None when the folder's config has no ``method`` (not a training run, e.g. an ``evaluate.py`` output).
     """
     folder = Path(folder)
-    try:
-        cfg = OmegaConf.load(folder / ".hydra" / "config.yaml")
-    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as err:
+    try:  # read as data: bounded, no resolver called (a hostile config is one corrupt run, not a write elsewhere)
+        cfg = read_foreign_config(folder / ".hydra" / "config.yaml")
+    except UserError as err:
         return RunRecord(path=folder, state="corrupt", error=f".hydra/config.yaml unreadable: {first_line(err)}",
                          method="unknown", model="unknown", dataset="unknown", seed=None)
     if not isinstance(cfg, DictConfig) or not isinstance(cfg.get("method"), DictConfig):
@@ -139,28 +138,14 @@ def read_run(folder: str | os.PathLike) -> RunRecord | None:
 
 
 def hyperparameters(cfg: DictConfig) -> dict:
-    """The method node's scalar settings, minus where/how it runs (``NOT_HYPERPARAMETERS``), in config order.
-
-    Read without resolving the whole node, because a run folder's config can hold interpolations (``${seed}``,
-    ``${progress}``) whose targets a later version of the config may lack. An interpolation is resolved against
-    this config where it can be, otherwise kept as its text.
-    """
+    """The method node's scalar settings, minus where/how it runs (``NOT_HYPERPARAMETERS``), in config order; the
+    config as :func:`read_run` reads it (references such as ``${seed}`` already resolved, no resolver called)."""
     method = cfg.get("method")
     if not isinstance(method, DictConfig):
         return {}
     raw = OmegaConf.to_container(method, resolve=False)
-    out = {}
-    for key, value in raw.items():
-        if key in NOT_HYPERPARAMETERS:
-            continue
-        if isinstance(value, str) and "${" in value:
-            try:
-                value = method[key]
-            except OmegaConfBaseException:
-                value = raw[key]  # unresolvable: keep the interpolation text, it still identifies the config
-        if value is None or isinstance(value, (bool, int, float, str)):
-            out[key] = value
-    return out
+    return {key: value for key, value in raw.items()
+            if key not in NOT_HYPERPARAMETERS and (value is None or isinstance(value, (bool, int, float, str)))}
 
 
 def _seed(cfg: DictConfig) -> int | None:
@@ -177,8 +162,8 @@ def _load_yaml(path: Path):
     """A YAML file of the run's ``.hydra/`` as plain containers; None when it is missing or unreadable (a damaged
     copy of a secondary file must not hide the run)."""
     try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else None
-    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException):
+        return read_yaml_data(path) if path.is_file() else None
+    except UserError:
         return None
 
 
