@@ -4,7 +4,9 @@ download, a file cut short by a full disk or a killed copy.
 Every reader here turns a missing, truncated or corrupt file into one :class:`UserError` line that names the file and
 what is wrong with it, instead of a library's traceback (a ``SafetensorError`` that does not say which file, a
 ``JSONDecodeError`` with a line number into a file nobody named). Nothing here executes code from a file: JSON and
-safetensors only.
+safetensors only. JSON files are bounded in size, depth and number of values (:func:`read_json_object`): a file
+beyond what this project writes is refused in one line before it costs minutes or gigabytes, and a deeply nested
+one never surfaces as a RecursionError.
 
 :func:`safetensors_problem` checks a safetensors file without reading its tensors (its header and the file size the
 header implies), cheap enough to run over every run of a sweep before it is counted.
