@@ -188,3 +188,13 @@ def test_the_readers_own_folders_win(tmp_path):
     assert config.method.seed == 3 and config.method.tag == "x3" and config.paths.cache_dir == "o/cache"
     assert config.dataset.mirror_dir is None
     assert read_foreign_config(path, paths={"datasets_dir": "/data/hf"}).dataset.mirror_dir == "/data/hf"
+
+
+def test_a_deep_status_json_is_one_reason_not_a_traceback(copy):
+    from rewarduq_exp.runs.run_identity import read_status
+    from rewarduq_exp.runs.run_records import find_runs
+
+    (copy / "status.json").write_text('{"state": ' + "[" * 10**6 + "]" * 10**6 + "}")
+    assert read_status(copy) == {}
+    (record,) = find_runs([copy])
+    assert record.state == "missing" and "is refused: nested more than 64 levels deep" in record.error

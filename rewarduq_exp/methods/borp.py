@@ -681,7 +681,8 @@ def load_arrays(path: str | Path, kind: str) -> tuple[dict, dict[str, np.ndarray
         with np.load(path, allow_pickle=False) as npz:
             arrays = {k: npz[k] for k in npz.files}
         meta = json.loads(str(arrays.pop("meta"))) if "meta" in arrays else {}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:  # cut short, not a zip, bad meta JSON
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile,
+            RecursionError) as err:  # cut short, not a zip, bad or deeply nested meta JSON
         raise UserError(f"{path}: not a saved {what} ({(str(err).splitlines() or [type(err).__name__])[0]}); "
                         "the file is damaged or of another kind") from None
     if not isinstance(meta, dict):

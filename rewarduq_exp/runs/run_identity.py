@@ -16,13 +16,14 @@ Free of torch: the launchers and the selection scripts import it.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.hashing import stable_hash
+from rewarduq_exp.core.saved_files import read_json_object
 
 # Top-level config keys that do not change a run's numbers: left out of its identity.
 NON_IDENTITY_KEYS = ("force", "progress", "progress_log_minutes", "plan", "logger", "paths", "sweep_name", "checkpoint")
@@ -60,12 +61,12 @@ def override_dirname_excluded(paths_keys=("output_root", "cache_dir", "datasets_
 
 
 def read_status(folder: str | os.PathLike) -> dict:
-    """``status.json`` of a run folder as a dict; ``{}`` when it is missing or unreadable."""
+    """``status.json`` of a run folder as a dict; ``{}`` when it is missing, unreadable or beyond the bounds of a
+    run folder's JSON files (a huge or deeply nested one costs nothing and raises nothing)."""
     try:
-        status = json.loads((Path(folder) / STATUS_FILE).read_text())
-    except (OSError, ValueError):
+        return read_json_object(Path(folder) / STATUS_FILE)
+    except UserError:
         return {}
-    return status if isinstance(status, dict) else {}
 
 
 def is_completed(folder: str | os.PathLike, chash: str | None = None, status: dict | None = None) -> bool:
