@@ -103,11 +103,15 @@ def figures(monkeypatch):
 
 
 def _evaluate(tmp_path, probe_noise, ridge_noise, caplog):
+    """The block as the run's metrics.json holds it, and the log lines that name a rival baseline."""
     data = rated_by_length()
+    folder = RunFolder(tmp_path / "run")
     with caplog.at_level(logging.WARNING, logger="rewarduq_exp.runner.evaluation"):
-        metrics, _ = evaluate_pointwise(LengthWorld(data, probe_noise, ridge_noise), data, "by_length",
-                                        RunFolder(tmp_path / "run"), OmegaConf.create({"diagrams": True}))
-    return metrics, [r.getMessage() for r in caplog.records if "matches or beats" in r.getMessage()]
+        metrics, _ = evaluate_pointwise(LengthWorld(data, probe_noise, ridge_noise), data, "by_length", folder,
+                                        OmegaConf.create({"diagrams": True}))
+    folder.write_metrics({"by_length": metrics})
+    return folder.read_metrics()["by_length"], [r.getMessage() for r in caplog.records
+                                                if "matches or beats" in r.getMessage()]
 
 
 def test_a_run_whose_length_ridge_wins_logs_it_records_it_and_draws_it(tmp_path, caplog, figures):
