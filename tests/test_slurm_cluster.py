@@ -7,6 +7,7 @@ accounting, and without it, where squeue stands in for sacct), and settings the 
 line before anything is submitted. The tests without the slurm marker need no cluster and run in ``make test``.
 """
 
+import json
 import logging
 import os
 import stat
@@ -114,12 +115,19 @@ def no_accounting(tmp_path) -> dict:
 @pytest.mark.slurm
 @pytest.mark.parametrize("accounting", ["as set up", "off"])
 def test_sweep_runs_on_the_cluster(slurm_cluster, tmp_path, shared_cache, accounting):
-    proc = sweep(tmp_path, shared_cache, env=None if accounting == "as set up" else no_accounting(tmp_path))
+    # (the job inherits the tests' OMP_NUM_THREADS=1, a user's choice it would keep: unset, Slurm alone decides)
+    proc = sweep(tmp_path, shared_cache, "hydra.launcher.setup=[unset OMP_NUM_THREADS MKL_NUM_THREADS]",
+                 env=None if accounting == "as set up" else no_accounting(tmp_path))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     assert "sweep: 2 jobs: 2 completed, 0 skipped" in log, log[-3000:]
     assert "Bypassing sacct error" not in log and "WARNING" not in log, log[-3000:]
     assert len(list(tmp_path.glob("outputs/multirun/*/.submitit/*_*/*_log.out"))) == 2  # two tasks of one array
+    # cpus_per_task=1: torch computes on one thread in the job (its own count, read there), whatever the node has
+    for folder in tmp_path.glob("outputs/multirun/*/*/status.json"):
+        status = json.loads(folder.read_text())
+        assert status["threads"] == 1 and status["threads_reason"] == "SLURM_CPUS_PER_TASK=1", status
+        assert "threads: 1 (SLURM_CPUS_PER_TASK=1)" in (folder.parent / "train.log").read_text()
     if accounting == "off" or not slurm_cluster.accounting:
         assert log.count("keeps no job accounting") == 1  # said once, not at every poll
 

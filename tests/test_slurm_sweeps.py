@@ -45,6 +45,18 @@ def numbers(folder: Path) -> dict:
     return {name: {k: v for k, v in block.items() if "second" not in k} for name, block in metrics.items()}
 
 
+def assert_time_covers_every_attempt(folder: Path) -> None:
+    """A run that was stopped and resumed reports the time of all its attempts: status.json's seconds (and the list of
+    attempts), method.json's training time."""
+    status = json.loads((folder / "status.json").read_text())
+    attempts = status["attempts"]
+    assert len(attempts) >= 2 and attempts[-1]["state"] == "completed", attempts
+    assert {a["state"] for a in attempts[:-1]} <= {"interrupted", "lost"}, attempts
+    assert status["seconds"] == round(sum(a["seconds"] for a in attempts), 2) > attempts[-1]["seconds"], status
+    fit = json.loads((folder / "model" / "method.json").read_text())["fit_summary"]
+    assert 0 < fit["seconds_training_earlier_attempts"] < fit["seconds_training"], fit
+
+
 def sweep_folders(cwd: Path) -> dict[str, Path]:
     return {p.parent.name: p.parent for p in cwd.glob("outputs/multirun/*/*/status.json")}
 
@@ -219,6 +231,7 @@ def test_scontrol_requeue_midway_ends_with_the_metrics_of_a_run_never_requeued(s
     log = (requeued / "train.log").read_text()
     assert "interrupted by SIGTERM" in log and "resumed at step" in log, log[-2000:]
     assert numbers(requeued) == numbers(plain)
+    assert_time_covers_every_attempt(requeued)
     assert slurm("scontrol", "show", "job", done["job"].split("_")[0], check=False).returncode in (0, 1)
 
 
@@ -250,6 +263,7 @@ def test_a_run_longer_than_its_time_limit_is_requeued_and_finishes(slurm_cluster
     assert plain_proc.returncode == 0, (plain_proc.stdout + plain_proc.stderr)[-3000:]
     (plain,) = sweep_folders(tmp_path / "plain").values()
     assert numbers(folder) == numbers(plain)
+    assert_time_covers_every_attempt(folder)
 
     # No requeue allowed: the run stops at the first signal and is reported as unfinished, with its state saved.
     log = stopped.stdout + stopped.stderr

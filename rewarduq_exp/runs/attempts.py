@@ -7,7 +7,8 @@ time limit or a preemption, a relaunch by hand that resumed from the training ch
 says ``running``) is counted from its start to its last heartbeat, as ``lost``.
 
 A new attempt carries the earlier ones over only when it continues the same run: the same config hash, the run not
-completed, and not ``force=true`` (which starts the run over).
+completed, and not ``force=true`` (which starts the run over). (``seconds_total``, which ``train.py`` adds, stays the
+last attempt's time from validation to the end: the work itself, without claiming the folder.)
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.inside_folder import check_writes_inside
 from rewarduq_exp.core.saved_files import read_json_object
 from rewarduq_exp.core.strict_json import nulls_to_nan, write_json  # noqa: F401 (write_json: the runners' writer)
-from rewarduq_exp.runs import attempts
+from rewarduq_exp.runs.attempts import attempt, earlier_attempts, recorded, total_seconds
 from rewarduq_exp.runs.run_identity import (  # noqa: F401 (config_hash: API)
     COMPLETED,
     VALIDATION,
@@ -169,7 +169,7 @@ class RunFolder:
             with self._claim_mutex():
                 previous = self.status()
                 self._refuse_unless_free(previous, chash, force)
-                self._earlier = attempts.earlier_attempts(previous, chash, force)
+                self._earlier = earlier_attempts(previous, chash, force)
                 every = heartbeat_interval()
                 self._status = {"state": RUNNING, "config_hash": chash, "started_at": self._started_at,
                                 **this_owner(), "heartbeat_at": now_iso(), "heartbeat_every_s": every,
@@ -283,9 +283,9 @@ class RunFolder:
         if not hasattr(self, "_started"):
             return
         # A non-main process has no earlier attempts of its own: it continues the list rank 0's status holds.
-        earlier = self._earlier if self.writer else attempts.recorded(st)
-        done = [*earlier, attempts.attempt(self._started_at, ended_at, time.time() - self._started, st["state"])]
-        st.update(attempts=done, seconds=attempts.total_seconds(done))
+        earlier = self._earlier if self.writer else recorded(st)
+        done = [*earlier, attempt(self._started_at, ended_at, time.time() - self._started, st["state"])]
+        st.update(attempts=done, seconds=total_seconds(done))
 
     # ------------------------------------------------------------------ results
     def read_metrics(self) -> dict:
