@@ -80,6 +80,7 @@ LONGEST_FIRST = ["test_borp_run.py",         # ~60
                  "test_cli_resume.py",       # ~15
                  "test_cli_datasets.py",     # ~23
                  "test_sweep_multitask.py",  # ~20
+                 "test_foreign_configs.py",  # ~20
                  "test_sweep.py",            # ~18
                  "test_mcd_dpo.py",          # ~18
                  "test_api_real_use.py",     # ~18

@@ -141,6 +141,11 @@ def test_a_run_folder_as_train_writes_it_still_evaluates(trained, copy, shared_c
     model = r.load_run(copy, progress=False, device="cpu")
     assert model.config.method.seed == model.config.seed == 0
     assert model.config.method.show_progress is model.config.progress is False
+    # Hydra's own files of the folder hold no YAML alias either (OmegaConf.to_yaml never writes one)
+    from rewarduq_exp.core.foreign_config import read_yaml_data
+
+    assert read_yaml_data(copy / ".hydra" / "hydra.yaml")["hydra"]["runtime"]["choices"]["method"] == "ens_mlp"
+    assert isinstance(read_yaml_data(copy / ".hydra" / "overrides.yaml"), list)
 
 
 def test_the_selection_counts_a_hostile_config_as_corrupt(copy, tmp_path):
