@@ -64,7 +64,7 @@ def test_invalid_utf8_names_the_file_column_and_row(tmp_path, shared_cache, file
                                                     f"dataset.eval_path={files / 'good.jsonl'}"])
     line = assert_one_error_line(proc, tmp_path)
     assert line.startswith(f"error: dataset.path={files / name}: column 'chosen' holds text that is not valid "
-                           "UTF-8 (row 2); data files must be UTF-8"), line
+                           "UTF-8 (line 2); data files must be UTF-8"), line
 
 
 def test_invalid_utf8_inside_message_lists_is_found_in_its_row(tmp_path):
@@ -73,7 +73,7 @@ def test_invalid_utf8_inside_message_lists_is_found_in_its_row(tmp_path):
              "rejected": [{"role": "assistant", "content": "no"}]} for i in range(5)]
     path = tmp_path / "chat.jsonl"
     path.write_bytes(jsonl(rows).replace(b"ok 3", b"ok \xc3\x28 3"))
-    with pytest.raises(UserError, match=r"^dataset\.path=.*chat\.jsonl: column 'chosen' .* not valid UTF-8 \(row 4\)"):
+    with pytest.raises(UserError, match=r"^dataset\.path=.*chat\.jsonl: column 'chosen' .* not valid UTF-8 \(line 4\)"):
         LocalPreferenceFile(str(path)).load("train")
 
 
@@ -83,15 +83,16 @@ def test_invalid_utf8_in_a_hub_datasets_local_file(tmp_path, files):
     cfg = load_dataset_config("reward_bench", 0)
     cfg.data_files = str(files / "bad.jsonl")
     loader = build_loader(cfg)
-    with pytest.raises(UserError, match=r"data file .*bad\.jsonl: column 'chosen' .* not valid UTF-8 \(row 2\)"):
+    with pytest.raises(UserError, match=r"data file .*bad\.jsonl: column 'chosen' .* not valid UTF-8 \(line 2\)"):
         loader.load(loader.eval_splits[0])
 
 
 # ------------------------------------------------------------------------------------------------ settings
-@pytest.mark.parametrize("value", ["abc", "1.5", "true", "-1"])
+@pytest.mark.parametrize("value", ["abc", "1.5", "true", "-1", "4294967296"])
 def test_seed_must_be_a_whole_number(tmp_path, shared_cache, value):
     proc = run("train.py", tmp_path, shared_cache, [f"seed={value}"])
-    assert assert_one_error_line(proc, tmp_path) == f"error: seed={value} is invalid: must be an integer >= 0"
+    assert assert_one_error_line(proc, tmp_path) == (f"error: seed={value} is invalid: must be an integer in "
+                                                     "[0, 4294967295]")
 
 
 def test_cache_dir_that_cannot_be_created(tmp_path, shared_cache, files):

@@ -311,12 +311,12 @@ def test_bad_values_in_file(tmp_path):
 
 
 def test_malformed_file_message_says_what_is_wrong(tmp_path):
-    """The one-line error for a broken file should carry the parser's explanation."""
+    """The one-line error for a broken file should carry the parser's explanation, and the line (from 1)."""
     path = tmp_path / "broken.jsonl"
     path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{not json\n')
     with pytest.raises(UserError) as err:
         LocalPreferenceFile(str(path)).load("train")
-    assert "parse" in str(err.value).lower()
+    assert "not valid JSON at line 2: Expecting property name" in str(err.value)
 
 
 def write_empty(path):

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.errors import UserError, first_line
 from rewarduq_exp.core.hub_access import hub_reachable, offline_hint
 from rewarduq_exp.data.contract import validate_preferences
+from rewarduq_exp.data.text_lines import invalid_utf8_line, json_error, line_of_row, open_text
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,6 @@ def no_rows(path: str) -> str | None:
     ``Instruction "train" corresponds to no data!``, ``BatchSize must be greater than 0``). Cheap for any file
     size: a Parquet footer, or the first two non-blank lines of a text file.
     """
-    import bz2
-    import gzip
-    import lzma
-
     path = Path(path)
     suffix, compression = _split_suffixes(str(path))
     builder = FILE_BUILDERS.get(suffix)
@@ -80,11 +77,11 @@ def no_rows(path: str) -> str | None:
             import pyarrow.parquet as pq
 
             return "has no rows" if pq.ParquetFile(path).metadata.num_rows == 0 else None
-        opener = {None: open, ".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(compression)
-        if builder not in ("json", "csv") or opener is None:
+        f = open_text(path, compression, errors="replace") if builder in ("json", "csv") else None
+        if f is None:
             return None
         lines, empty_array = 0, False
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        with f:
             for line in iter(lambda: f.readline(1 << 16), ""):  # bounded: one JSON array may fill one line
                 if builder == "json" and line.strip() == "[]":
                     empty_array = True
@@ -97,6 +94,22 @@ def no_rows(path: str) -> str | None:
     if empty_array:
         return "has no rows (an empty JSON array)"
     return "has no rows (the file is empty)" if lines == 0 else "has no rows (only a header line)"
+
+
+def reader_error(err: BaseException, path: str | Path | None = None) -> str:
+    """``<type>: <message>`` of the parser's own error under the ``datasets`` library's wrappers. For a JSON file
+    ``path``, where the JSON breaks as a line number (the parser's "in row N" counts from 0 within the block it
+    was parsing, not in the file)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    if path is not None and isinstance(err, UnicodeDecodeError) and (line := invalid_utf8_line(path)) is not None:
+        return f"not valid UTF-8 at line {line}; data files must be UTF-8 (convert it, e.g. iconv -f <its " \
+               "encoding> -t utf-8)"
+    if path is not None and FILE_BUILDERS.get(_split_suffixes(str(path))[0]) == "json":
+        found = json_error(path)
+        if found is not None:
+            return f"not valid JSON at line {found[0]}: {found[1]}"
+    return f"{type(err).__name__}: {first_line(err, None)}"
 
 
 @contextmanager
@@ -112,9 +125,10 @@ def reader_errors_unlogged():
         logger.setLevel(level)
 
 
-def check_utf8(dataset, what: str) -> None:
-    """A one-line :class:`UserError` naming ``what`` (the file), the column and the row when a text of ``dataset`` (a
-    ``datasets.Dataset``) is not valid UTF-8.
+def check_utf8(dataset, what: str, path: str | Path | None = None) -> None:
+    """A one-line :class:`UserError` naming ``what`` (the file), the column and where the text is when a text of
+    ``dataset`` (a ``datasets.Dataset``) is not valid UTF-8: the line of the file ``path`` where it has lines (JSON
+    lines, CSV), else the row, both counted from 1.
 
     Checked right after reading: the JSON and CSV readers store such bytes as they are, and the first conversion to
     Python strings failed deep inside pandas or ``to_dict`` with an ``ArrowException`` naming neither file nor row.
@@ -130,7 +144,10 @@ def check_utf8(dataset, what: str) -> None:
                 chunk.validate(full=True)
             except pa.ArrowInvalid:
                 row = _first_invalid_row(chunk)
-                at = f" (row {start + row + 1})" if row is not None else ""
+                at = ""
+                if row is not None:
+                    line = line_of_row(path, start + row) if path is not None else None
+                    at = f" (line {line})" if line is not None else f" (row {start + row + 1})"
                 raise UserError(f"{what}: column '{name}' holds text that is not valid UTF-8{at}; data files must "
                                 "be UTF-8 (convert it, e.g. iconv -f <its encoding> -t utf-8)") from None
             start += len(chunk)
@@ -253,7 +270,7 @@ class HubDataset:
                     raise UserError(f"dataset '{self.name}': data file {file} {problem}")
             named = files[0] if len(files) == 1 else f"{files[0]} (and {len(files) - 1} more)"
             table = self._read(lambda: datasets.load_dataset(builder, data_files={split: files}, split=split),
-                               f"data file {named}")
+                               f"data file {named}", files[0] if len(files) == 1 else None)
             if len(table) == 0:
                 raise UserError(f"dataset '{self.name}': data file {named} has no rows")
             return table
@@ -268,19 +285,17 @@ class HubDataset:
                                                             split=split), f"local copy {folder}")
         return self._from_hub(split, data_dir)
 
-    def _read(self, read, what: str):
+    def _read(self, read, what: str, path: str | None = None):
+        """``read()``'s table, UTF-8 checked; any failure one line naming ``what`` (``path``: the one file read)."""
         try:
             with reader_errors_unlogged():
                 table = read()
-            check_utf8(table, f"dataset '{self.name}': {what}")
+            check_utf8(table, f"dataset '{self.name}': {what}", path)
             return table
         except UserError:
             raise
         except Exception as err:  # a broken local copy is the user's input: one line, not a traceback
-            while err.__cause__ is not None:  # the parser's own message says what is wrong, not datasets' wrapper
-                err = err.__cause__
-            raise UserError(f"dataset '{self.name}': could not read {what} ({type(err).__name__}: "
-                            f"{str(err).splitlines()[0] if str(err) else ''})") from None
+            raise UserError(f"dataset '{self.name}': could not read {what} ({reader_error(err, path)})") from None
 
     def _from_hub(self, split: str, data_dir: str | None):
         import datasets

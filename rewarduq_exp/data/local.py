@@ -29,7 +29,7 @@ from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import content_chars, validate_preferences
 from rewarduq_exp.data.conversation import PairColumns, normalise_pairs, parse_transcript
-from rewarduq_exp.data.hub import check_utf8, file_builder, no_rows, reader_errors_unlogged
+from rewarduq_exp.data.hub import check_utf8, file_builder, no_rows, reader_error, reader_errors_unlogged
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +119,10 @@ class LocalPreferenceFile:
             with reader_errors_unlogged():
                 dataset = datasets.load_dataset(fmt, data_files=str(path), split="train")
         except Exception as err:  # malformed file: report it as the user's input, in one line
-            root = err
-            while root.__cause__ is not None:  # the parser's own message (e.g. pyarrow's) says what is wrong
-                root = root.__cause__
-            raise UserError(f"{source}: could not be read as {fmt} ({type(root).__name__}: {root})") from None
+            raise UserError(f"{source}: could not be read as {fmt} ({reader_error(err, path)})") from None
         if len(dataset) == 0:
             raise UserError(f"{key}={path}: file has no rows")
-        check_utf8(dataset, f"{key}={path}")
+        check_utf8(dataset, f"{key}={path}", path)
         dataset, too_long = self._drop_too_long(dataset, max_chars, f"{key}={path}")
         table = dataset.to_pandas()
         found = ", ".join(map(str, table.columns))
