@@ -4,7 +4,7 @@ import sys
 
 import hydra
 
-from rewarduq_exp.runner.cli import check_group_choices, register_resolvers
+from rewarduq_exp.runner.cli import check_group_choices, check_setting_keys, register_resolvers
 
 register_resolvers()
 
@@ -34,4 +34,5 @@ def _dataset_as_plain_key(args: list[str]) -> list[str]:
 if __name__ == "__main__":
     sys.argv[1:] = _dataset_as_plain_key(sys.argv[1:])
     check_group_choices(sys.argv[1:], groups=("metric",))
+    check_setting_keys(sys.argv[1:], "evaluate")
     main()

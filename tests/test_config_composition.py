@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from rewarduq_exp.data.registry import available
-from rewarduq_exp.runner.cli import register_resolvers, unknown_setting
+from rewarduq_exp.runner.cli import bad_setting_value, register_resolvers, unknown_setting
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -106,6 +106,9 @@ def test_documented_overrides_name_real_settings(where, script, args):
         # evaluate.py takes dataset=<name>[_<split>] as what to score (see evaluate.py), not a config group
         args = [a for a in args if not a.startswith("dataset=")]
     problem = unknown_setting(args, "train" if script == "train" else "evaluate")
+    assert problem is None, f"{where}: {problem}"
+    # and every value is of its setting's kind (the check that refuses progress=maybe does not refuse the README)
+    problem = bad_setting_value(args, "train" if script == "train" else "evaluate")
     assert problem is None, f"{where}: {problem}"
 
 

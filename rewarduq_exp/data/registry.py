@@ -19,6 +19,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from rewarduq_exp.core.checks import check_like_default
 from rewarduq_exp.core.config_dir import CONF_DIR  # (the CLI checks, the planner and the shapes read it from here)
 from rewarduq_exp.core.errors import UserError, first_line, one_line
 
@@ -197,6 +198,8 @@ def _check_option_keys(node: DictConfig, options: dict, prefix: str, dataset: st
                 raise UserError(f"{prefix}{key} is a group of settings, not one value; set them one by one, "
                                 f"e.g. {prefix}{key}.{next(iter(child.keys()), '<key>')}=<value>")
             _check_option_keys(child, value, f"{prefix}{key}.", dataset)
+        else:  # of the kind of the dataset's own value (dataset.n_eval=abc would fail inside the loader)
+            check_like_default(f"{prefix}{key}", value, node.get(key))
 
 
 def with_options(eval_sets: list[EvalSet], options: dict | None) -> list[EvalSet]:

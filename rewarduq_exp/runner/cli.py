@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.errors import UserError, first_line, one_line
 from rewarduq_exp.data.registry import CONF_DIR, available
 
 GROUPS = ("model", "method", "dataset", "probe", "metric", "logger", "sweep")
@@ -203,10 +203,65 @@ def check_group_choices(args: list[str], conf_dir: Path = CONF_DIR, groups=GROUP
 
 
 def check_setting_keys(args: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> None:
-    """Exit with one line (status 2) if a ``key=value`` override names a setting the config does not have."""
-    problem = unknown_setting(args, config_name, conf_dir)
+    """Exit with one line (status 2) if a ``key=value`` override names a setting the config does not have, gives a
+    setting a value of the wrong kind (:func:`bad_setting_value`) or cannot be merged into the config."""
+    problem = (malformed_override(args) or unknown_setting(args, config_name, conf_dir)
+               or bad_setting_value(args, config_name, conf_dir) or merge_problem(args, config_name, conf_dir))
     if problem:
         fail(problem)
+
+
+def _overrides(args: list[str], conf_dir: Path):
+    """(group choices given: {group: [options]}, [(key, override, text after ``=``)] of the plain ``key=value``
+    settings), skipping ``+key=`` / ``++key=`` / ``~key`` (adding or deleting on purpose), ``hydra.*`` (Hydra's)
+    and malformed overrides (:func:`malformed_override` reports those)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    choices: dict[str, list[str]] = {}
+    settings = []
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception:
+            continue
+        name = override.key_or_group
+        if override.package or name == "hydra" or name.startswith(("hydra.", "hydra/")):
+            continue
+        if "/" in name or (conf_dir / name).is_dir():  # a config group choice
+            values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+            choices[name] = [str(v) for v in values if isinstance(v, str)]
+        elif not (override.is_add() or override.is_force_add() or override.is_delete()):
+            settings.append((name, override, arg.split("=", 1)[1]))
+    return choices, settings
+
+
+def _configs_of(key: str, choices: dict, config_name: str, conf_dir: Path):
+    """(chosen option of the key's group or None, composed config) for every option given for the group the key
+    lives in (``method=ens_mlp,bay_lin method.num_heads=3`` checks both)."""
+    top = key.split(".", 1)[0]
+    for value in choices.get(top) or [None]:
+        groups = [f"{g}={(value if g == top else vs[0])}" for g, vs in choices.items() if vs]
+        yield value, _compose(config_name, tuple(groups), conf_dir)
+
+
+def malformed_override(args: list[str]) -> str | None:
+    """The one-line message for the first argument that is not an override Hydra can parse (Hydra's own report
+    is three lines and exit status 1)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            parser.parse_override(arg)
+        except Exception as err:  # noqa: BLE001 (Hydra's parse errors have no common public type)
+            return (f"{arg} is not a valid override ({first_line(err)}); see "
+                    "https://hydra.cc/docs/advanced/override_grammar/basic/ (quote values with spaces or brackets)")
+    return None
 
 
 def unknown_setting(args: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> str | None:
@@ -217,38 +272,89 @@ def unknown_setting(args: list[str], config_name: str, conf_dir: Path = CONF_DIR
     keys, and exit 2. ``+key=`` / ``++key=`` / ``~key`` (adding or deleting on purpose) and ``hydra.*`` are Hydra's.
     The config is composed once per choice of the group the key lives in (``method=ens_mlp,bay_lin`` checks both).
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parser = OverridesParser.create()
-    choices: dict[str, list[str]] = {}
-    keys: list[str] = []
-    for arg in args:
-        if arg.startswith("-") or "=" not in arg:
-            continue
-        try:
-            override = parser.parse_override(arg)
-        except Exception:
-            continue  # malformed: Hydra reports it itself
-        name = override.key_or_group
-        if override.package or name == "hydra" or name.startswith(("hydra.", "hydra/")):
-            continue
-        if "/" in name or (conf_dir / name).is_dir():  # a config group choice
-            values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
-            choices[name] = [str(v) for v in values if isinstance(v, str)]
-        elif not (override.is_add() or override.is_force_add() or override.is_delete()):
-            keys.append(name)
-    if not keys:
-        return None  # nothing to check: no composition cost for plain commands
-    for key in keys:
+    choices, settings = _overrides(args, conf_dir)
+    for key, _, _ in settings:  # nothing to check: no composition cost for plain commands
         top = key.split(".", 1)[0]
-        for value in choices.get(top) or [None]:
-            groups = [f"{g}={(value if g == top else vs[0])}" for g, vs in choices.items() if vs]
-            cfg = _compose(config_name, tuple(groups), conf_dir)
+        for value, cfg in _configs_of(key, choices, config_name, conf_dir):
             problem = _missing_key(cfg, key)
             if problem:
                 chosen = value or (OmegaConf.select(cfg, f"hydra.runtime.choices.{top}") if "." in key else None)
                 where = f" of {top} '{chosen}'" if chosen else ""
                 return f"{key} is not a setting{where}; allowed: {problem}; to add a new key on purpose, use +{key}=..."
+    return None
+
+
+# ``plan`` is both a switch (plan=true: print the plan, run nothing) and a group of the planner's settings.
+PLAN_SWITCH = "plan"
+
+
+def bad_setting_value(args: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> str | None:
+    """The one-line message for the first ``key=value`` override whose value is not of its setting's kind (true or
+    false for a boolean, a number for a number, a seed in [0, 2**32 - 1]: :func:`check_like_default`), or None.
+
+    Checked against the config's own default before Hydra starts, so no run folder is made for a run that cannot
+    start; every value of a sweep (``seed=1,2,abc``) is checked."""
+    from rewarduq_exp.core.checks import check_like_default
+
+    choices, settings = _overrides(args, conf_dir)
+    for key, override, text in settings:
+        sweep = override.is_sweep_override()
+        values = list(override.sweep_iterator()) if sweep else [override.value()]
+        for _, cfg in _configs_of(key, choices, config_name, conf_dir):
+            default = _default(cfg, key)
+            if key == PLAN_SWITCH and isinstance(default, DictConfig):
+                default = False  # plan=true|false switches the planner; plan.<key>=... sets its options
+            for value in values:
+                try:
+                    check_like_default(key, value, default, shown=None if sweep else text)
+                except UserError as err:
+                    return str(err)
+    return None
+
+
+def _default(cfg, key: str):
+    """The config's value of ``key`` (a DictConfig for a group of settings), or None when it has none or it cannot
+    be resolved here."""
+    if cfg is None:
+        return None
+    try:
+        return OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+    except Exception:  # noqa: BLE001 (an interpolation that resolves only in a run; its own check judges it)
+        return None
+
+
+def merge_problem(args: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> str | None:
+    """The one-line message when Hydra cannot merge a ``key=value`` override into the config (a value of the wrong
+    type for a typed setting, e.g. Hydra's own ``hydra.job.chdir=maybe``), or None. Hydra reports it in six lines
+    with exit status 1. A sweep is checked value by value instead (:func:`bad_setting_value`)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ValidationError
+
+    overrides = [a for a in args if not a.startswith("-") and "=" in a]
+    if extra_config_dirs(args) or not any(a.lstrip("+~").startswith("hydra.") for a in overrides):
+        # Only Hydra's own settings are typed (our configs are plain YAML, checked by bad_setting_value), so only
+        # they cost this composition; configs of the user's (--config-dir) this check would not see
+        return None
+    parser = OverridesParser.create()
+    if any(parser.parse_override(a).is_sweep_override() for a in overrides):
+        return None
+    register_resolvers()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+            compose(config_name, overrides=overrides, return_hydra_config=True)
+    except ConfigCompositionException as err:
+        cause = err.__cause__
+        if isinstance(cause, ValidationError):
+            key = getattr(cause, "full_key", None)
+            given = next((a for a in overrides if key and a.split("=", 1)[0].lstrip("+") == key), key)
+            return f"{given} is invalid: {first_line(getattr(cause, 'msg', cause))}"
+    except Exception:  # noqa: BLE001 (anything else: Hydra reports it as it always has)
+        return None
+    finally:
+        GlobalHydra.instance().clear()
     return None
 
 

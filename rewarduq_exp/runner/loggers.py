@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.errors import UserError, first_line
 
 
 class NullLogger:
@@ -35,7 +35,14 @@ class WandbLogger(NullLogger):
                       config=OmegaConf.to_container(run_cfg, resolve=True))
         if logger_cfg.mode:
             kwargs["mode"] = str(logger_cfg.mode)
-        self.run = wandb.init(**kwargs)
+        try:
+            self.run = wandb.init(**kwargs)
+        except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as err:
+            # No API key (and no terminal to ask for one), or a malformed one: wandb stops before any network call
+            # with a traceback; the fix is one of three settings, named here.
+            raise UserError(f"logger=wandb cannot log in ({first_line(err)}): run `wandb login` (or set "
+                            "WANDB_API_KEY), or log offline with WANDB_MODE=offline (or logger.mode=offline) and "
+                            "`wandb sync` later, or use logger=none") from None
 
     def log_history(self, history):
         for record in history:

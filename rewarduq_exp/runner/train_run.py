@@ -44,8 +44,9 @@ log = logging.getLogger("rewarduq_exp")
 
 
 def seed_everything(seed: int) -> None:
+    """``seed`` is in [0, 2**32 - 1] (validation.check_seeds): numpy takes it as it is, no seed aliases another."""
     random.seed(seed)
-    np.random.seed(seed % 2**32)
+    np.random.seed(seed)
     torch.manual_seed(seed)
 
 
@@ -156,8 +157,9 @@ def _run(cfg: DictConfig, out: Path, folder: RunFolder, checkpoints: TrainingChe
     else:
         task_class = RewardModelTask
     task = task_class(cfg, out, folder)     # validation: a UserError here is recorded as invalid settings
-    folder.stage = "running"                # the settings are valid; from here a failure is the run's
+    # a logger that cannot start (wandb without a login) is a setting to fix, like the others
     logger = make_logger(cfg, out, out.name) if folder.writer else NullLogger()
+    folder.stage = "running"                # the settings are valid; from here a failure is the run's
     failed = True
     try:
         result = task.run()

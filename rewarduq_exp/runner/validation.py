@@ -11,7 +11,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from rewarduq_exp.core.checks import check_integer
+from rewarduq_exp.core.checks import check_integer, check_seed, is_seed
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.metrics import check_alphas, check_n_bins
 from rewarduq_exp.metrics.kwise import check_tie_rule
@@ -41,11 +41,25 @@ def validate_metric_config(metric_cfg) -> None:
 
 def validate_run_config(cfg: DictConfig) -> None:
     """Checks of a training run's config that need no data, model or method."""
-    check_integer("seed", cfg.seed, minimum=0)
+    check_seeds(cfg)
     check_integer("max_length", cfg.max_length, minimum=1)
     validate_metric_config(cfg.metric)
     check_cache_dir(cfg.paths.cache_dir)
     check_device_per_rank(str(cfg.get("device", "auto")))
+
+
+def check_seeds(node: DictConfig, prefix: str = "") -> None:
+    """Every seed of the run (``seed``, ``method.seed``, ``dataset.sample_seed``, ...) in [0, 2**32 - 1], also when
+    it comes from a config file rather than the command line (where :mod:`rewarduq_exp.runner.cli` checks it)."""
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if path == "hydra":
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            check_seeds(child, f"{path}.")
+        elif is_seed(path):
+            check_seed(path, node[key])
 
 
 def check_device_per_rank(device: str) -> None:
