@@ -1,8 +1,8 @@
 """How many threads a run computes with: inside a Slurm job, the CPUs the job gave this process.
 
 torch sizes its intra-op pool, and OpenBLAS / MKL / OpenMP theirs, from the machine's cores, not from the job's
-allocation: a job with ``cpus_per_task=1`` on a 2-core node ran 2 threads on its one CPU and trained about 6x slower
-than with one thread. So a run in a Slurm job (``SLURM_JOB_ID`` set) takes, in this order:
+allocation: two jobs with ``cpus_per_task=1`` on a 2-core node ran 2 threads each and trained about 15x slower than
+with one thread each (slurm/README.md, "Threads"). So a run in a Slurm job (``SLURM_JOB_ID`` set) takes, in this order:
 
 * ``SLURM_CPUS_PER_TASK`` (``hydra.launcher.cpus_per_task``), shared by the processes of one task (torchrun inside a
   one-task job; a job of several tasks, ``tasks_per_node``, gives each task, and so each rank, its own CPUs);
@@ -12,7 +12,7 @@ than with one thread. So a run in a Slurm job (``SLURM_JOB_ID`` set) takes, in t
 
 never more than the affinity mask holds, never fewer than one. The user's own choice wins: with ``OMP_NUM_THREADS``,
 ``MKL_NUM_THREADS`` or ``OPENBLAS_NUM_THREADS`` in the environment (exported before the launch, or with
-``hydra.launcher.setup=["export OMP_NUM_THREADS=4"]``) nothing is changed. Outside Slurm nothing is changed either
+``'hydra.launcher.setup=["export OMP_NUM_THREADS=4"]'``) nothing is changed. Outside Slurm nothing is changed either
 (the machine's cores are the run's). The count is logged with its reason and recorded in ``status.json``
 (``threads``, ``threads_reason``).
 """
