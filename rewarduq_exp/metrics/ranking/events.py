@@ -15,18 +15,18 @@ which events ``aggregate="most_confident"`` keeps when predicted masses tie acro
 (:func:`~rewarduq_exp.metrics.ranking.binary_ece.aggregate_ece`), and which two classes simplex binning bins on
 (p_1, p_2) in a full-rank problem (:func:`~rewarduq_exp.metrics.ranking.full_rank.simplex_bins`).
 
-The reference code enumerates events and classes with ``itertools.permutations`` when m < 8, the same
-lexicographic order, so there both give the same results. From m = 8 on it lists the *observed* events and classes
-by iterating a Python ``set`` of 1-based tuples: an order that CPython's tuple hashes and set table decide (fixed
-for int tuples, whatever PYTHONHASHSEED), not lexicographic and promised by no Python version. We keep the
-lexicographic order everywhere: it is deterministic and does not depend on Python's set or hash internals. From m = 8 on, ``most_confident`` with tied masses and
-simplex binning of restricted problems (``restrict`` other than "none", whose problems have no "other" class) can
-therefore differ from the reference. Example (m = 8, top-1, ``most_confident``): true best items
-[0, 0, 1, 1, 2, 3, 4, 4, 5, 5, 5, 6, 7], every sample predicting 0.5 on the ranking 0 > 1 > ... > 7 and 0.5 on
-1 > 0 > 2 > ... > 7. Items 0 and 1 get mass 0.5 and ECE 1/2 - 2/13 each; items 2..7 get mass 0 and ECE = their
-frequency, and tie for the last 3 places. Lexicographic order keeps items 2, 3, 4:
-(2 (1/2 - 2/13) + 1/13 + 1/13 + 2/13) / 5 = 1/5 = 0.2000. The reference's set order (0-based items
-5, 1, 4, 7, 3, 0, 6, 2) keeps items 5, 4, 7: (1 - 4/13 + 3/13 + 2/13 + 1/13) / 5 = 3/13 = 0.2308.
+The reference code enumerates events and classes with ``itertools.permutations`` when m < 8, the same lexicographic
+order, so there both give the same results. From m = 8 on it lists the *observed* events and classes by iterating a
+Python ``set`` of 1-based tuples: an order that CPython's tuple hashes and set table decide (fixed for int tuples,
+whatever PYTHONHASHSEED), not lexicographic and promised by no Python version. We keep the lexicographic order
+everywhere: it is deterministic and does not depend on Python's set or hash internals. From m = 8 on, ``most_confident``
+with tied masses and simplex binning of restricted problems (``restrict`` other than "none", whose problems have no
+"other" class) can therefore differ from the reference.
+Example (m = 8, top-1, ``most_confident``): true best items [0, 0, 1, 1, 2, 3, 4, 4, 5, 5, 5, 6, 7], every sample
+predicting 0.5 on the ranking 0 > 1 > ... > 7 and 0.5 on 1 > 0 > 2 > ... > 7. Items 0 and 1 get mass 0.5 and ECE 1/2 -
+2/13 each; items 2..7 get mass 0 and ECE = their frequency, and tie for the last 3 places. Lexicographic order keeps
+items 2, 3, 4: (2 (1/2 - 2/13) + 1/13 + 1/13 + 2/13) / 5 = 1/5 = 0.2000. The reference's set order (0-based items 5, 1,
+4, 7, 3, 0, 6, 2) keeps items 5, 4, 7: (1 - 4/13 + 3/13 + 2/13 + 1/13) / 5 = 3/13 = 0.2308.
 """
 
 from __future__ import annotations
