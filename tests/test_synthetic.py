@@ -240,6 +240,8 @@ def test_prompt_dependence_positive_makes_reward_topic_dependent():
         (dict(rare_fraction=1.0), "dataset.rare_fraction"),
         (dict(ood_rare_share=1.5), "dataset.ood_rare_share"),
         (dict(min_words=5, max_words=4), "dataset.min_words"),
+        (dict(n_eval=2.5), "dataset.n_eval=2.5 is invalid: must be an integer"),   # not quietly 2 pairs
+        (dict(max_words="12"), "dataset.max_words"),
     ],
 )
 def test_bad_config_raises_user_error_naming_key(kw, key):

@@ -14,6 +14,7 @@ epistemic uncertainty should be larger. Everything is a pure function of the see
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +67,11 @@ class SyntheticWorld:
         name: str = "synthetic",
     ):
         self.name = name
+        # Whole numbers are checked before any int(): int(2.5) would quietly build a world of 2 pairs.
+        for key, value in (("n_train", n_train), ("n_eval", n_eval), ("n_ood", n_ood), ("vocab_size", vocab_size),
+                           ("num_topics", num_topics), ("min_words", min_words), ("max_words", max_words)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise UserError(f"dataset.{key}={value} is invalid: must be an integer >= 1")
         self.seed = int(seed)
         self.sizes = {"train": int(n_train), "eval": int(n_eval), "ood": int(n_ood)}
         self.vocab_size = int(vocab_size)
