@@ -275,3 +275,32 @@ def test_small_noise_scale_emits_no_overflow_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         world(noise_scale=1e-3).load("train")
+
+
+# ---------------------------------------------------------------------------------------------- spurious length
+def test_length_bias_makes_longer_completions_win_training_pairs_only():
+    """With length_bias the chosen side of a training pair is longer far more often than by chance, while the gold
+    (true_margin) still ignores length and eval labels follow the true reward; at 0 the world is today's."""
+    plain = world(n_train=3000, n_eval=3000)
+    biased = world(n_train=3000, n_eval=3000, length_bias=1.0)
+    train, ev = biased.load("train"), biased.load("eval")
+    longer = (train["length_diff"] > 0).mean() / (train["length_diff"] != 0).mean()
+    assert longer > 0.65, longer   # 0.71 measured at length_bias=1 (the true margins are large too)
+    plain_train = plain.load("train")
+    plain_longer = (plain_train["length_diff"] > 0).mean() / (plain_train["length_diff"] != 0).mean()
+    assert 0.4 < plain_longer < 0.6, plain_longer
+    assert 0.4 < (ev["length_diff"] > 0).mean() / (ev["length_diff"] != 0).mean() < 0.6
+    assert "label_prob" in train and "label_prob" not in ev
+    # the gold is the same world: length_bias changes who is chosen, never a completion's true reward
+    assert np.corrcoef(train["length_diff"], train["true_margin"])[0, 1] < 0.2
+    pd.testing.assert_frame_equal(plain.load("eval"), ev)
+
+
+def test_candidates_span_lengths_beyond_the_training_range():
+    w = world(candidate_max_words=40)
+    lengths = np.array([len(t.split()) for texts in w.candidates("eval", 20, 16).texts for t in texts])
+    assert lengths.min() >= w.min_words and lengths.max() > 3 * w.max_words
+    default = world().candidates("eval", 5, 4)
+    assert max(len(t.split()) for texts in default.texts for t in texts) <= 12
+    with pytest.raises(UserError, match=r"dataset\.candidate_max_words=5 is invalid"):
+        world(candidate_max_words=5)

@@ -10,6 +10,13 @@ rejected, in logit units) and true preference probability, so metrics can be che
 Splits: ``train`` and ``eval`` draw words from a Zipf distribution over the common words (the rare tail is almost
 never seen); ``ood`` builds completions mostly from the rare tail, where a model has seen little data and its
 epistemic uncertainty should be larger. Everything is a pure function of the seed and the sizes.
+
+A known spurious feature (default off): with ``length_bias`` > 0 the labels of the *training* pairs add
+``length_bias`` log-odds per word that the first completion is longer, while the true reward (a mean over words)
+ignores length; eval and ood labels follow the true reward. ``candidate_max_words`` lets best-of-n candidates
+(:meth:`candidates`) run far longer than any training completion, so a proxy that learned "longer is better" meets
+candidates that exploit the shortcut beyond the range it was trained on. With both at their defaults the world is
+exactly the one without them (same draws).
 """
 
 from __future__ import annotations
@@ -65,11 +72,14 @@ class SyntheticWorld:
         train_split: str = "train",
         eval_splits: tuple[str, ...] = ("eval", "ood"),
         name: str = "synthetic",
+        length_bias: float = 0.0,
+        candidate_max_words: int | None = None,
     ):
         self.name = name
         # Whole numbers are checked before any int(): int(2.5) would quietly build a world of 2 pairs.
         for key, value in (("n_train", n_train), ("n_eval", n_eval), ("n_ood", n_ood), ("vocab_size", vocab_size),
-                           ("num_topics", num_topics), ("min_words", min_words), ("max_words", max_words)):
+                           ("num_topics", num_topics), ("min_words", min_words), ("max_words", max_words),
+                           ("candidate_max_words", max_words if candidate_max_words is None else candidate_max_words)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise UserError(f"dataset.{key}={value} is invalid: must be an integer >= 1")
         self.seed = int(seed)
@@ -84,6 +94,8 @@ class SyntheticWorld:
         self.utility_scale = float(utility_scale)
         self.noise_scale = float(noise_scale)
         self.min_words, self.max_words = int(min_words), int(max_words)
+        self.length_bias = float(length_bias)
+        self.candidate_max_words = self.max_words if candidate_max_words is None else int(candidate_max_words)
         self.train_split = train_split
         self.eval_splits = tuple(eval_splits)
         self._validate()
@@ -117,6 +129,10 @@ class SyntheticWorld:
             (self.ood_rare_share, 0 <= self.ood_rare_share <= 1, "a number in [0, 1]", "dataset.ood_rare_share"),
             (self.min_words, 1 <= self.min_words <= self.max_words, "an integer with 1 <= min_words <= max_words",
              "dataset.min_words"),
+            (self.length_bias, np.isfinite(self.length_bias), "a finite number (0: labels follow the true reward)",
+             "dataset.length_bias"),
+            (self.candidate_max_words, self.candidate_max_words >= self.max_words,
+             f"an integer >= max_words ({self.max_words}) or null", "dataset.candidate_max_words"),
         ]
         n_rare = int(round(self.rare_fraction * self.vocab_size))
         checks.append((self.rare_fraction, 1 <= n_rare <= self.vocab_size - 1,
@@ -139,9 +155,11 @@ class SyntheticWorld:
         return self.utility_scale * (utility * mask).sum(1) / lengths
 
     # ------------------------------------------------------------------ sampling
-    def _completions(self, rng: np.random.Generator, n: int, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lengths = rng.integers(self.min_words, self.max_words + 1, size=n)
-        tokens = rng.choice(self.vocab_size, size=(n, self.max_words), p=probs)
+    def _completions(self, rng: np.random.Generator, n: int, probs: np.ndarray,
+                     max_words: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        max_words = self.max_words if max_words is None else max_words
+        lengths = rng.integers(self.min_words, max_words + 1, size=n)
+        tokens = rng.choice(self.vocab_size, size=(n, max_words), p=probs)
         return tokens, lengths
 
     def _text(self, tokens: np.ndarray, length: int) -> str:
@@ -159,7 +177,7 @@ class SyntheticWorld:
         rng = np.random.default_rng([self.seed, _SPLIT_STREAM[split], 2, int(seed)])
         probs = self.ood_word_probs if split == "ood" else self.train_word_probs
         topic = (np.arange(n_prompts) + rng.integers(self.num_topics)) % self.num_topics
-        tokens, lengths = self._completions(rng, n_prompts * n_candidates, probs)
+        tokens, lengths = self._completions(rng, n_prompts * n_candidates, probs, self.candidate_max_words)
         gold = self.true_reward(np.repeat(topic, n_candidates), tokens, lengths)
         texts = [self._text(tokens[i], lengths[i]) for i in range(len(tokens))]
         return Candidates(topic=topic, prompts=[self.prompt(t) for t in topic],
@@ -176,7 +194,10 @@ class SyntheticWorld:
         tok_a, len_a = self._completions(rng, n, probs)
         tok_b, len_b = self._completions(rng, n, probs)
         margin_ab = (self.true_reward(topic, tok_a, len_a) - self.true_reward(topic, tok_b, len_b)) / self.noise_scale
-        a_wins = rng.random(n) < expit(margin_ab)  # Bradley-Terry label
+        # The labelers of the training pairs may favour length, which the true reward ignores (length_bias log-odds
+        # per word of difference): a shortcut a proxy can learn. Eval and ood labels always follow the true reward.
+        label_margin = margin_ab + (self.length_bias * (len_a - len_b) if split == "train" else 0.0)
+        a_wins = rng.random(n) < expit(label_margin)  # Bradley-Terry label
 
         prompts, chosen, rejected = [], [], []
         for i in range(n):
@@ -195,6 +216,9 @@ class SyntheticWorld:
         )
         frame["true_margin"] = true_margin
         frame["true_prob"] = expit(true_margin)
+        if self.length_bias and split == "train":   # what the labels were drawn from (true_* stay the gold)
+            frame["label_prob"] = expit(np.where(a_wins, label_margin, -label_margin))
+        frame["length_diff"] = np.where(a_wins, len_a - len_b, len_b - len_a)   # chosen minus rejected, in words
         # Share of words from the rare tail: lets tests and users check the ood split really is out of distribution.
         positions = np.arange(self.max_words)[None, :]
         rare_a = (np.isin(tok_a, self.rare_words) & (positions < len_a[:, None])).sum(1)
