@@ -304,3 +304,21 @@ def test_candidates_span_lengths_beyond_the_training_range():
     assert max(len(t.split()) for texts in default.texts for t in texts) <= 12
     with pytest.raises(UserError, match=r"dataset\.candidate_max_words=5 is invalid"):
         world(candidate_max_words=5)
+
+
+def test_filler_bias_makes_the_filler_win_training_pairs_and_candidates_stuff_it_rarely():
+    """The filler word: worth nothing to the true reward once the option is on, favoured by the training labels
+    (chosen holds it more often than rejected), and stuffed into a rare, heavy-tailed share of the best-of-n
+    candidates, far beyond the counts any training completion has."""
+    w = world(n_train=3000, filler_bias=1.0, candidate_filler_share=1.0)
+    assert w.global_utility[w.filler_word] == 0 and not w.topic_utility[:, w.filler_word].any()
+    train = w.load("train")
+    assert (train["filler_diff"] > 0).mean() > 1.5 * (train["filler_diff"] < 0).mean()   # 0.43 vs 0.21 measured
+    assert "filler_diff" not in world(n_train=50).load("train")
+    filler = w.words[w.filler_word]
+    train_counts = [c[0]["content"].split().count(filler) for c in train["chosen"]]
+    counts = np.array([t.split().count(filler) for texts in w.candidates("eval", 64, 64).texts for t in texts])
+    assert counts.max() >= 2 * max(train_counts)
+    assert (counts >= 6).mean() < 0.1          # stuffed candidates are rare: a large n is needed to meet them
+    with pytest.raises(UserError, match=r"dataset\.candidate_filler_share=1\.5 is invalid"):
+        world(candidate_filler_share=1.5)

@@ -15,8 +15,12 @@ A known spurious feature (default off): with ``length_bias`` > 0 the labels of t
 ``length_bias`` log-odds per word that the first completion is longer, while the true reward (a mean over words)
 ignores length; eval and ood labels follow the true reward. ``candidate_max_words`` lets best-of-n candidates
 (:meth:`candidates`) run far longer than any training completion, so a proxy that learned "longer is better" meets
-candidates that exploit the shortcut beyond the range it was trained on. With both at their defaults the world is
-exactly the one without them (same draws).
+candidates that exploit the shortcut beyond the range it was trained on. The same with a word: with ``filler_bias``
+the training labels add that many log-odds per extra occurrence of the filler (the most frequent word, worth nothing
+to the true reward once a filler option is on), and ``candidate_filler_share`` stuffs a heavy-tailed share of
+best-of-n candidates' words with it, up to that share: rare candidates, far beyond any training completion, that a
+proxy which learned the shortcut ranks first. With all four at their defaults the world is exactly the one without
+them (same draws).
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class Candidates:
     prompts: list[list[dict]]  # P conversations
     texts: list[list[str]]     # P lists of N completion texts
     gold: np.ndarray           # (P, N) true rewards
+# Exponent of the candidates' filler shares (share = candidate_filler_share * U ** FILLER_TAIL, U uniform).
+FILLER_TAIL = 12
+
 # Fixed offsets so that the splits use independent random streams of the same world.
 _SPLIT_STREAM = {"train": 1, "eval": 2, "ood": 3}
 
@@ -74,6 +81,8 @@ class SyntheticWorld:
         name: str = "synthetic",
         length_bias: float = 0.0,
         candidate_max_words: int | None = None,
+        filler_bias: float = 0.0,
+        candidate_filler_share: float = 0.0,
     ):
         self.name = name
         # Whole numbers are checked before any int(): int(2.5) would quietly build a world of 2 pairs.
@@ -95,6 +104,8 @@ class SyntheticWorld:
         self.noise_scale = float(noise_scale)
         self.min_words, self.max_words = int(min_words), int(max_words)
         self.length_bias = float(length_bias)
+        self.filler_bias = float(filler_bias)
+        self.candidate_filler_share = float(candidate_filler_share)
         self.candidate_max_words = self.max_words if candidate_max_words is None else int(candidate_max_words)
         self.train_split = train_split
         self.eval_splits = tuple(eval_splits)
@@ -110,6 +121,12 @@ class SyntheticWorld:
         n_rare = int(round(self.rare_fraction * self.vocab_size))
         self.rare_words = np.sort(order[:n_rare])
         common = order[n_rare:]
+        # The filler: the most frequent word, worth nothing to the true reward once either filler option is on (it
+        # only dilutes the mean), while the training labelers may like it (filler_bias).
+        self.filler_word = int(common[0])
+        if self.filler_bias or self.candidate_filler_share:
+            self.global_utility[self.filler_word] = 0.0
+            self.topic_utility[:, self.filler_word] = 0.0
         freq = np.zeros(self.vocab_size)
         freq[common] = 1.0 / np.arange(1, len(common) + 1) ** self.zipf_exponent
         freq[self.rare_words] = self.rare_weight * freq[common].min()
@@ -131,6 +148,10 @@ class SyntheticWorld:
              "dataset.min_words"),
             (self.length_bias, np.isfinite(self.length_bias), "a finite number (0: labels follow the true reward)",
              "dataset.length_bias"),
+            (self.filler_bias, np.isfinite(self.filler_bias), "a finite number (0: labels follow the true reward)",
+             "dataset.filler_bias"),
+            (self.candidate_filler_share, 0 <= self.candidate_filler_share <= 1, "a number in [0, 1]",
+             "dataset.candidate_filler_share"),
             (self.candidate_max_words, self.candidate_max_words >= self.max_words,
              f"an integer >= max_words ({self.max_words}) or null", "dataset.candidate_max_words"),
         ]
@@ -162,6 +183,10 @@ class SyntheticWorld:
         tokens = rng.choice(self.vocab_size, size=(n, max_words), p=probs)
         return tokens, lengths
 
+    def _fillers(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        mask = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        return ((tokens == self.filler_word) & mask).sum(1)
+
     def _text(self, tokens: np.ndarray, length: int) -> str:
         return " ".join(self.words[t] for t in tokens[:length])
 
@@ -178,6 +203,11 @@ class SyntheticWorld:
         probs = self.ood_word_probs if split == "ood" else self.train_word_probs
         topic = (np.arange(n_prompts) + rng.integers(self.num_topics)) % self.num_topics
         tokens, lengths = self._completions(rng, n_prompts * n_candidates, probs, self.candidate_max_words)
+        if self.candidate_filler_share:
+            # Heavy-tailed shares: most candidates hold the filler about as often as training completions do, and
+            # the stuffed ones are rare (5.6 % above half the largest share), so only a large n meets them.
+            share = self.candidate_filler_share * rng.random(len(tokens)) ** FILLER_TAIL
+            tokens = np.where(rng.random(tokens.shape) < share[:, None], self.filler_word, tokens)
         gold = self.true_reward(np.repeat(topic, n_candidates), tokens, lengths)
         texts = [self._text(tokens[i], lengths[i]) for i in range(len(tokens))]
         return Candidates(topic=topic, prompts=[self.prompt(t) for t in topic],
@@ -197,6 +227,8 @@ class SyntheticWorld:
         # The labelers of the training pairs may favour length, which the true reward ignores (length_bias log-odds
         # per word of difference): a shortcut a proxy can learn. Eval and ood labels always follow the true reward.
         label_margin = margin_ab + (self.length_bias * (len_a - len_b) if split == "train" else 0.0)
+        if self.filler_bias and split == "train":
+            label_margin = label_margin + self.filler_bias * (self._fillers(tok_a, len_a) - self._fillers(tok_b, len_b))
         a_wins = rng.random(n) < expit(label_margin)  # Bradley-Terry label
 
         prompts, chosen, rejected = [], [], []
@@ -219,6 +251,9 @@ class SyntheticWorld:
         if self.length_bias and split == "train":   # what the labels were drawn from (true_* stay the gold)
             frame["label_prob"] = expit(np.where(a_wins, label_margin, -label_margin))
         frame["length_diff"] = np.where(a_wins, len_a - len_b, len_b - len_a)   # chosen minus rejected, in words
+        if self.filler_bias or self.candidate_filler_share:   # chosen minus rejected occurrences of the filler
+            fill_a, fill_b = self._fillers(tok_a, len_a), self._fillers(tok_b, len_b)
+            frame["filler_diff"] = np.where(a_wins, fill_a - fill_b, fill_b - fill_a)
         # Share of words from the rare tail: lets tests and users check the ood split really is out of distribution.
         positions = np.arange(self.max_words)[None, :]
         rare_a = (np.isin(tok_a, self.rare_words) & (positions < len_a[:, None])).sum(1)
