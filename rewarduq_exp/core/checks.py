@@ -4,6 +4,7 @@ that names the setting and what is allowed."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,8 +31,8 @@ def check_positive(value, key: str, *, integer: bool = False, minimum: float = 0
 def check_integer(key: str, value, minimum: int, maximum: int | None = None) -> int:
     """``value`` must be a whole number >= ``minimum`` (and <= ``maximum``). Hydra hands ``seed=abc`` over as a
     string and ``seed=1.5`` as a float, which ``int()`` would refuse with a traceback or silently round down;
-    ``seed=true`` is a bool, which Python counts as the integer 1."""
-    if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+    ``seed=true`` is a bool, which Python counts as the integer 1. numpy integers count as whole numbers."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum
             or (maximum is not None and value > maximum)):
         allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise UserError(f"{key}={_shown(value)} is invalid: must be an integer {allowed}")

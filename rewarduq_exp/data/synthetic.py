@@ -25,13 +25,13 @@ them (same draws).
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 from scipy.special import expit  # overflow-free sigmoid
 
+from rewarduq_exp.core.checks import check_integer
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import make_pointwise_frame, make_preference_frame
 from rewarduq_exp.data.vocabulary import TOPIC_WORDS, WORDS
@@ -89,8 +89,7 @@ class SyntheticWorld:
         for key, value in (("n_train", n_train), ("n_eval", n_eval), ("n_ood", n_ood), ("vocab_size", vocab_size),
                            ("num_topics", num_topics), ("min_words", min_words), ("max_words", max_words),
                            ("candidate_max_words", max_words if candidate_max_words is None else candidate_max_words)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise UserError(f"dataset.{key}={value} is invalid: must be an integer >= 1")
+            check_integer(f"dataset.{key}", value, minimum=1)
         self.seed = int(seed)
         self.sizes = {"train": int(n_train), "eval": int(n_eval), "ood": int(n_ood)}
         self.vocab_size = int(vocab_size)
