@@ -1,5 +1,6 @@
-"""Downstream uses of a trained reward model's uncertainty, against the synthetic world's true reward:
-``python downstream.py task=best_of_n run=<run or sweep>`` or ``task=active_learning`` (see README)."""
+"""Downstream uses of a trained reward model's uncertainty, against a gold reward (the synthetic world's, or the
+human ratings of the VADER sentences): ``python downstream.py task=best_of_n run=<run or sweep>`` or
+``task=active_learning`` (see README)."""
 
 import sys
 

@@ -77,6 +77,11 @@ SPLITS = ("train", "eval", "ood")
 RATING_RANGE = (-4.0, 4.0)
 
 
+def pair_prompt(corpus: str) -> list[dict]:
+    """The user turn of the preference pairs (and of best-of-n on them): a positive text of the corpus's kind."""
+    return [{"role": "user", "content": PROMPTS[corpus].removesuffix(".") + " with a positive feeling."}]
+
+
 def _names(values, key: str) -> list[str]:
     values = [values] if isinstance(values, str) else list(values or [])
     bad = [v for v in values if v not in CORPORA]
@@ -323,8 +328,7 @@ class VaderPairs(VaderRatings):
             raise UserError(f"dataset '{self.name}' split '{split}' has no pair with a rating gap >= "
                             f"dataset.min_gap={self.min_gap:g}")
         chosen, rejected, corpus = chosen[order], rejected[order], a["corpus"].to_numpy()[order]
-        prompts = [[{"role": "user", "content": PROMPTS[c].removesuffix(".") + " with a positive feeling."}]
-                   for c in corpus]
+        prompts = [pair_prompt(c) for c in corpus]
         frame = make_preference_frame(
             [f"vader-{c}-{x}-{y}" for c, x, y in zip(corpus, chosen[:, 0], rejected[:, 0])], prompts,
             [[{"role": "assistant", "content": t}] for t in chosen[:, 1]],

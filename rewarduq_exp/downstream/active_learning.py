@@ -1,10 +1,11 @@
 """``python downstream.py task=active_learning run=<runs>``: does uncertainty pick better pairs to label?
 
-Each run is the template of a learner (its method, hyperparameters, backbone, probe and synthetic world). Starting
-from ``task.initial`` labelled pairs drawn at random from a pool (the world's training split, labels from its
-Bradley-Terry sampler), each round retrains the method from scratch on the labelled pairs, scores the eval split
-(win rate, ECE and ECE against the true preference probability, ``truth/ece``) and acquires ``task.batch`` more
-pairs from the pool by a strategy:
+Each run is the template of a learner (its method, hyperparameters, backbone, probe and world). Starting from
+``task.initial`` labelled pairs drawn at random from a pool (the first ``task.pool`` pairs of the world's training
+split: the synthetic world's Bradley-Terry labels, or a VADER run's own training pairs, labelled by the crowd's
+ratings), each round retrains the method from scratch on the labelled pairs, scores the eval split (win rate against
+the labels, ECE and, in the synthetic world, ECE against the true preference probability, ``truth/ece``; human data
+has no such truth, so it is NaN there) and acquires ``task.batch`` more pairs from the pool by a strategy:
 
 - ``random``: uniformly at random (the baseline);
 - ``uncertainty``: the widest margin interval, u(chosen) + u(rejected);
@@ -49,6 +50,7 @@ from rewarduq_exp.runner.trained_run import run_cache_dir, run_method_settings, 
 log = logging.getLogger("rewarduq_exp")
 STRATEGIES = ("random", "uncertainty", "bald", "ranking_score")
 REPORTED = ("win_rate", "truth/ece", "ece", "rs_0.2")
+SUMMARISED = ("win_rate", "truth/ece", "ece")
 
 
 def _entropy(p: np.ndarray) -> np.ndarray:
@@ -126,12 +128,23 @@ def _learner(run: WorldRun, cfg):
     return make
 
 
-def learning_curves(run: WorldRun, cfg, strategies: list[str], make) -> pd.DataFrame:
-    """The learning curves of ``make`` (seed -> fresh method built from the run) under every strategy."""
-    task = cfg.task
+def pool_and_eval(run: WorldRun, task) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The run's pool (the first ``task.pool`` training pairs of its world) and eval pairs; one line when the
+    world holds fewer training pairs than ``task.pool``."""
     world = world_of(run.config, run.path / ".hydra" / "config.yaml")
-    pool = world.load("train").iloc[: int(task.pool)].reset_index(drop=True)
-    evaluation = world.load(str(task.eval_split))
+    train = world.load("train")
+    if len(train) < int(task.pool):
+        raise UserError(f"task.pool={task.pool} exceeds the {len(train)} training pairs of {run.label} "
+                        f"({run.path}); lower task.pool to at most {len(train)} or train the run on more pairs "
+                        "(dataset.n_train)")
+    return train.iloc[: int(task.pool)].reset_index(drop=True), world.load(str(task.eval_split))
+
+
+def learning_curves(run: WorldRun, cfg, strategies: list[str], make, pool: pd.DataFrame,
+                    evaluation: pd.DataFrame) -> pd.DataFrame:
+    """The learning curves of ``make`` (seed -> fresh method built from the run) under every strategy, acquiring
+    from ``pool`` and scored on ``evaluation``."""
+    task = cfg.task
     rows = []
     total = int(task.repeats) * len(strategies) * (int(task.rounds) + 1)
     bar = tqdm(total=total, desc=f"active learning {run.label}", disable=not bool(cfg.progress))
@@ -166,12 +179,12 @@ def summary_rows(curves: pd.DataFrame) -> pd.DataFrame:
     for (run, strategy), part in curves.groupby(["run", "strategy"], sort=False):
         end = last[(last.run == run) & (last.strategy == strategy)]
         row = {"run": run, "strategy": strategy, "labels_final": int(end["labels"].iloc[0])}
-        for m in ("win_rate", "truth/ece"):
+        for m in SUMMARISED:
             row[f"{m}_final"] = float(end[m].mean())
             row[f"{m}_auc"] = float(part.groupby("round")[m].mean().mean())
         rows.append(row)
     table = pd.DataFrame(rows)
-    for m in ("win_rate_final", "truth/ece_final", "win_rate_auc", "truth/ece_auc"):
+    for m in [f"{m}_{kind}" for kind in ("final", "auc") for m in SUMMARISED]:
         base = table[table.strategy == "random"].set_index("run")[m] if "random" in set(table.strategy) else None
         if base is not None:
             table[f"{m}_vs_random"] = table[m] - table.run.map(base)
@@ -191,7 +204,9 @@ def active_learning(cfg, out_dir: Path) -> dict:
                         r.label)
     for r in learners or runs[:1]:  # none left: the first run's refusal says why
         check_learner(makers[r.label](0), r.label, strategies)
-    curves = pd.concat([learning_curves(r, cfg, strategies, makers[r.label]) for r in learners], ignore_index=True)
+    data = {r.label: pool_and_eval(r, cfg.task) for r in learners}  # every pool checked before any training
+    curves = pd.concat([learning_curves(r, cfg, strategies, makers[r.label], *data[r.label]) for r in learners],
+                       ignore_index=True)
     summary = summary_rows(curves)
     write_atomic(out_dir / "curves.csv", curves.to_csv(index=False))
     write_atomic(out_dir / "summary.csv", summary.to_csv(index=False))

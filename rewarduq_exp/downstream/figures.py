@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
+from scipy.stats import t as t_dist
 
 from rewarduq_exp.metrics.diagrams import save_figure
 
@@ -57,28 +58,146 @@ def plot_best_of_n(curves: pd.DataFrame, path: Path, k: float) -> None:
     save_figure(fig, Path(path))
 
 
+def mean_and_t_band(values: pd.Series, by: pd.Series, level: float = 0.95) -> tuple[pd.Series, pd.Series]:
+    """Mean of ``values`` per group of ``by`` and the half-width of its ``level`` confidence interval over the
+    group's members (Student's t with n - 1 degrees of freedom: few repeats; 0 for a group of one)."""
+    g = values.groupby(by)
+    n = g.count()
+    half = pd.Series(t_dist.ppf(0.5 + level / 2, n - 1), index=n.index) * g.std(ddof=1) / np.sqrt(n)
+    return g.mean(), half.fillna(0.0)
+
+
 def plot_active_learning(curves: pd.DataFrame, path: Path) -> None:
-    """Rows: methods; columns: the metrics; one line per acquisition strategy (mean over repeats, band = standard
-    error) against the number of labels acquired."""
+    """Rows: methods; columns: eval win rate and calibration (``truth/ece`` where the world knows the true
+    preference probability, else ``ece`` against the labels); one line per acquisition strategy (mean over repeats,
+    band = 95 % t-interval over repeats) against the number of labels acquired."""
     methods = list(dict.fromkeys(curves.run))
-    metrics = [c for c in ("win_rate", "truth/ece") if c in curves.columns]
     strategies = list(dict.fromkeys(curves.strategy))
     colors = _colors(strategies)
-    fig = Figure(figsize=(4.8 * len(metrics), 3.6 * len(methods)))
-    axes = fig.subplots(len(methods), len(metrics), squeeze=False)
+    repeats = int(curves.repeat.nunique()) if "repeat" in curves.columns else 1
+    fig = Figure(figsize=(9.6, 3.6 * len(methods) + 0.4))
+    axes = fig.subplots(len(methods), 2, squeeze=False)
     for row, method in zip(axes, methods):
         part = curves[curves.run == method]
-        for ax, metric in zip(row, metrics):
+        truth = "truth/ece" in part.columns and bool(part["truth/ece"].notna().any())
+        for ax, metric in zip(row, ("win_rate", "truth/ece" if truth else "ece")):
             for strategy in strategies:
-                g = part[part.strategy == strategy].groupby("labels")[metric]
-                mean, se = g.mean(), g.std(ddof=1) / np.sqrt(g.count())
+                mine = part[part.strategy == strategy]
+                mean, half = mean_and_t_band(mine[metric], mine["labels"])
                 ax.plot(mean.index, mean.values, marker="o", markersize=3, color=colors[strategy], label=strategy)
-                ax.fill_between(mean.index, mean - se.fillna(0), mean + se.fillna(0), color=colors[strategy],
-                                alpha=0.15, linewidth=0)
+                ax.fill_between(mean.index, mean - half, mean + half, color=colors[strategy], alpha=0.15,
+                                linewidth=0)
+            ax.fill_between([], [], [], color="0.5", alpha=0.3, linewidth=0,
+                            label=f"95 % t-interval, {repeats} repeats")
             ax.set_title(f"{method}: {metric}")
             ax.set_xlabel("labelled pairs")
             ax.set_ylabel(metric)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, loc="best")
-    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.08, top=0.95, wspace=0.3, hspace=0.4)
+    fig.suptitle(f"active learning: mean over {repeats} repeats, bands = 95 % confidence intervals (Student's t)",
+                 fontsize=9)
+    top = 1 - 0.45 / fig.get_figheight()
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.08, top=top - 0.05, wspace=0.3, hspace=0.45)
+    save_figure(fig, Path(path))
+
+
+def plot_overoptimization(summary: pd.DataFrame, axis: str, path: Path) -> None:
+    """Rows: splits; columns: peak gold (mean selection) and the fall after the peak, against the shortcut's
+    strength ``axis``. One colour per method: a small dot per run seed, the line through the mean over seeds; the
+    methods are shifted a little along x so that their points do not hide each other."""
+    splits = list(dict.fromkeys(summary.split))
+    methods = list(dict.fromkeys(summary.method))
+    colors = _colors(methods)
+    strengths = np.sort(summary[axis].unique())
+    step = np.diff(strengths).min() if len(strengths) > 1 else 1.0
+    shift = {m: (i - (len(methods) - 1) / 2) * 0.06 * step for i, m in enumerate(methods)}
+    panels = (("gold_best", "peak gold of the pick (mean selection)"),
+              ("fall_after_peak", "fall after the peak (peak - trough gold)"))
+    fig = Figure(figsize=(5.4 * len(panels), 4.2 * len(splits)))
+    axes = fig.subplots(len(splits), len(panels), squeeze=False)
+    for row, split in zip(axes, splits):
+        part = summary[summary.split == split]
+        for ax, (column, label) in zip(row, panels):
+            for method in methods:
+                runs = part[part.method == method]
+                mean = runs.groupby(axis)[column].mean()
+                ax.scatter(runs[axis] + shift[method], runs[column], s=14, color=colors[method], alpha=0.6,
+                           linewidths=0)
+                ax.plot(mean.index + shift[method], mean.values, "-o", color=colors[method], markersize=5,
+                        label=f"{method} (mean of {runs.seed.nunique()} seeds)")
+            if column == "fall_after_peak":
+                ax.axhline(0.0, color="0.5", linewidth=0.8)
+            ax.set_xticks(strengths)
+            ax.set_title(f"{split}: {label}", fontsize=10)
+            ax.set_xlabel(f"dataset.{axis} (shortcut strength)")
+            ax.set_ylabel("gold reward")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="best", framealpha=0.9)
+    fig.suptitle("Best-of-n overoptimization vs the shortcut's strength (dots: seeds; lines: mean)", fontsize=11)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.1, top=0.88, wspace=0.25, hspace=0.45)
+    save_figure(fig, Path(path))
+
+
+def plot_shortcut(bins: pd.DataFrame, shortcut: pd.DataFrame, axis: str, path: Path, min_count: int = 10) -> None:
+    """Rows: methods; columns: per feature, u / median u and r (z-score over the run's candidates) against the
+    feature's value, one colour per shortcut strength (candidates pooled over seeds; values held by fewer than
+    ``min_count`` candidates left out), solid for eval and dashed for the other splits; the dotted vertical line is
+    the training maximum of the feature."""
+    methods = list(dict.fromkeys(bins.method))
+    features = list(dict.fromkeys(bins.feature))
+    strengths = np.sort(bins[axis].unique())
+    cmap = colormaps["viridis"]
+    colors = {s: cmap(i / max(len(strengths) - 1, 1) * 0.9) for i, s in enumerate(strengths)}
+    panels = [(f, column, label) for f in features
+              for column, label in (("u_norm", "u / median u"), ("r_z", "r (z-score)"))]
+    fig = Figure(figsize=(4.0 * len(panels), 3.3 * len(methods)))
+    axes = fig.subplots(len(methods), len(panels), squeeze=False)
+    keys = ["method", axis, "split", "feature", "value"]
+    weighted = bins.assign(u_norm=bins.u_norm * bins["count"], r_z=bins.r_z * bins["count"])
+    pooled = weighted.groupby(keys, sort=False)[["count", "u_norm", "r_z"]].sum().reset_index()
+    pooled[["u_norm", "r_z"]] = pooled[["u_norm", "r_z"]].div(pooled["count"], axis=0)
+    pooled = pooled[pooled["count"] >= min_count]
+    for row, method in zip(axes, methods):
+        for ax, (feature, column, label) in zip(row, panels):
+            part = pooled[(pooled.method == method) & (pooled.feature == feature)]
+            for (strength, split), line in part.groupby([axis, "split"], sort=True):
+                line = line.sort_values("value")
+                ax.plot(line.value, line[column], "-" if split == "eval" else "--", marker="o", markersize=2.5,
+                        color=colors[strength], label=f"{axis}={strength:g} ({split})")
+            limits = shortcut[(shortcut.method == method) & (shortcut.feature == feature)].train_max.dropna()
+            for top in limits.unique():
+                ax.axvline(top, color="k", linestyle=":", linewidth=1.0)
+            ax.axhline(1.0 if column == "u_norm" else 0.0, color="0.6", linewidth=0.6)
+            ax.set_title(f"{method}: {label} vs {feature}", fontsize=9)
+            ax.set_xlabel(f"{feature} (dotted: training max)", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6, loc="best", framealpha=0.9)
+    fig.suptitle("Does u rise on the candidates that exploit the shortcut? Mean u and r per feature value",
+                 fontsize=11)
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.07, top=0.92, wspace=0.25, hspace=0.5)
+    save_figure(fig, Path(path))
+
+
+def plot_selection_vs_loss(summary: pd.DataFrame, corr: pd.DataFrame, metrics, loss: str, split: str,
+                           path: Path) -> None:
+    """One panel per run metric: each run's metric (x) against its downstream ``loss`` (y) on ``split``, one colour
+    per method; the title gives Spearman's rho across the runs, its p-value and the number of runs."""
+    part = summary[summary.split == split]
+    methods = list(dict.fromkeys(part.method))
+    colors = _colors(methods)
+    fig = Figure(figsize=(3.8 * len(metrics), 3.8))
+    axes = fig.subplots(1, len(metrics), squeeze=False)[0]
+    for ax, metric in zip(axes, metrics):
+        for method in methods:
+            runs = part[part.method == method]
+            ax.scatter(runs[metric], runs[loss], s=22, color=colors[method], label=method)
+        stat = corr[(corr.split == split) & (corr.downstream == loss) & (corr.run_metric == metric)]
+        rho, p, n = ((stat.spearman.iloc[0], stat.p_value.iloc[0], int(stat.runs.iloc[0])) if not stat.empty
+                     else (np.nan, np.nan, 0))
+        ax.set_title(f"{metric}\nrho = {rho:.2f}, p = {p:.2g}, n = {n}", fontsize=9)
+        ax.set_xlabel(f"{metric} ({split}, the run's own)", fontsize=8)
+        ax.set_ylabel(f"{loss} ({split})", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.15, top=0.82, wspace=0.3)
     save_figure(fig, Path(path))

@@ -1,10 +1,12 @@
-"""The trained runs a downstream task studies, and the synthetic world they were trained in.
+"""The trained runs a downstream task studies, and the world they were trained in.
 
-Downstream tasks need the true reward, so they accept runs trained on the synthetic world (``dataset=synthetic``):
-the world is rebuilt from the run's own dataset config, so candidates and labels come from the distribution the
-model was trained on. ``run=`` may name run folders or sweep folders; every completed run below them is used, and
-runs that did not complete are listed and skipped (a failed point of a sweep does not stop the study). A run's
-config is read as any run folder is (``read_run_config``): it builds only this package's methods and loaders.
+Downstream tasks need a gold reward, so they accept runs trained on the synthetic world (``dataset=synthetic``, its
+true reward) or on the VADER sentences (``dataset=vader_pairs``, or ``vader_ratings`` for BoRP: the crowd's mean
+rating, :mod:`~rewarduq_exp.downstream.vader_gold`). The world is rebuilt from the run's own dataset config, so
+candidates and labels come from the distribution the model was trained on. ``run=`` may name run folders or sweep
+folders; every completed run below them is used, and runs that did not complete are listed and skipped (a failed
+point of a sweep does not stop the study). A run's config is read as any run folder is (``read_run_config``): it
+builds only this package's methods and loaders.
 """
 
 from __future__ import annotations
@@ -13,15 +15,19 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.registry import build_loader, check_untrusted_dataset
 from rewarduq_exp.data.synthetic import SyntheticWorld
-from rewarduq_exp.runner.trained_run import read_run_config
+from rewarduq_exp.data.vader_ratings import VaderPairs, VaderRatings
+from rewarduq_exp.downstream.vader_gold import VaderGold
+from rewarduq_exp.runner.trained_run import read_run_config, run_cache_dir
 from rewarduq_exp.runs.run_records import RunRecord, find_runs
 
 SYNTHETIC_WORLD = f"{SyntheticWorld.__module__}.{SyntheticWorld.__qualname__}"
+VADER_WORLDS = {f"{c.__module__}.{c.__qualname__}" for c in (VaderPairs, VaderRatings)}
+ALLOWED = "dataset=synthetic (its true reward) or dataset=vader_pairs / vader_ratings (the human ratings)"
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -39,21 +45,29 @@ class WorldRun:
 
 def run_paths(run) -> list[str]:
     if run is None or (isinstance(run, str) and not run.strip()):
-        raise UserError("run= is missing; give a run folder or a sweep folder trained on dataset=synthetic "
-                        "(e.g. run=outputs/multirun/<sweep>)")
+        raise UserError("run= is missing; give a run folder or a sweep folder trained on dataset=synthetic or "
+                        "dataset=vader_pairs (e.g. run=outputs/multirun/<sweep>)")
     return [str(r) for r in run] if isinstance(run, (list, tuple, ListConfig)) else [str(run)]
 
 
-def world_of(config: DictConfig, config_path: Path | str = ".hydra/config.yaml") -> SyntheticWorld:
-    """The synthetic world of a run's config (``config_path``: the file it came from, named in errors). The
-    dataset node is a run folder's, so it may build only this package's loaders, and here only the world itself:
-    the class is compared by its full path, never by how its name ends."""
+def world_of(config: DictConfig, config_path: Path | str = ".hydra/config.yaml") -> SyntheticWorld | VaderGold:
+    """The world of a run's config (``config_path``: its ``.hydra/config.yaml``, named in errors). The dataset node
+    is a run folder's, so it may build only this package's loaders, and here only the worlds with a gold reward: the
+    class is compared by its full path, never by how its name ends."""
     check_untrusted_dataset(config.get("dataset"), str(config_path))
     target = config.dataset.get("_target_")
-    world = build_loader(config.dataset) if target == SYNTHETIC_WORLD else None
-    if not isinstance(world, SyntheticWorld):
-        raise UserError(f"downstream tasks need runs trained on dataset=synthetic (they read its true reward); this "
-                        f"run was trained on dataset '{config.dataset.get('name')}'")
+    if target == SYNTHETIC_WORLD:
+        world = build_loader(config.dataset)
+    elif target in VADER_WORLDS:
+        # A relative cache_dir was relative to where the run was launched (the sdist is found there, no download)
+        node = OmegaConf.create(OmegaConf.to_container(config.dataset, resolve=True))
+        node.cache_dir = str(run_cache_dir(Path(config_path).parent.parent, str(node.cache_dir)))
+        world = VaderGold(build_loader(node))
+    else:
+        world = None
+    if not isinstance(world, (SyntheticWorld, VaderGold)):
+        raise UserError(f"downstream tasks need runs trained on {ALLOWED}; this run was trained on dataset "
+                        f"'{config.dataset.get('name')}'")
     return world
 
 
