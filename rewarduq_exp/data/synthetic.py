@@ -25,7 +25,8 @@ them (same draws).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -41,12 +42,17 @@ SPLITS = ("train", "eval", "ood")
 
 @dataclass
 class Candidates:
-    """Completions sampled for best-of-n: ``texts[p][i]`` answers ``prompts[p]`` and has true reward ``gold[p, i]``."""
+    """Completions sampled for best-of-n: ``texts[p][i]`` answers ``prompts[p]`` and has true reward ``gold[p, i]``.
+    ``features``: per-candidate values, each (P, N) like ``gold``, of features the true reward may ignore (e.g.
+    "words": length in words, "filler": occurrences of the filler word), to ask whether a proxy exploits them."""
 
     topic: np.ndarray          # (P,)
     prompts: list[list[dict]]  # P conversations
     texts: list[list[str]]     # P lists of N completion texts
     gold: np.ndarray           # (P, N) true rewards
+    features: dict[str, np.ndarray] = field(default_factory=dict)
+
+
 # Exponent of the candidates' filler shares (share = candidate_filler_share * U ** FILLER_TAIL, U uniform).
 FILLER_TAIL = 12
 
@@ -189,6 +195,21 @@ class SyntheticWorld:
     def _text(self, tokens: np.ndarray, length: int) -> str:
         return " ".join(self.words[t] for t in tokens[:length])
 
+    def text_features(self, texts) -> dict[str, np.ndarray]:
+        """The features the true reward ignores, read off completion texts (so candidates and training completions
+        are measured the same way): "words", the length in words, and "filler", the occurrences of the filler word."""
+        series = pd.Series(list(texts), dtype=object)
+        filler = re.escape(self.words[self.filler_word])
+        return {"words": series.str.count(r"\S+").to_numpy(np.int64),
+                "filler": series.str.count(rf"(?<!\S){filler}(?!\S)").to_numpy(np.int64)}
+
+    def training_feature_max(self) -> dict[str, float]:
+        """The largest value of each :meth:`text_features` feature over the training split's completions (chosen
+        and rejected): the range a proxy was trained on."""
+        frame = self.load(self.train_split)
+        texts = [messages[-1]["content"] for column in ("chosen", "rejected") for messages in frame[column]]
+        return {name: float(values.max()) for name, values in self.text_features(texts).items()}
+
     def prompt(self, topic: int) -> list[dict]:
         return [{"role": "user", "content": f"Topic {self.topics[topic]}: write a reply."}]
 
@@ -209,9 +230,10 @@ class SyntheticWorld:
             tokens = np.where(rng.random(tokens.shape) < share[:, None], self.filler_word, tokens)
         gold = self.true_reward(np.repeat(topic, n_candidates), tokens, lengths)
         texts = [self._text(tokens[i], lengths[i]) for i in range(len(tokens))]
+        features = {name: values.reshape(n_prompts, n_candidates) for name, values in self.text_features(texts).items()}
         return Candidates(topic=topic, prompts=[self.prompt(t) for t in topic],
                           texts=[texts[i * n_candidates:(i + 1) * n_candidates] for i in range(n_prompts)],
-                          gold=gold.reshape(n_prompts, n_candidates))
+                          gold=gold.reshape(n_prompts, n_candidates), features=features)
 
     def load(self, split: str) -> pd.DataFrame:
         if split not in SPLITS:
