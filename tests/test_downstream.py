@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import ROOT
+from scipy.stats import spearmanr
 from test_cli import NO_FIGURES, run
 
 from rewarduq_exp.core.errors import UserError
@@ -95,6 +96,100 @@ def test_candidates_are_drawn_from_the_split_and_carry_their_true_reward():
         world.candidates("test", 1, 1)
 
 
+def test_candidate_features_equal_a_count_by_hand():
+    world = SyntheticWorld(n_train=40, n_eval=8, n_ood=8, filler_bias=1.0, candidate_filler_share=1.0)
+    cand = world.candidates("eval", 3, 40)
+    filler = world.words[world.filler_word]
+    words = np.array([[len(t.split()) for t in group] for group in cand.texts])
+    fillers = np.array([[t.split().count(filler) for t in group] for group in cand.texts])
+    assert set(cand.features) == {"words", "filler"}
+    np.testing.assert_array_equal(cand.features["words"], words)
+    np.testing.assert_array_equal(cand.features["filler"], fillers)
+    assert fillers.max() > 0  # the stuffed candidates are there to count
+    # A word that merely contains the filler is not an occurrence of it.
+    assert world.text_features([f"{filler} x{filler} {filler}y {filler}"])["filler"].tolist() == [2]
+    frame = world.load("train")
+    texts = [m[-1]["content"] for col in ("chosen", "rejected") for m in frame[col]]
+    assert world.training_feature_max() == {"words": max(len(t.split()) for t in texts),
+                                            "filler": max(t.split().count(filler) for t in texts)}
+
+
+def toy_curves(mean_gold, ns):
+    """Curves of every rule with the given mean-selection gold (the other rules copy it)."""
+    rows = [{"selection": sel, "k": k, "n": n, "kl": float(kl_best_of_n(n)), "gold": g, "gold_se": 0.0, "reward": g}
+            for sel, k in (("mean", 0.0), ("conservative", 1.0), ("optimistic", 1.0), ("oracle", 0.0))
+            for n, g in zip(ns, mean_gold)]
+    return pd.DataFrame(rows)
+
+
+def test_fall_after_peak_and_trough_by_hand():
+    # Rises to 3 at n=2, falls to 0.5 at n=8, recovers to 1.5 at n=16: the fall is 2.5, the gap to n_max only 1.5.
+    s = curve_summary(toy_curves([1.0, 3.0, 2.0, 0.5, 1.5], [1, 2, 4, 8, 16]), 1.0)
+    assert (s["best_n"], s["trough_n"]) == (2, 8)
+    assert s["fall_after_peak"] == pytest.approx(2.5) and s["overopt_gap"] == pytest.approx(1.5)
+    assert s["gold_trough"] == pytest.approx(0.5)
+    rising = curve_summary(toy_curves([1.0, 2.0, 3.0], [1, 2, 4]), 1.0)
+    assert (rising["best_n"], rising["trough_n"], rising["fall_after_peak"]) == (4, 4, 0.0)
+
+
+def test_shortcut_table_and_bins_by_hand():
+    from rewarduq_exp.downstream.shortcut import shortcut_bins, shortcut_table
+
+    filler = np.array([[0, 1, 2, 3, 4, 5]])
+    u = np.array([[1.0, 1.0, 2.0, 2.0, 4.0, 6.0]])       # median 2
+    reward = np.array([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
+    gold = np.array([[1.0, 1.0, 1.0, 0.0, 0.0, -1.0]])
+    table = shortcut_table(reward, u, gold, {"filler": filler, "words": np.full((1, 6), 9)},
+                           {"filler": 3.0, "words": 12.0}).set_index("feature")
+    row = table.loc["filler"]
+    assert (row.beyond, row.candidates, row.train_max) == (2, 6, 3.0)
+    assert row.u_inside == pytest.approx((0.5 + 0.5 + 1 + 1) / 4) and row.u_beyond == pytest.approx((2 + 3) / 2)
+    assert row.u_ratio == pytest.approx(2.5 / 0.75)
+    assert row.r_inside == pytest.approx(1.5) and row.r_beyond == pytest.approx(4.5)
+    assert row.gold_inside == pytest.approx(0.75) and row.gold_beyond == pytest.approx(-0.5)
+    assert row.rho_r == pytest.approx(1.0) and row.p_r < 0.01
+    assert row.rho_u == pytest.approx(spearmanr(filler.ravel(), u.ravel()).statistic)
+    words = table.loc["words"]  # constant and never beyond the training range: no correlation, no beyond side
+    assert words.beyond == 0 and np.isnan(words.rho_u) and np.isnan(words.u_beyond)
+    bins = shortcut_bins(reward, u, gold, {"filler": filler // 2 * 2}).set_index("value")
+    assert bins["count"].tolist() == [2, 2, 2]
+    assert bins.loc[4, "u_norm"] == pytest.approx(2.5) and bins.loc[0, "gold"] == pytest.approx(1.0)
+    np.testing.assert_allclose(bins.r_z, (np.array([0.5, 2.5, 4.5]) - 2.5) / reward.std())  # the bins' mean r
+
+
+def test_correlations_carry_p_values_and_need_three_runs():
+    from rewarduq_exp.downstream.best_of_n_task import DOWNSTREAM, RUN_METRICS, correlations
+
+    rng = np.random.default_rng(0)
+    summary = pd.DataFrame({c: rng.normal(size=5) for c in (*DOWNSTREAM, *RUN_METRICS)}).assign(split="eval")
+    corr = correlations(summary)
+    assert {"spearman", "p_value", "runs"} <= set(corr.columns) and (corr.runs == 5).all()
+    row = corr[(corr.downstream == "fall_after_peak") & (corr.run_metric == "ece")].iloc[0]
+    expected = spearmanr(summary.fall_after_peak, summary.ece)
+    assert row.spearman == pytest.approx(expected.statistic) and row.p_value == pytest.approx(expected.pvalue)
+    few = correlations(summary.head(2))
+    assert (few.runs == 2).all() and few.spearman.isna().all() and few.p_value.isna().all()
+
+
+def test_overoptimization_table_by_hand():
+    from rewarduq_exp.downstream.overoptimization import overoptimization_lines, overoptimization_table, strength_axis
+
+    summary = pd.DataFrame({
+        "split": "eval", "method": "m", "filler_bias": [0.0, 0.0, 1.0, 1.0, 2.0], "length_bias": 0.0,
+        "seed": [0, 1, 0, 1, 0], "gold_best": [4.0, 4.2, 2.0, 1.8, 1.5], "best_n": [64, 64, 4, 4, 2],
+        "trough_n": [64, 64, 64, 32, 64], "fall_after_peak": [0.0, 0.1, 1.0, 0.6, 1.2],
+        "gold_trough": [4.0, 4.1, 1.0, 1.2, 0.3]})
+    axis = strength_axis(summary)
+    table = overoptimization_table(summary, axis).set_index(axis)
+    assert axis == "filler_bias" and table.seeds.tolist() == [2, 2, 1]
+    assert table.loc[1.0, "fall_after_peak"] == pytest.approx(0.8)
+    assert table.loc[1.0, "seed_spread"] == pytest.approx(0.2)
+    assert table.loc[1.0, "exceeds"] and not table.loc[0.0, "exceeds"]  # 0.05 < spread 0.1
+    assert not table.loc[2.0, "exceeds"] and table.loc[1.0, "trough_n"] == "64,32"
+    lines = overoptimization_lines(table.reset_index(), axis)
+    assert len(lines) == 3 and "one seed" in lines[2] and "exceeds the spread" in lines[1]
+
+
 SMALL = ["dataset.n_train=300", "dataset.n_eval=60", "dataset.n_ood=40", "progress=false", *NO_FIGURES]
 
 
@@ -153,9 +248,20 @@ def test_best_of_n_end_to_end_on_a_sweep(sweep, shared_cache):
         assert (top.gold <= top[top.selection == "oracle"].gold.iloc[0] + 1e-9).all()
     assert len(summary) == 4 and (summary.overopt_gap >= 0).all()
     assert {"rs_0.2", "ece"} <= set(summary.columns) and summary["rs_0.2"].notna().all()
-    assert (out / "best_of_n.png").stat().st_size > 10_000
-    assert "the selection rule picks" in proc.stdout and "overopt_gap" in proc.stdout
-    assert set(pd.read_csv(out / "correlation.csv").run_metric) >= {"rs_0.2", "ece"}
+    assert {"fall_after_peak", "trough_n", "filler_bias", "length_bias", "candidate_filler_share", "seed"} <= set(
+        summary.columns) and (summary.fall_after_peak >= summary.overopt_gap - 1e-12).all()
+    assert {"filler_bias", "seed"} <= set(curves.columns)
+    for figure in ("best_of_n", "overoptimization", "shortcut", "selection_vs_loss"):
+        assert (out / f"{figure}.png").stat().st_size > 10_000, figure
+    assert "the selection rule picks" in proc.stdout and "fall_after_peak" in proc.stdout
+    corr = pd.read_csv(out / "correlation.csv")
+    assert set(corr.run_metric) >= {"rs_0.2", "ece", "ebce"} and {"p_value", "runs"} <= set(corr.columns)
+    assert (corr.runs == 2).all() and corr.p_value.isna().all()  # two runs: no correlation to speak of
+    shortcut = pd.read_csv(out / "shortcut.csv")
+    assert set(shortcut.feature) == {"words", "filler"} and len(shortcut) == 2 * 2 * 2  # runs x splits x features
+    assert (shortcut.candidates == 4 * 32).all() and shortcut.train_max.notna().all()
+    assert len(pd.read_csv(out / "overoptimization.csv")) == 4  # splits x methods, one strength
+    assert not pd.read_csv(out / "shortcut_bins.csv").empty
 
 
 def test_active_learning_end_to_end(sweep, shared_cache):

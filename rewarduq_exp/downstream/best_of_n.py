@@ -100,6 +100,10 @@ def curve_summary(curves: pd.DataFrame, k_compare: float) -> dict[str, float]:
     - ``gold_n1``: gold reward at n = 1 (the base policy); ``gold_nmax``: at the largest n, mean selection;
     - ``best_n`` / ``gold_best``: the n where the mean-selection curve peaks and its gold reward;
     - ``overopt_gap`` = gold_best - gold_nmax (>= 0; 0 when the curve still rises at n_max);
+    - ``trough_n`` / ``gold_trough``: the n from the peak on where the mean-selection curve is lowest, and its gold;
+      ``fall_after_peak`` = gold_best - gold_trough (>= 0; 0 when gold never drops below the peak after it). A curve
+      that falls and then recovers at large n (candidates good enough to outweigh the shortcut turn up) falls by
+      more than ``overopt_gap`` says;
     - ``conservative_gain``: area between the conservative (k = ``k_compare``) and mean curves over KL, divided by
       the KL range (the average gold gained by penalising uncertainty; < 0: it hurts);
       ``optimistic_gain`` likewise for r + k u; ``conservative_gain_nmax``: the difference at n_max;
@@ -120,13 +124,18 @@ def curve_summary(curves: pd.DataFrame, k_compare: float) -> dict[str, float]:
         diff = other.gold.to_numpy() - mean.gold.to_numpy()
         return float(np.trapezoid(diff, kl) / span) if span > 0 else float(diff[0])
 
-    best = int(mean.gold.to_numpy().argmax())
+    gold = mean.gold.to_numpy()
+    best = int(gold.argmax())
+    trough = best + int(gold[best:].argmin())
     return {
-        "gold_n1": float(mean.gold.iloc[0]),
-        "gold_nmax": float(mean.gold.iloc[-1]),
+        "gold_n1": float(gold[0]),
+        "gold_nmax": float(gold[-1]),
         "best_n": int(mean.n.iloc[best]),
-        "gold_best": float(mean.gold.iloc[best]),
-        "overopt_gap": float(mean.gold.iloc[best] - mean.gold.iloc[-1]),
+        "gold_best": float(gold[best]),
+        "overopt_gap": float(gold[best] - gold[-1]),
+        "trough_n": int(mean.n.iloc[trough]),
+        "gold_trough": float(gold[trough]),
+        "fall_after_peak": float(gold[best] - gold[trough]),
         "conservative_gain": area(cons),
         "conservative_gain_nmax": float(cons.gold.iloc[-1] - mean.gold.iloc[-1]),
         "optimistic_gain": area(opt),

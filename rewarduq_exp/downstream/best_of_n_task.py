@@ -1,12 +1,16 @@
-"""``python downstream.py task=best_of_n run=<run or sweep>``: best-of-n curves of every run, their summary, and
-whether the paper's selection statistics (RS_0.2, ECE) predict who is best downstream.
+"""``python downstream.py task=best_of_n run=<run or sweep>``: best-of-n curves of every run, their summary, how far
+gold falls after its peak per shortcut strength, whether u rises on the candidates that exploit the shortcut, and
+whether the paper's selection statistics (RS_0.2, ECE, EBCE) predict who loses least downstream.
 
 Per run and split, ``task.prompts`` x ``task.n_max`` candidates are drawn from the run's own synthetic world and
 scored in one batched call; the features go through the disk feature cache, so runs of a sweep that share a backbone
 and probe (ENS-MLP, BAY-LIN) extract them once. Outputs in the task folder: ``curves.csv`` (gold vs n and KL for
-every run, split, selection rule and k), ``summary.csv`` (:func:`curve_summary` per run and split),
-``correlation.csv`` (Spearman across runs of the downstream scalars with the runs' own eval metrics),
-``best_of_n.png``.
+every run, split, selection rule and k, with the run's world settings and seed), ``summary.csv``
+(:func:`curve_summary` per run and split, the same settings and the run's own metrics), ``overoptimization.csv``
+(per method and strength: the fall after the peak against the seed spread), ``shortcut.csv`` and
+``shortcut_bins.csv`` (u and r against the candidates' shortcut features), ``correlation.csv`` (Spearman across runs
+of the downstream scalars with the runs' own eval metrics, with p-values), and the figures ``best_of_n.png``,
+``overoptimization.png``, ``shortcut.png``, ``selection_vs_loss.png``.
 """
 
 from __future__ import annotations
@@ -27,14 +31,23 @@ from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.synthetic import SPLITS
 from rewarduq_exp.downstream.best_of_n import best_of_n_curves, curve_summary, powers_of_two
-from rewarduq_exp.downstream.figures import plot_best_of_n
+from rewarduq_exp.downstream.figures import plot_best_of_n, plot_overoptimization, plot_selection_vs_loss, plot_shortcut
+from rewarduq_exp.downstream.overoptimization import (
+    overoptimization_lines,
+    overoptimization_table,
+    strength_axis,
+    world_settings,
+)
+from rewarduq_exp.downstream.shortcut import shortcut_bins, shortcut_table
 from rewarduq_exp.downstream.world_runs import WorldRun, completed_world_runs, world_of
 from rewarduq_exp.runner.trained_run import load_trained_method
 
 log = logging.getLogger("rewarduq_exp")
 # The runs' own statistics that the downstream scalars are correlated with (higher RS and lower ECE are "better").
 RUN_METRICS = ("win_rate", DEFAULT_RANK, "ece", "ebce", "truth/ece")
-DOWNSTREAM = ("gold_nmax", "overopt_gap", "conservative_gain")
+# The downstream losses (and gains) they are correlated with; fall_after_peak is the one the figure shows.
+DOWNSTREAM = ("fall_after_peak", "overopt_gap", "gold_nmax", "conservative_gain")
+LOSS = "fall_after_peak"
 
 
 def check_settings(task) -> tuple[list[int], list[float], list[str]]:
@@ -62,12 +75,16 @@ def score_candidates(model: RewardModel, candidates) -> tuple[np.ndarray, np.nda
 
 
 def run_curves(run: WorldRun, task, ns, ks, splits, *, device: str, progress: bool, cache_dir=None,
-               trust_remote_code: bool = False) -> pd.DataFrame:
+               trust_remote_code: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The run's best-of-n curves, its shortcut table and the shortcut bins, on every split; each row carries the
+    run, its method, the split and the run's world settings and seed."""
     trained = load_trained_method(run.path, device=device, progress=progress, batch_size=task.get("batch_size"),
                                   cache_dir=cache_dir, trust_remote_code=trust_remote_code)
     model = RewardModel(trained.method, run.path, trained.config)
     world = world_of(run.config, run.path / ".hydra" / "config.yaml")
-    parts = []
+    train_max = world.training_feature_max()
+    tags = {"run": run.label, "method": run.record.method, **world_settings(run.config)}
+    parts, shortcuts, bins = [], [], []
     for split in splits:
         candidates = world.candidates(split, int(task.prompts), ns[-1], seed=int(task.seed))
         t0 = time.perf_counter()
@@ -76,8 +93,11 @@ def run_curves(run: WorldRun, task, ns, ks, splits, *, device: str, progress: bo
         log.info("%s %s: %d candidates scored in %.1f s (%.0f candidates/s)", run.label, split, reward.size,
                  seconds, reward.size / max(seconds, 1e-9))
         curves = best_of_n_curves(reward, u, candidates.gold, ks, ns)
-        parts.append(curves.assign(run=run.label, method=run.record.method, split=split, path=str(run.path)))
-    return pd.concat(parts, ignore_index=True)
+        parts.append(curves.assign(**tags, split=split, path=str(run.path)))
+        shortcuts.append(shortcut_table(reward, u, candidates.gold, candidates.features, train_max)
+                         .assign(**tags, split=split))
+        bins.append(shortcut_bins(reward, u, candidates.gold, candidates.features).assign(**tags, split=split))
+    return tuple(pd.concat(p, ignore_index=True) for p in (parts, shortcuts, bins))
 
 
 def summarise(curves: pd.DataFrame, runs: list[WorldRun], k_compare: float) -> pd.DataFrame:
@@ -86,23 +106,25 @@ def summarise(curves: pd.DataFrame, runs: list[WorldRun], k_compare: float) -> p
         for split, c in curves[curves.run == run.label].groupby("split", sort=False):
             eval_metrics = run.record.metrics.get(f"{run.config.dataset.name}_{split}", {})
             rows.append({"run": run.label, "method": run.record.method, "split": split,
-                         **curve_summary(c, k_compare),
+                         **world_settings(run.config), **curve_summary(c, k_compare),
                          **{m: eval_metrics.get(m, np.nan) for m in RUN_METRICS}})
     return pd.DataFrame(rows)
 
 
 def correlations(summary: pd.DataFrame) -> pd.DataFrame:
-    """Spearman correlation across runs, per split, of each downstream scalar with each run metric (NaN with
-    fewer than three runs: two points always correlate perfectly)."""
+    """Spearman correlation across runs, per split, of each downstream scalar with each run metric, its p-value and
+    the number of runs (``runs``) with both values (NaN with fewer than three: two points always correlate
+    perfectly)."""
     rows = []
     for split, s in summary.groupby("split", sort=False):
         for d in DOWNSTREAM:
             for m in RUN_METRICS:
                 x, y = s[d].to_numpy(float), s[m].to_numpy(float)
                 ok = np.isfinite(x) & np.isfinite(y)
-                rho = spearmanr(x[ok], y[ok]).statistic if ok.sum() >= 3 else np.nan
+                result = spearmanr(x[ok], y[ok]) if ok.sum() >= 3 else None
+                rho, p = (result.statistic, result.pvalue) if result is not None else (np.nan, np.nan)
                 rows.append({"split": split, "downstream": d, "run_metric": m, "spearman": float(rho),
-                             "runs": int(ok.sum())})
+                             "p_value": float(p), "runs": int(ok.sum())})
     return pd.DataFrame(rows)
 
 
@@ -123,29 +145,70 @@ def selection_check(summary: pd.DataFrame, split: str) -> str:
             f"of {len(ranked)} (best: {ranked[0]})")
 
 
-def summary_text(summary: pd.DataFrame) -> str:
-    cols = ["gold_n1", "gold_best", "best_n", "gold_nmax", "overopt_gap", "conservative_gain",
+def summary_text(summary: pd.DataFrame, axis: str) -> str:
+    cols = ["gold_n1", "gold_best", "best_n", "trough_n", "fall_after_peak", "gold_nmax", "conservative_gain",
             "conservative_gain_nmax", "optimistic_gain", "oracle_nmax", DEFAULT_RANK, "ece"]
-    rows = [[r.run, r.split, *(fmt_number(r[c], 3) if c != "best_n" else str(r[c]) for c in cols)]
-            for _, r in summary.iterrows()]
-    return text_table(["run", "split", *cols], rows)
+    rows = [[r.method, f"{r[axis]:g}", str(r.seed), r.split,
+             *(str(r[c]) if c.endswith("_n") else fmt_number(r[c], 3) for c in cols)] for _, r in summary.iterrows()]
+    return text_table(["method", axis, "seed", "split", *cols], rows)
+
+
+def shortcut_lines(shortcut: pd.DataFrame, axis: str) -> list[str]:
+    """Per split, method, strength and feature (means over seeds): how many candidates lie beyond the training
+    maximum, how much larger their u is (over the median u), how much more the proxy rewards them, and Spearman of
+    u and r with the feature (the largest p-value over seeds)."""
+    grouped = shortcut.groupby(["split", "method", axis, "feature"], sort=False)
+    table = grouped.agg(seeds=("seed", "size"), train_max=("train_max", "max"), beyond=("beyond", "mean"),
+                        candidates=("candidates", "mean"), u_ratio=("u_ratio", "mean"), r_inside=("r_inside", "mean"),
+                        r_beyond=("r_beyond", "mean"), rho_u=("rho_u", "mean"), p_u=("p_u", "max"),
+                        rho_r=("rho_r", "mean"), p_r=("p_r", "max")).reset_index()
+    return [f"{r.split} {r.method} {axis}={r[axis]:g} {r.feature} ({r.seeds} seeds): {r.beyond:.0f} of "
+            f"{r.candidates:.0f} candidates beyond the training max {r.train_max:g}; u beyond / inside "
+            f"{fmt_number(r.u_ratio, 3)}, r inside {fmt_number(r.r_inside, 3)} beyond {fmt_number(r.r_beyond, 3)}; "
+            f"Spearman with the feature: u {fmt_number(r.rho_u, 3)} (p <= {fmt_number(r.p_u, 2)}), r "
+            f"{fmt_number(r.rho_r, 3)} (p <= {fmt_number(r.p_r, 2)})" for _, r in table.iterrows()]
+
+
+def loss_split(splits: list[str]) -> str:
+    """The split whose losses the selection statistics are checked against: eval when it was measured."""
+    return "eval" if "eval" in splits else splits[0]
+
+
+def selection_lines(corr: pd.DataFrame, split: str) -> list[str]:
+    part = corr[(corr.split == split) & (corr.downstream == LOSS)]
+    return [f"{r.run_metric} vs {LOSS} ({split}): Spearman rho {fmt_number(r.spearman, 3)}, p "
+            f"{fmt_number(r.p_value, 3)}, n = {r.runs} runs" for _, r in part.iterrows()]
 
 
 def best_of_n(cfg, out_dir: Path) -> dict:
     ns, ks, splits = check_settings(cfg.task)
     runs = completed_world_runs(cfg.run)
     cache_dir = cfg.paths.get("cache_dir")
-    curves = pd.concat([run_curves(r, cfg.task, ns, ks, splits, device=str(cfg.device), progress=bool(cfg.progress),
-                                   cache_dir=cache_dir, trust_remote_code=cfg.get("trust_remote_code", False))
-                        for r in runs], ignore_index=True)
+    parts = [run_curves(r, cfg.task, ns, ks, splits, device=str(cfg.device), progress=bool(cfg.progress),
+                        cache_dir=cache_dir, trust_remote_code=cfg.get("trust_remote_code", False)) for r in runs]
+    curves, shortcut, bins = (pd.concat(p, ignore_index=True) for p in zip(*parts))
     summary = summarise(curves, runs, float(cfg.task.k_compare))
+    axis = strength_axis(summary)
+    overopt = overoptimization_table(summary, axis)
     corr = correlations(summary)
-    for name, table in (("curves", curves), ("summary", summary), ("correlation", corr)):
+    tables = {"curves": curves, "summary": summary, "overoptimization": overopt, "shortcut": shortcut,
+              "shortcut_bins": bins, "correlation": corr}
+    for name, table in tables.items():
         write_atomic(out_dir / f"{name}.csv", table.to_csv(index=False))
-    plot_best_of_n(curves, out_dir / "best_of_n.png", k=float(cfg.task.k_compare))
+    k = float(cfg.task.k_compare)
+    plot_best_of_n(curves, out_dir / "best_of_n.png", k=k, axis=axis)
+    plot_overoptimization(summary, overopt, axis, out_dir / "overoptimization.png")
+    plot_shortcut(bins, shortcut, axis, out_dir / "shortcut.png")
+    split = loss_split(splits)
+    plot_selection_vs_loss(summary, corr, RUN_METRICS, LOSS, split, out_dir / "selection_vs_loss.png")
     checks = [selection_check(summary, s) for s in splits]
-    print(summary_text(summary), flush=True)
-    for line in filter(None, checks):
-        print(line, flush=True)
-    print(f"curves, summary and figure in {out_dir}", flush=True)
-    return {"summary": summary, "curves": curves, "correlation": corr, "selection": checks}
+    print(summary_text(summary, axis), flush=True)
+    sections = (("overoptimization (fall after the peak vs the seed spread):", overoptimization_lines(overopt, axis)),
+                ("shortcut (is u higher on candidates beyond the training range?):", shortcut_lines(shortcut, axis)),
+                ("selection rule:", list(filter(None, checks))),
+                ("selection statistics vs the loss, across runs:", selection_lines(corr, split)))
+    for title, lines in sections:
+        print(title, *lines, sep="\n", flush=True)
+    print(f"tables and figures in {out_dir}", flush=True)
+    return {"summary": summary, "curves": curves, "correlation": corr, "selection": checks,
+            "overoptimization": overopt, "shortcut": shortcut}

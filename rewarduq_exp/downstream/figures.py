@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from scipy.stats import t as t_dist
 
 from rewarduq_exp.metrics.diagrams import save_figure
@@ -21,9 +22,19 @@ def _colors(labels) -> dict:
     return {label: cmap(i % 10) for i, label in enumerate(labels)}
 
 
-def plot_best_of_n(curves: pd.DataFrame, path: Path, k: float) -> None:
-    """One panel per split: gold reward of the best-of-n pick vs KL(best-of-n), one colour per run, line style per
-    selection rule (mean solid, conservative r - k u dashed, optimistic r + k u dotted), the oracle in grey."""
+def _strength_colors(strengths) -> dict:
+    cmap = colormaps["viridis"]
+    return {s: cmap(i / max(len(strengths) - 1, 1) * 0.9) for i, s in enumerate(strengths)}
+
+
+def plot_best_of_n(curves: pd.DataFrame, path: Path, k: float, axis: str | None = None) -> None:
+    """Gold reward of the best-of-n pick vs KL(best-of-n), line style per selection rule (mean solid, conservative
+    r - k u dashed, optimistic r + k u dotted), the oracle in grey. With one run per method: one panel per split, one
+    colour per run. A sweep (methods repeated over seeds and the shortcut's strength ``axis``): a panel per split and
+    method, one colour per strength, each curve the mean over seeds with the seeds' range shaded (mean rule)."""
+    if axis is not None and curves.groupby("method").run.nunique().max() > 1:
+        _plot_best_of_n_sweep(curves, path, k, axis)
+        return
     splits = list(dict.fromkeys(curves.split))
     runs = list(dict.fromkeys(curves.run))
     colors = _colors(runs)
@@ -67,6 +78,56 @@ def mean_and_t_band(values: pd.Series, by: pd.Series, level: float = 0.95) -> tu
     return g.mean(), half.fillna(0.0)
 
 
+def _top_legend(fig: Figure, handles: list) -> None:
+    """One legend for every panel, in rows under the title (about 1.7 inches an entry), with the panels below it."""
+    ncol = max(1, min(len(handles), int(fig.get_figwidth() / 1.7)))
+    rows = -(-len(handles) // ncol)
+    height = fig.get_figheight()
+    fig.legend(handles=handles, loc="upper center", ncol=ncol, fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 1 - 0.45 / height))
+    fig.subplots_adjust(top=1 - (0.75 + 0.2 * rows) / height)
+
+
+def _plot_best_of_n_sweep(curves: pd.DataFrame, path: Path, k: float, axis: str) -> None:
+    splits = list(dict.fromkeys(curves.split))
+    methods = list(dict.fromkeys(curves.method))
+    strengths = np.sort(curves[axis].unique())
+    colors = _strength_colors(strengths)
+    fig = Figure(figsize=(4.6 * len(methods), 4.0 * len(splits)))
+    axes = fig.subplots(len(splits), len(methods), squeeze=False)
+    for row, split in zip(axes, splits):
+        for ax, method in zip(row, methods):
+            part = curves[(curves.split == split) & (curves.method == method)]
+            oracle = part[part.selection == "oracle"].groupby("kl").gold.mean()
+            ax.plot(oracle.index, oracle.values, color="0.6", linewidth=1.0)
+            for strength in strengths:
+                for selection, style in STYLE.items():
+                    c = part[(part[axis] == strength) & (part.selection == selection)
+                             & np.isclose(part.k, 0.0 if selection == "mean" else k)]
+                    if c.empty:
+                        continue
+                    g = c.groupby("kl").gold
+                    mean = g.mean()
+                    ax.plot(mean.index, mean.values, style, color=colors[strength], linewidth=1.3,
+                            marker="o" if selection == "mean" else None, markersize=2.5)
+                    if selection == "mean":
+                        ax.fill_between(mean.index, g.min(), g.max(), color=colors[strength], alpha=0.15,
+                                        linewidth=0)
+            ax.set_title(f"{split}: {method}", fontsize=10)
+            ax.set_xlabel("KL(best-of-n) [nats]", fontsize=8)
+            ax.set_ylabel("gold reward of the pick", fontsize=8)
+            ax.grid(alpha=0.3)
+    handles = [Line2D([], [], color=colors[s], marker="o", markersize=3, label=f"{axis}={s:g}") for s in strengths]
+    handles += [Line2D([], [], color="0.6", label="oracle"), Line2D([], [], color="k", linestyle="-", label="mean r"),
+                Line2D([], [], color="k", linestyle="--", label=f"conservative r - {k:g}u"),
+                Line2D([], [], color="k", linestyle=":", label=f"optimistic r + {k:g}u")]
+    _top_legend(fig, handles)
+    top = int(curves.n.max())
+    fig.suptitle(f"Best-of-n, n = 1..{top}: mean over seeds (shaded: the seeds' range, mean r)", fontsize=11)
+    fig.subplots_adjust(left=0.07, right=0.99, bottom=0.08, wspace=0.25, hspace=0.35)
+    save_figure(fig, Path(path))
+
+
 def plot_active_learning(curves: pd.DataFrame, path: Path) -> None:
     """Rows: methods; columns: eval win rate and calibration (``truth/ece`` where the world knows the true
     preference probability, else ``ece`` against the labels); one line per acquisition strategy (mean over repeats,
@@ -101,10 +162,11 @@ def plot_active_learning(curves: pd.DataFrame, path: Path) -> None:
     save_figure(fig, Path(path))
 
 
-def plot_overoptimization(summary: pd.DataFrame, axis: str, path: Path) -> None:
+def plot_overoptimization(summary: pd.DataFrame, table: pd.DataFrame, axis: str, path: Path) -> None:
     """Rows: splits; columns: peak gold (mean selection) and the fall after the peak, against the shortcut's
     strength ``axis``. One colour per method: a small dot per run seed, the line through the mean over seeds; the
-    methods are shifted a little along x so that their points do not hide each other."""
+    methods are shifted a little along x so that their points do not hide each other. In the fall panel the mean is
+    a filled marker where it exceeds the seed spread (``table.exceeds``), a hollow one where it does not."""
     splits = list(dict.fromkeys(summary.split))
     methods = list(dict.fromkeys(summary.method))
     colors = _colors(methods)
@@ -123,17 +185,25 @@ def plot_overoptimization(summary: pd.DataFrame, axis: str, path: Path) -> None:
                 mean = runs.groupby(axis)[column].mean()
                 ax.scatter(runs[axis] + shift[method], runs[column], s=14, color=colors[method], alpha=0.6,
                            linewidths=0)
-                ax.plot(mean.index + shift[method], mean.values, "-o", color=colors[method], markersize=5,
+                ax.plot(mean.index + shift[method], mean.values, "-", color=colors[method],
                         label=f"{method} (mean of {runs.seed.nunique()} seeds)")
+                exceeds = (table[(table.split == split) & (table.method == method)].set_index(axis).exceeds
+                           .reindex(mean.index, fill_value=False).to_numpy(bool))
+                filled = exceeds if column == "fall_after_peak" else np.ones(len(mean), bool)
+                ax.scatter(mean.index + shift[method], mean.values, s=36, edgecolors=colors[method],
+                           facecolors=[colors[method] if f else "white" for f in filled], zorder=3)
             if column == "fall_after_peak":
                 ax.axhline(0.0, color="0.5", linewidth=0.8)
+                ax.scatter([], [], s=36, edgecolors="k", facecolors="k", label="mean fall > seed spread")
+                ax.scatter([], [], s=36, edgecolors="k", facecolors="white", label="mean fall <= seed spread")
             ax.set_xticks(strengths)
             ax.set_title(f"{split}: {label}", fontsize=10)
             ax.set_xlabel(f"dataset.{axis} (shortcut strength)")
             ax.set_ylabel("gold reward")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, loc="best", framealpha=0.9)
-    fig.suptitle("Best-of-n overoptimization vs the shortcut's strength (dots: seeds; lines: mean)", fontsize=11)
+    fig.suptitle("Best-of-n overoptimization vs the shortcut's strength (small dots: seeds; lines: mean over seeds; "
+                 "seed spread: range of the trough gold)", fontsize=10)
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.1, top=0.88, wspace=0.25, hspace=0.45)
     save_figure(fig, Path(path))
 
@@ -146,8 +216,8 @@ def plot_shortcut(bins: pd.DataFrame, shortcut: pd.DataFrame, axis: str, path: P
     methods = list(dict.fromkeys(bins.method))
     features = list(dict.fromkeys(bins.feature))
     strengths = np.sort(bins[axis].unique())
-    cmap = colormaps["viridis"]
-    colors = {s: cmap(i / max(len(strengths) - 1, 1) * 0.9) for i, s in enumerate(strengths)}
+    colors = _strength_colors(strengths)
+    splits = list(dict.fromkeys(bins.split))
     panels = [(f, column, label) for f in features
               for column, label in (("u_norm", "u / median u"), ("r_z", "r (z-score)"))]
     fig = Figure(figsize=(4.0 * len(panels), 3.3 * len(methods)))
@@ -163,7 +233,7 @@ def plot_shortcut(bins: pd.DataFrame, shortcut: pd.DataFrame, axis: str, path: P
             for (strength, split), line in part.groupby([axis, "split"], sort=True):
                 line = line.sort_values("value")
                 ax.plot(line.value, line[column], "-" if split == "eval" else "--", marker="o", markersize=2.5,
-                        color=colors[strength], label=f"{axis}={strength:g} ({split})")
+                        color=colors[strength])
             limits = shortcut[(shortcut.method == method) & (shortcut.feature == feature)].train_max.dropna()
             for top in limits.unique():
                 ax.axvline(top, color="k", linestyle=":", linewidth=1.0)
@@ -171,10 +241,14 @@ def plot_shortcut(bins: pd.DataFrame, shortcut: pd.DataFrame, axis: str, path: P
             ax.set_title(f"{method}: {label} vs {feature}", fontsize=9)
             ax.set_xlabel(f"{feature} (dotted: training max)", fontsize=8)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=6, loc="best", framealpha=0.9)
-    fig.suptitle("Does u rise on the candidates that exploit the shortcut? Mean u and r per feature value",
-                 fontsize=11)
-    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.07, top=0.92, wspace=0.25, hspace=0.5)
+    handles = [Line2D([], [], color=colors[s], marker="o", markersize=3, label=f"{axis}={s:g}") for s in strengths]
+    handles += [Line2D([], [], color="k", linestyle="-" if split == "eval" else "--", label=split) for split in splits]
+    handles.append(Line2D([], [], color="k", linestyle=":", label="training max of the feature"))
+    _top_legend(fig, handles)
+    fig.suptitle("Does u rise on the candidates that exploit the shortcut? Mean u / median u and r (z-score) per "
+                 f"feature value, candidates pooled over seeds (values with < {min_count} candidates left out)",
+                 fontsize=10)
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.07, wspace=0.25, hspace=0.5)
     save_figure(fig, Path(path))
 
 
@@ -185,8 +259,12 @@ def plot_selection_vs_loss(summary: pd.DataFrame, corr: pd.DataFrame, metrics, l
     part = summary[summary.split == split]
     methods = list(dict.fromkeys(part.method))
     colors = _colors(methods)
-    fig = Figure(figsize=(3.8 * len(metrics), 3.8))
-    axes = fig.subplots(1, len(metrics), squeeze=False)[0]
+    cols = min(3, len(metrics))
+    rows = -(-len(metrics) // cols)
+    fig = Figure(figsize=(4.4 * cols, 3.9 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax in axes[len(metrics):]:
+        ax.set_visible(False)
     for ax, metric in zip(axes, metrics):
         for method in methods:
             runs = part[part.method == method]
@@ -199,5 +277,7 @@ def plot_selection_vs_loss(summary: pd.DataFrame, corr: pd.DataFrame, metrics, l
         ax.set_ylabel(f"{loss} ({split})", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
-    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.15, top=0.82, wspace=0.3)
+    fig.suptitle(f"Do the runs' own statistics predict the fall after the peak? ({split}; Spearman across runs)",
+                 fontsize=10)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.09, top=0.86, wspace=0.3, hspace=0.55)
     save_figure(fig, Path(path))
