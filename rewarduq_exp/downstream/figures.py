@@ -124,7 +124,7 @@ def _plot_best_of_n_sweep(curves: pd.DataFrame, path: Path, k: float, axis: str)
     _top_legend(fig, handles)
     top = int(curves.n.max())
     fig.suptitle(f"Best-of-n, n = 1..{top}: mean over seeds (shaded: the seeds' range, mean r)", fontsize=11)
-    fig.subplots_adjust(left=0.07, right=0.99, bottom=0.08, wspace=0.25, hspace=0.35)
+    fig.subplots_adjust(left=0.07, right=0.99, bottom=0.55 / fig.get_figheight(), wspace=0.25, hspace=0.35)
     save_figure(fig, Path(path))
 
 
@@ -157,8 +157,8 @@ def plot_active_learning(curves: pd.DataFrame, path: Path) -> None:
             ax.legend(fontsize=7, loc="best")
     fig.suptitle(f"active learning: mean over {repeats} repeats, bands = 95 % confidence intervals (Student's t)",
                  fontsize=9)
-    top = 1 - 0.45 / fig.get_figheight()
-    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.08, top=top - 0.05, wspace=0.3, hspace=0.45)
+    height = fig.get_figheight()  # margins in inches, so one row of panels keeps its title and axis labels
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.55 / height, top=1 - 0.8 / height, wspace=0.3, hspace=0.45)
     save_figure(fig, Path(path))
 
 
@@ -204,7 +204,8 @@ def plot_overoptimization(summary: pd.DataFrame, table: pd.DataFrame, axis: str,
             ax.legend(fontsize=7, loc="best", framealpha=0.9)
     fig.suptitle("Best-of-n overoptimization vs the shortcut's strength (small dots: seeds; lines: mean over seeds; "
                  "seed spread: range of the trough gold)", fontsize=10)
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.1, top=0.88, wspace=0.25, hspace=0.45)
+    height = fig.get_figheight()  # margins in inches: the same room for titles and labels with one split or many
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.6 / height, top=1 - 0.85 / height, wspace=0.25, hspace=0.45)
     save_figure(fig, Path(path))
 
 
@@ -248,7 +249,7 @@ def plot_shortcut(bins: pd.DataFrame, shortcut: pd.DataFrame, axis: str, path: P
     fig.suptitle("Does u rise on the candidates that exploit the shortcut? Mean u / median u and r (z-score) per "
                  f"feature value, candidates pooled over seeds (values with < {min_count} candidates left out)",
                  fontsize=10)
-    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.07, wspace=0.25, hspace=0.5)
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.55 / fig.get_figheight(), wspace=0.25, hspace=0.5)
     save_figure(fig, Path(path))
 
 
@@ -279,5 +280,6 @@ def plot_selection_vs_loss(summary: pd.DataFrame, corr: pd.DataFrame, metrics, l
         ax.legend(fontsize=7, loc="best")
     fig.suptitle(f"Do the runs' own statistics predict the fall after the peak? ({split}; Spearman across runs)",
                  fontsize=10)
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.09, top=0.86, wspace=0.3, hspace=0.55)
+    height = fig.get_figheight()
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.55 / height, top=1 - 0.9 / height, wspace=0.3, hspace=0.55)
     save_figure(fig, Path(path))
