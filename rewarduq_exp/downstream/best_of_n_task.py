@@ -165,8 +165,8 @@ def shortcut_lines(shortcut: pd.DataFrame, axis: str) -> list[str]:
     return [f"{r.split} {r.method} {axis}={r[axis]:g} {r.feature} ({r.seeds} seeds): {r.beyond:.0f} of "
             f"{r.candidates:.0f} candidates beyond the training max {r.train_max:g}; u beyond / inside "
             f"{fmt_number(r.u_ratio, 3)}, r inside {fmt_number(r.r_inside, 3)} beyond {fmt_number(r.r_beyond, 3)}; "
-            f"Spearman with the feature: u {fmt_number(r.rho_u, 3)} (p <= {fmt_number(r.p_u, 2)}), r "
-            f"{fmt_number(r.rho_r, 3)} (p <= {fmt_number(r.p_r, 2)})" for _, r in table.iterrows()]
+            f"Spearman with the feature: u {fmt_number(r.rho_u, 3)} (p <= {r.p_u:.2g}), r "
+            f"{fmt_number(r.rho_r, 3)} (p <= {r.p_r:.2g})" for _, r in table.iterrows()]
 
 
 def loss_split(splits: list[str]) -> str:
@@ -176,8 +176,8 @@ def loss_split(splits: list[str]) -> str:
 
 def selection_lines(corr: pd.DataFrame, split: str) -> list[str]:
     part = corr[(corr.split == split) & (corr.downstream == LOSS)]
-    return [f"{r.run_metric} vs {LOSS} ({split}): Spearman rho {fmt_number(r.spearman, 3)}, p "
-            f"{fmt_number(r.p_value, 3)}, n = {r.runs} runs" for _, r in part.iterrows()]
+    return [f"{r.run_metric} vs {LOSS} ({split}): Spearman rho {fmt_number(r.spearman, 3)}, p {r.p_value:.2g}, "
+            f"n = {r.runs} runs" for _, r in part.iterrows()]
 
 
 def best_of_n(cfg, out_dir: Path) -> dict:

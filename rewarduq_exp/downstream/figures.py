@@ -222,7 +222,7 @@ def plot_shortcut(bins: pd.DataFrame, shortcut: pd.DataFrame, axis: str, path: P
     panels = [(f, column, label) for f in features
               for column, label in (("u_norm", "u / median u"), ("r_z", "r (z-score)"))]
     fig = Figure(figsize=(4.0 * len(panels), 3.3 * len(methods)))
-    axes = fig.subplots(len(methods), len(panels), squeeze=False)
+    axes = fig.subplots(len(methods), len(panels), squeeze=False, sharey="col")  # methods on one scale per column
     keys = ["method", axis, "split", "feature", "value"]
     weighted = bins.assign(u_norm=bins.u_norm * bins["count"], r_z=bins.r_z * bins["count"])
     pooled = weighted.groupby(keys, sort=False)[["count", "u_norm", "r_z"]].sum().reset_index()
