@@ -165,8 +165,13 @@ def shortcut_lines(shortcut: pd.DataFrame, axis: str) -> list[str]:
     return [f"{r.split} {r.method} {axis}={r[axis]:g} {r.feature} ({r.seeds} seeds): {r.beyond:.0f} of "
             f"{r.candidates:.0f} candidates beyond the training max {r.train_max:g}; u beyond / inside "
             f"{fmt_number(r.u_ratio, 3)}, r inside {fmt_number(r.r_inside, 3)} beyond {fmt_number(r.r_beyond, 3)}; "
-            f"Spearman with the feature: u {fmt_number(r.rho_u, 3)} (p <= {r.p_u:.2g}), r "
-            f"{fmt_number(r.rho_r, 3)} (p <= {r.p_r:.2g})" for _, r in table.iterrows()]
+            f"Spearman with the feature: u {fmt_number(r.rho_u, 3)} (p <= {fmt_p(r.p_u)}), r "
+            f"{fmt_number(r.rho_r, 3)} (p <= {fmt_p(r.p_r)})" for _, r in table.iterrows()]
+
+
+def fmt_p(p: float) -> str:
+    """A p-value in two significant digits; one that underflows a float64 says so instead of printing 0."""
+    return "< 1e-300" if p == 0 else f"{p:.2g}"
 
 
 def loss_split(splits: list[str]) -> str:
@@ -176,7 +181,7 @@ def loss_split(splits: list[str]) -> str:
 
 def selection_lines(corr: pd.DataFrame, split: str) -> list[str]:
     part = corr[(corr.split == split) & (corr.downstream == LOSS)]
-    return [f"{r.run_metric} vs {LOSS} ({split}): Spearman rho {fmt_number(r.spearman, 3)}, p {r.p_value:.2g}, "
+    return [f"{r.run_metric} vs {LOSS} ({split}): Spearman rho {fmt_number(r.spearman, 3)}, p {fmt_p(r.p_value)}, "
             f"n = {r.runs} runs" for _, r in part.iterrows()]
 
 
