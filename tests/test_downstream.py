@@ -329,3 +329,21 @@ def test_learners_that_cannot_be_retrained_cheaply_or_lack_draws_are_refused_in_
     with pytest.raises(UserError, match="bald, which needs draws of the model; h has none"):
         check_learner(NoDraws.__new__(NoDraws), "h", ["random", "bald"])
     check_learner(NoDraws.__new__(NoDraws), "h", ["random", "uncertainty"])
+
+
+def test_run_labels_name_what_sets_a_methods_runs_apart():
+    from omegaconf import OmegaConf
+
+    from rewarduq_exp.downstream.world_runs import run_labels
+
+    def config(seed, bias, lr=1e-3):
+        return OmegaConf.create({"seed": seed, "dataset": {"filler_bias": bias, "cache_dir": f"/c{seed}"},
+                                 "method": {"seed": seed, "learning_rate": lr}})
+
+    configs = [config(0, 1.0), config(1, 1.0), config(0, 2.0), config(0, 1.0, lr=1e-2)]
+    labels = run_labels(["ens_mlp", "ens_mlp", "ens_mlp", "bay_lin"], configs, ["a", "b", "c", "d"])
+    # the seed last and once (method.seed repeats it); cache_dir is not a setting; a lone run is its method
+    assert labels == ["ens_mlp/filler_bias=1.0,seed=0", "ens_mlp/filler_bias=1.0,seed=1",
+                      "ens_mlp/filler_bias=2.0,seed=0", "bay_lin"]
+    # runs that differ in no setting fall back to their folder names
+    assert run_labels(["ens_mlp", "ens_mlp"], [config(0, 1.0)] * 2, ["a", "b"]) == ["ens_mlp/a", "ens_mlp/b"]

@@ -36,7 +36,7 @@ log = logging.getLogger("rewarduq_exp")
 class WorldRun:
     record: RunRecord
     config: DictConfig  # the run's resolved config
-    label: str          # short and unique within the study: the method, plus the folder name when it repeats
+    label: str          # short and unique within the study: the method, plus what sets its runs apart
 
     @property
     def path(self) -> Path:
@@ -80,11 +80,48 @@ def completed_world_runs(run) -> list[WorldRun]:
             log.warning("skipping %s: %s%s", r.path, r.state, f" ({r.error})" if r.error else "")
     if not done:
         raise UserError(f"no completed runs under {', '.join(run_paths(run))}; train them first")
-    out = []
-    methods = [r.method for r in done]
+    configs = []
     for r in done:
         _, config = read_run_config(r.path)  # checked: only this package's methods and loaders
         world_of(config, r.path / ".hydra" / "config.yaml")  # refuse a run from another dataset before any work
-        label = r.method if methods.count(r.method) == 1 else f"{r.method}/{r.path.name}"
-        out.append(WorldRun(r, config, label))
-    return out
+        configs.append(config)
+    labels = run_labels([r.method for r in done], configs, [r.path.name for r in done])
+    return [WorldRun(r, c, label) for r, c, label in zip(done, configs, labels)]
+
+
+# The settings that tell a method's runs apart in a label (a sweep's axes); paths and bookkeeping are left out.
+LABEL_SECTIONS = ("seed", "dataset", "method", "model", "probe")
+
+
+def _label_settings(config: DictConfig) -> dict[str, str]:
+    flat = {}
+    for section in LABEL_SECTIONS:
+        node = config.get(section)
+        if isinstance(node, DictConfig):
+            for key, value in OmegaConf.to_container(node, resolve=False).items():
+                if not key.startswith("_") and not isinstance(value, (dict, list)) and key not in ("cache_dir", "path"):
+                    flat[f"{section}.{key}"] = str(value)
+        elif node is not None:
+            flat[section] = str(node)
+    return flat
+
+
+def run_labels(methods: list[str], configs: list[DictConfig], folders: list[str]) -> list[str]:
+    """Short labels, unique within a study: the method alone when it has one run, else the method and the settings
+    in which its runs differ (``ens_mlp/filler_bias=1,seed=0``; the last part of each key), else the folder name
+    (runs that differ in nothing listed, e.g. two copies of one run)."""
+    settings = [_label_settings(c) for c in configs]
+    labels = []
+    for i, method in enumerate(methods):
+        peers = [j for j, m in enumerate(methods) if m == method]
+        if len(peers) == 1:
+            labels.append(method)
+            continue
+        keys = sorted({k for j in peers for k in settings[j]}, key=lambda k: (k != "seed", k))
+        varying = [k for k in keys if len({settings[j].get(k) for j in peers}) > 1]
+        varying = [k for k in varying if k != "seed"] + [k for k in varying if k == "seed"]  # the seed last
+        parts = dict.fromkeys(f"{k.rsplit('.', 1)[-1]}={settings[i].get(k)}" for k in varying)  # method.seed = seed
+        labels.append(f"{method}/" + ",".join(parts))
+    if len(set(labels)) < len(labels):  # not told apart by their settings: fall back to the folders
+        return [m if methods.count(m) == 1 else f"{m}/{f}" for m, f in zip(methods, folders)]
+    return labels
