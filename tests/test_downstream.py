@@ -181,13 +181,13 @@ def test_overoptimization_table_by_hand():
         "gold_trough": [4.0, 4.1, 1.0, 1.2, 0.3]})
     axis = strength_axis(summary)
     table = overoptimization_table(summary, axis).set_index(axis)
-    assert axis == "filler_bias" and table.seeds.tolist() == [2, 2, 1]
+    assert axis == "filler_bias" and table.runs.tolist() == [2, 2, 1]
     assert table.loc[1.0, "fall_after_peak"] == pytest.approx(0.8)
     assert table.loc[1.0, "seed_spread"] == pytest.approx(0.2)
     assert table.loc[1.0, "exceeds"] and not table.loc[0.0, "exceeds"]  # 0.05 < spread 0.1
     assert not table.loc[2.0, "exceeds"] and table.loc[1.0, "trough_n"] == "64,32"
     lines = overoptimization_lines(table.reset_index(), axis)
-    assert len(lines) == 3 and "one seed" in lines[2] and "exceeds the spread" in lines[1]
+    assert len(lines) == 3 and "one run:" in lines[2] and "exceeds the spread" in lines[1]
 
 
 SMALL = ["dataset.n_train=300", "dataset.n_eval=60", "dataset.n_ood=40", "progress=false", *NO_FIGURES]

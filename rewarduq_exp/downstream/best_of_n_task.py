@@ -148,21 +148,21 @@ def selection_check(summary: pd.DataFrame, split: str) -> str:
 def summary_text(summary: pd.DataFrame, axis: str) -> str:
     cols = ["gold_n1", "gold_best", "best_n", "trough_n", "fall_after_peak", "gold_nmax", "conservative_gain",
             "conservative_gain_nmax", "optimistic_gain", "oracle_nmax", DEFAULT_RANK, "ece"]
-    rows = [[r.method, f"{r[axis]:g}", str(r.seed), r.split,
+    rows = [[r.run, f"{r[axis]:g}", r.split,
              *(str(r[c]) if c.endswith("_n") else fmt_number(r[c], 3) for c in cols)] for _, r in summary.iterrows()]
-    return text_table(["method", axis, "seed", "split", *cols], rows)
+    return text_table(["run", axis, "split", *cols], rows)
 
 
 def shortcut_lines(shortcut: pd.DataFrame, axis: str) -> list[str]:
-    """Per split, method, strength and feature (means over seeds): how many candidates lie beyond the training
+    """Per split, method, strength and feature (means over the runs): how many candidates lie beyond the training
     maximum, how much larger their u is (over the median u), how much more the proxy rewards them, and Spearman of
-    u and r with the feature (the largest p-value over seeds)."""
+    u and r with the feature (the largest p-value over the runs)."""
     grouped = shortcut.groupby(["split", "method", axis, "feature"], sort=False)
-    table = grouped.agg(seeds=("seed", "size"), train_max=("train_max", "max"), beyond=("beyond", "mean"),
+    table = grouped.agg(runs=("seed", "size"), train_max=("train_max", "max"), beyond=("beyond", "mean"),
                         candidates=("candidates", "mean"), u_ratio=("u_ratio", "mean"), r_inside=("r_inside", "mean"),
                         r_beyond=("r_beyond", "mean"), rho_u=("rho_u", "mean"), p_u=("p_u", "max"),
                         rho_r=("rho_r", "mean"), p_r=("p_r", "max")).reset_index()
-    return [f"{r.split} {r.method} {axis}={r[axis]:g} {r.feature} ({r.seeds} seeds): {r.beyond:.0f} of "
+    return [f"{r.split} {r.method} {axis}={r[axis]:g} {r.feature} ({r.runs} runs): {r.beyond:.0f} of "
             f"{r.candidates:.0f} candidates beyond the training max {r.train_max:g}; u beyond / inside "
             f"{fmt_number(r.u_ratio, 3)}, r inside {fmt_number(r.r_inside, 3)} beyond {fmt_number(r.r_beyond, 3)}; "
             f"Spearman with the feature: u {fmt_number(r.rho_u, 3)} (p <= {fmt_p(r.p_u)}), r "

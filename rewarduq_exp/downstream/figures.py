@@ -31,7 +31,7 @@ def plot_best_of_n(curves: pd.DataFrame, path: Path, k: float, axis: str | None 
     """Gold reward of the best-of-n pick vs KL(best-of-n), line style per selection rule (mean solid, conservative
     r - k u dashed, optimistic r + k u dotted), the oracle in grey. With one run per method: one panel per split, one
     colour per run. A sweep (methods repeated over seeds and the shortcut's strength ``axis``): a panel per split and
-    method, one colour per strength, each curve the mean over seeds with the seeds' range shaded (mean rule)."""
+    method, one colour per strength, each curve the mean over its runs with their range shaded (mean rule)."""
     if axis is not None and curves.groupby("method").run.nunique().max() > 1:
         _plot_best_of_n_sweep(curves, path, k, axis)
         return
@@ -123,7 +123,7 @@ def _plot_best_of_n_sweep(curves: pd.DataFrame, path: Path, k: float, axis: str)
                 Line2D([], [], color="k", linestyle=":", label=f"optimistic r + {k:g}u")]
     _top_legend(fig, handles)
     top = int(curves.n.max())
-    fig.suptitle(f"Best-of-n, n = 1..{top}: mean over seeds (shaded: the seeds' range, mean r)", fontsize=11)
+    fig.suptitle(f"Best-of-n, n = 1..{top}: mean over runs (shaded: the runs' range, mean r)", fontsize=11)
     fig.subplots_adjust(left=0.07, right=0.99, bottom=0.55 / fig.get_figheight(), wspace=0.25, hspace=0.35)
     save_figure(fig, Path(path))
 
@@ -164,7 +164,7 @@ def plot_active_learning(curves: pd.DataFrame, path: Path) -> None:
 
 def plot_overoptimization(summary: pd.DataFrame, table: pd.DataFrame, axis: str, path: Path) -> None:
     """Rows: splits; columns: peak gold (mean selection) and the fall after the peak, against the shortcut's
-    strength ``axis``. One colour per method: a small dot per run seed, the line through the mean over seeds; the
+    strength ``axis``. One colour per method: a small dot per run, the line through the mean over the runs; the
     methods are shifted a little along x so that their points do not hide each other. In the fall panel the mean is
     a filled marker where it exceeds the seed spread (``table.exceeds``), a hollow one where it does not."""
     splits = list(dict.fromkeys(summary.split))
@@ -186,7 +186,7 @@ def plot_overoptimization(summary: pd.DataFrame, table: pd.DataFrame, axis: str,
                 ax.scatter(runs[axis] + shift[method], runs[column], s=14, color=colors[method], alpha=0.6,
                            linewidths=0)
                 ax.plot(mean.index + shift[method], mean.values, "-", color=colors[method],
-                        label=f"{method} (mean of {runs.seed.nunique()} seeds)")
+                        label=f"{method} (mean of {len(runs)} runs)")
                 exceeds = (table[(table.split == split) & (table.method == method)].set_index(axis).exceeds
                            .reindex(mean.index, fill_value=False).to_numpy(bool))
                 filled = exceeds if column == "fall_after_peak" else np.ones(len(mean), bool)
@@ -194,16 +194,16 @@ def plot_overoptimization(summary: pd.DataFrame, table: pd.DataFrame, axis: str,
                            facecolors=[colors[method] if f else "white" for f in filled], zorder=3)
             if column == "fall_after_peak":
                 ax.axhline(0.0, color="0.5", linewidth=0.8)
-                ax.scatter([], [], s=36, edgecolors="k", facecolors="k", label="mean fall > seed spread")
-                ax.scatter([], [], s=36, edgecolors="k", facecolors="white", label="mean fall <= seed spread")
+                ax.scatter([], [], s=36, edgecolors="k", facecolors="k", label="mean fall > spread over runs")
+                ax.scatter([], [], s=36, edgecolors="k", facecolors="white", label="mean fall <= spread over runs")
             ax.set_xticks(strengths)
             ax.set_title(f"{split}: {label}", fontsize=10)
             ax.set_xlabel(f"dataset.{axis} (shortcut strength)")
             ax.set_ylabel("gold reward")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, loc="best", framealpha=0.9)
-    fig.suptitle("Best-of-n overoptimization vs the shortcut's strength (small dots: seeds; lines: mean over seeds; "
-                 "seed spread: range of the trough gold)", fontsize=10)
+    fig.suptitle("Best-of-n overoptimization vs the shortcut's strength (small dots: runs; lines: mean over runs; "
+                 "spread: range of the trough gold over the runs)", fontsize=10)
     height = fig.get_figheight()  # margins in inches: the same room for titles and labels with one split or many
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.6 / height, top=1 - 0.85 / height, wspace=0.25, hspace=0.45)
     save_figure(fig, Path(path))
@@ -211,7 +211,7 @@ def plot_overoptimization(summary: pd.DataFrame, table: pd.DataFrame, axis: str,
 
 def plot_shortcut(bins: pd.DataFrame, shortcut: pd.DataFrame, axis: str, path: Path, min_count: int = 10) -> None:
     """Rows: methods; columns: per feature, u / median u and r (z-score over the run's candidates) against the
-    feature's value, one colour per shortcut strength (candidates pooled over seeds; values held by fewer than
+    feature's value, one colour per shortcut strength (candidates pooled over the runs; values held by fewer than
     ``min_count`` candidates left out), solid for eval and dashed for the other splits; the dotted vertical line is
     the training maximum of the feature."""
     methods = list(dict.fromkeys(bins.method))
@@ -247,7 +247,7 @@ def plot_shortcut(bins: pd.DataFrame, shortcut: pd.DataFrame, axis: str, path: P
     handles.append(Line2D([], [], color="k", linestyle=":", label="training max of the feature"))
     _top_legend(fig, handles)
     fig.suptitle("Does u rise on the candidates that exploit the shortcut? Mean u / median u and r (z-score) per "
-                 f"feature value, candidates pooled over seeds (values with < {min_count} candidates left out)",
+                 f"feature value, candidates pooled over runs (values with < {min_count} candidates left out)",
                  fontsize=10)
     fig.subplots_adjust(left=0.05, right=0.99, bottom=0.55 / fig.get_figheight(), wspace=0.25, hspace=0.5)
     save_figure(fig, Path(path))
