@@ -71,6 +71,8 @@ demo-real: $(VENV)/.installed-real
 # 2-core CPU, where SmolLM2's backward pass is the cost: ENS-MLP and BAY-LIN (one shared backbone pass) on 256 pairs,
 # 10 epochs (as task=active_learning retrains them); ENS-LoRA (4 members; a step of 16 pairs took about 3 minutes on 2
 # busy cores) on 32 pairs, batches of 8 at 5x its default learning rate; MCD-DPO on 128 pairs with demo-real's settings.
+# Measured from a cold cache: 47 min on 2 cores shared with two other jobs (load 5-7); scoring the 768 best-of-n
+# candidates with ENS-LoRA (2/s) and MCD-DPO (1-2/s) is 14 of it: task.n_max=16 halves that.
 DS_REAL := outputs/downstream-real
 DS_PAIRS := dataset=vader_pairs
 DOWNSTREAM_REAL = $(PY) downstream.py progress=false
