@@ -190,6 +190,27 @@ def test_overoptimization_table_by_hand():
     assert len(lines) == 3 and "one run:" in lines[2] and "exceeds the spread" in lines[1]
 
 
+def test_sweep_figures_are_drawn(tmp_path):
+    # The figures a sweep over the shortcut's strength gets (an end-to-end run of two runs at one strength has none).
+    from rewarduq_exp.downstream.best_of_n_task import LOSS, RUN_METRICS, correlations
+    from rewarduq_exp.downstream.figures import plot_overoptimization, plot_selection_vs_loss
+    from rewarduq_exp.downstream.overoptimization import overoptimization_table
+
+    rng = np.random.default_rng(0)
+    summary = pd.DataFrame({
+        "run": [f"m/{i}" for i in range(6)], "split": "eval", "method": "m",
+        "filler_bias": [0.0, 0.0, 1.0, 1.0, 2.0, 2.0], "length_bias": 0.0, "seed": [0, 1] * 3,
+        "gold_best": rng.normal(size=6), "best_n": 4, "trough_n": 64,
+        "fall_after_peak": rng.random(6), "gold_trough": rng.normal(size=6), "overopt_gap": rng.random(6),
+        "gold_nmax": rng.normal(size=6), "conservative_gain": rng.normal(size=6),
+        **{m: rng.random(6) for m in RUN_METRICS}})
+    plot_overoptimization(summary, overoptimization_table(summary, "filler_bias"), "filler_bias",
+                          tmp_path / "overoptimization.png")
+    plot_selection_vs_loss(summary, correlations(summary), RUN_METRICS, LOSS, "eval", tmp_path / "selection.png")
+    for name in ("overoptimization.png", "selection.png"):
+        assert (tmp_path / name).stat().st_size > 10_000, name
+
+
 SMALL = ["dataset.n_train=300", "dataset.n_eval=60", "dataset.n_ood=40", "progress=false", *NO_FIGURES]
 
 
@@ -251,8 +272,10 @@ def test_best_of_n_end_to_end_on_a_sweep(sweep, shared_cache):
     assert {"fall_after_peak", "trough_n", "filler_bias", "length_bias", "candidate_filler_share", "seed"} <= set(
         summary.columns) and (summary.fall_after_peak >= summary.overopt_gap - 1e-12).all()
     assert {"filler_bias", "seed"} <= set(curves.columns)
-    for figure in ("best_of_n", "overoptimization", "shortcut", "selection_vs_loss"):
+    for figure in ("best_of_n", "shortcut"):
         assert (out / f"{figure}.png").stat().st_size > 10_000, figure
+    # one strength and two runs: no figure over the strength, no correlation to draw (said in the log)
+    assert not (out / "overoptimization.png").exists() and not (out / "selection_vs_loss.png").exists()
     assert "the selection rule picks" in proc.stdout and "fall_after_peak" in proc.stdout
     corr = pd.read_csv(out / "correlation.csv")
     assert set(corr.run_metric) >= {"rs_0.2", "ece", "ebce"} and {"p_value", "runs"} <= set(corr.columns)

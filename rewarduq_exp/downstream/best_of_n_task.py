@@ -202,10 +202,19 @@ def best_of_n(cfg, out_dir: Path) -> dict:
         write_atomic(out_dir / f"{name}.csv", table.to_csv(index=False))
     k = float(cfg.task.k_compare)
     plot_best_of_n(curves, out_dir / "best_of_n.png", k=k, axis=axis)
-    plot_overoptimization(summary, overopt, axis, out_dir / "overoptimization.png")
+    # A figure over the shortcut's strength needs runs at two strengths at least, and the scatter of the runs'
+    # statistics needs a correlation to show; otherwise the figure would be an empty axis (the tables still say it).
+    if summary[axis].nunique() > 1:
+        plot_overoptimization(summary, overopt, axis, out_dir / "overoptimization.png")
+    else:
+        log.info("no overoptimization.png: the runs share one %s (train runs over several to sweep it)", axis)
     plot_shortcut(bins, shortcut, axis, out_dir / "shortcut.png")
     split = loss_split(splits)
-    plot_selection_vs_loss(summary, corr, RUN_METRICS, LOSS, split, out_dir / "selection_vs_loss.png")
+    if np.isfinite(corr[corr.split == split].spearman).any():
+        plot_selection_vs_loss(summary, corr, RUN_METRICS, LOSS, split, out_dir / "selection_vs_loss.png")
+    else:
+        log.info("no selection_vs_loss.png: no Spearman correlation is defined on %s (three runs with distinct "
+                 "values are needed)", split)
     checks = [selection_check(summary, s) for s in splits]
     print(summary_text(summary, axis), flush=True)
     sections = (("overoptimization (fall after the peak vs the seed spread):", overoptimization_lines(overopt, axis)),
