@@ -114,14 +114,15 @@ def summarise(curves: pd.DataFrame, runs: list[WorldRun], k_compare: float) -> p
 def correlations(summary: pd.DataFrame) -> pd.DataFrame:
     """Spearman correlation across runs, per split, of each downstream scalar with each run metric, its p-value and
     the number of runs (``runs``) with both values (NaN with fewer than three: two points always correlate
-    perfectly)."""
+    perfectly; NaN too where either side is constant, e.g. no run falls after its peak)."""
     rows = []
     for split, s in summary.groupby("split", sort=False):
         for d in DOWNSTREAM:
             for m in RUN_METRICS:
                 x, y = s[d].to_numpy(float), s[m].to_numpy(float)
                 ok = np.isfinite(x) & np.isfinite(y)
-                result = spearmanr(x[ok], y[ok]) if ok.sum() >= 3 else None
+                defined = ok.sum() >= 3 and np.ptp(x[ok]) > 0 and np.ptp(y[ok]) > 0
+                result = spearmanr(x[ok], y[ok]) if defined else None
                 rho, p = (result.statistic, result.pvalue) if result is not None else (np.nan, np.nan)
                 rows.append({"split": split, "downstream": d, "run_metric": m, "spearman": float(rho),
                              "p_value": float(p), "runs": int(ok.sum())})
