@@ -77,6 +77,8 @@ LONGEST_FIRST = ["test_borp_run.py",         # ~60
                  "test_cli.py",              # ~40
                  "test_plain_install.py",    # ~30
                  "test_run_ownership.py",    # ~25
+                 "test_downstream.py",       # ~25
+                 "test_vader_gold.py",       # ~20
                  "test_cli_resume.py",       # ~15
                  "test_cli_datasets.py",     # ~23
                  "test_sweep_multitask.py",  # ~20
