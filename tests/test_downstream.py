@@ -128,8 +128,15 @@ def test_fall_after_peak_and_trough_by_hand():
     assert (s["best_n"], s["trough_n"]) == (2, 8)
     assert s["fall_after_peak"] == pytest.approx(2.5) and s["overopt_gap"] == pytest.approx(1.5)
     assert s["gold_trough"] == pytest.approx(0.5)
+    assert (s["largest_drop"], s["drop_from_n"], s["drop_to_n"]) == (pytest.approx(2.5), 2, 8)
     rising = curve_summary(toy_curves([1.0, 2.0, 3.0], [1, 2, 4]), 1.0)
     assert (rising["best_n"], rising["trough_n"], rising["fall_after_peak"]) == (4, 4, 0.0)
+    assert rising["largest_drop"] == 0.0
+    # An early peak (2 at n=2), a dip to 0.5 and a recovery above it (4 at n=16): the global peak is the last point,
+    # so nothing falls after it, but the curve dropped by 1.5 on the way.
+    late = curve_summary(toy_curves([1.0, 2.0, 1.2, 0.5, 4.0], [1, 2, 4, 8, 16]), 1.0)
+    assert (late["best_n"], late["fall_after_peak"]) == (16, 0.0)
+    assert (late["largest_drop"], late["drop_from_n"], late["drop_to_n"]) == (pytest.approx(1.5), 2, 8)
 
 
 def test_shortcut_table_and_bins_by_hand():

@@ -104,6 +104,9 @@ def curve_summary(curves: pd.DataFrame, k_compare: float) -> dict[str, float]:
       ``fall_after_peak`` = gold_best - gold_trough (>= 0; 0 when gold never drops below the peak after it). A curve
       that falls and then recovers at large n (candidates good enough to outweigh the shortcut turn up) falls by
       more than ``overopt_gap`` says;
+    - ``largest_drop``: the largest fall of the curve from any n to a larger one, from ``drop_from_n`` to
+      ``drop_to_n``. It differs from ``fall_after_peak`` when the curve peaks early, falls and then climbs above its
+      early peak at large n: the peak is then the last point and the early fall shows only here;
     - ``conservative_gain``: area between the conservative (k = ``k_compare``) and mean curves over KL, divided by
       the KL range (the average gold gained by penalising uncertainty; < 0: it hurts);
       ``optimistic_gain`` likewise for r + k u; ``conservative_gain_nmax``: the difference at n_max;
@@ -127,6 +130,9 @@ def curve_summary(curves: pd.DataFrame, k_compare: float) -> dict[str, float]:
     gold = mean.gold.to_numpy()
     best = int(gold.argmax())
     trough = best + int(gold[best:].argmin())
+    drops = np.maximum.accumulate(gold) - gold         # below the highest gold at any smaller n
+    drop_to = int(drops.argmax())
+    drop_from = int(gold[: drop_to + 1].argmax())
     return {
         "gold_n1": float(gold[0]),
         "gold_nmax": float(gold[-1]),
@@ -136,6 +142,9 @@ def curve_summary(curves: pd.DataFrame, k_compare: float) -> dict[str, float]:
         "trough_n": int(mean.n.iloc[trough]),
         "gold_trough": float(gold[trough]),
         "fall_after_peak": float(gold[best] - gold[trough]),
+        "largest_drop": float(drops[drop_to]),
+        "drop_from_n": int(mean.n.iloc[drop_from]),
+        "drop_to_n": int(mean.n.iloc[drop_to]),
         "conservative_gain": area(cons),
         "conservative_gain_nmax": float(cons.gold.iloc[-1] - mean.gold.iloc[-1]),
         "optimistic_gain": area(opt),

@@ -147,8 +147,8 @@ def selection_check(summary: pd.DataFrame, split: str) -> str:
 
 
 def summary_text(summary: pd.DataFrame, axis: str) -> str:
-    cols = ["gold_n1", "gold_best", "best_n", "trough_n", "fall_after_peak", "gold_nmax", "conservative_gain",
-            "conservative_gain_nmax", "optimistic_gain", "oracle_nmax", DEFAULT_RANK, "ece"]
+    cols = ["gold_n1", "gold_best", "best_n", "trough_n", "fall_after_peak", "largest_drop", "gold_nmax",
+            "conservative_gain", "conservative_gain_nmax", "optimistic_gain", "oracle_nmax", DEFAULT_RANK, "ece"]
     rows = [[r.run, f"{r[axis]:g}", r.split,
              *(str(r[c]) if c.endswith("_n") else fmt_number(r[c], 3) for c in cols)] for _, r in summary.iterrows()]
     return text_table(["run", axis, "split", *cols], rows)
