@@ -69,10 +69,10 @@ demo-real: $(VENV)/.installed-real
 # active learning (ENS-MLP, BAY-LIN; pool = their 256 training pairs) into outputs/downstream-real/<task>. A rerun
 # skips the trained runs that completed, and a task whose stamp is newer than every run's status.json. Sized for a
 # 2-core CPU, where SmolLM2's backward pass is the cost: ENS-MLP and BAY-LIN (one shared backbone pass) on 256 pairs,
-# 10 epochs (as task=active_learning retrains them); ENS-LoRA (4 members; a step of 16 pairs took about 3 minutes on 2
-# busy cores) on 32 pairs, batches of 8 at 5x its default learning rate; MCD-DPO on 128 pairs with demo-real's settings.
-# Measured from a cold cache: 47 min on 2 cores shared with two other jobs (load 5-7); scoring the 768 best-of-n
-# candidates with ENS-LoRA (2/s) and MCD-DPO (1-2/s) is 14 of it: task.n_max=16 halves that.
+# 10 epochs (as task=active_learning retrains them); ENS-LoRA (4 members, batches of 8 at 5x its default learning
+# rate) on 128 pairs and MCD-DPO on 256 pairs with demo-real's settings (16 optimizer steps each). Scoring the 768
+# best-of-n candidates with ENS-LoRA and MCD-DPO (3-8 candidates/s on 2 cores) is most of the time: task.n_max=16
+# halves it. Time: README.
 DS_REAL := outputs/downstream-real
 DS_PAIRS := dataset=vader_pairs
 DOWNSTREAM_REAL = $(PY) downstream.py progress=false
@@ -83,9 +83,9 @@ downstream-real: $(VENV)/.installed-real
 		hydra.run.dir=$(DS_REAL)/ens_mlp
 	$(REAL) method=bay_lin $(DS_PAIRS) dataset.n_train=256 dataset.n_eval=200 dataset.n_ood=200 method.num_epochs=10 \
 		hydra.run.dir=$(DS_REAL)/bay_lin
-	$(REAL) method=ens_lora $(DS_PAIRS) dataset.n_train=32 dataset.n_eval=50 dataset.n_ood=50 method.num_members=4 \
+	$(REAL) method=ens_lora $(DS_PAIRS) dataset.n_train=128 dataset.n_eval=100 dataset.n_ood=100 method.num_members=4 \
 		method.batch_size=8 method.learning_rate=5e-4 method.score_batch_size=32 hydra.run.dir=$(DS_REAL)/ens_lora
-	$(REAL) method=mcd_dpo $(DS_PAIRS) dataset.n_train=128 dataset.n_eval=50 dataset.n_ood=50 \
+	$(REAL) method=mcd_dpo $(DS_PAIRS) dataset.n_train=256 dataset.n_eval=100 dataset.n_ood=100 \
 		method.learning_rate=5e-5 method.dpo_beta=0.01 method.dropout=0.05 method.batch_size=16 \
 		method.micro_batch_size=16 method.score_batch_size=32 hydra.run.dir=$(DS_REAL)/mcd_dpo
 	@$(MAKE) --no-print-directory $(DS_REAL)/best_of_n.done $(DS_REAL)/active_learning.done
