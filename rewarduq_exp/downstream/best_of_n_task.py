@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from scipy.stats import spearmanr
 
 from rewarduq_exp.analysis.selection import DEFAULT_EBCE, DEFAULT_ECE, DEFAULT_RANK
 from rewarduq_exp.analysis.text_tables import fmt_number, text_table
@@ -38,7 +37,7 @@ from rewarduq_exp.downstream.overoptimization import (
     strength_axis,
     world_settings,
 )
-from rewarduq_exp.downstream.shortcut import shortcut_bins, shortcut_table
+from rewarduq_exp.downstream.shortcut import shortcut_bins, shortcut_table, spearman_or_nan
 from rewarduq_exp.downstream.world_runs import WorldRun, completed_world_runs, world_of
 from rewarduq_exp.runner.trained_run import load_trained_method
 
@@ -121,9 +120,7 @@ def correlations(summary: pd.DataFrame) -> pd.DataFrame:
             for m in RUN_METRICS:
                 x, y = s[d].to_numpy(float), s[m].to_numpy(float)
                 ok = np.isfinite(x) & np.isfinite(y)
-                defined = ok.sum() >= 3 and np.ptp(x[ok]) > 0 and np.ptp(y[ok]) > 0
-                result = spearmanr(x[ok], y[ok]) if defined else None
-                rho, p = (result.statistic, result.pvalue) if result is not None else (np.nan, np.nan)
+                rho, p = spearman_or_nan(x[ok], y[ok])
                 rows.append({"split": split, "downstream": d, "run_metric": m, "spearman": float(rho),
                              "p_value": float(p), "runs": int(ok.sum())})
     return pd.DataFrame(rows)

@@ -17,7 +17,7 @@ import pandas as pd
 from scipy.stats import ConstantInputWarning, spearmanr
 
 
-def _spearman(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+def spearman_or_nan(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """Spearman's rho and its p-value; NaN when either side is constant (no ranking to correlate)."""
     if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return np.nan, np.nan
@@ -51,8 +51,8 @@ def shortcut_table(reward, u, gold, features: dict[str, np.ndarray], train_max: 
         x = np.ravel(values).astype(np.float64)
         top = float(train_max.get(name, np.nan))
         beyond = x > top  # False throughout when the training maximum is unknown (NaN)
-        rho_u, p_u = _spearman(x, raw_u)
-        rho_r, p_r = _spearman(x, r)
+        rho_u, p_u = spearman_or_nan(x, raw_u)
+        rho_r, p_r = spearman_or_nan(x, r)
 
         def side(a: np.ndarray, mask: np.ndarray) -> float:
             return float(a[mask].mean()) if mask.any() else np.nan
