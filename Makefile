@@ -5,23 +5,31 @@
 #   make downstream-real  optional: best-of-n and active learning on SmolLM2 against the human ratings as gold
 #   make test-slurm  optional: the tests on a real Slurm cluster (started locally with scripts/local_slurm.sh; root)
 #   make gpu-check   optional: the check of a GPU node (tests, methods, resume, benchmarks, a 4B run; tiny on a CPU)
+#   make wheels      optional: wheels for an offline GPU node (then make offline-install on the node; README)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-check demo-real downstream-real test test-all test-slurm bench bench-gpu gpu-check clean
+.PHONY: setup demo demo-check demo-real downstream-real test test-all test-slurm bench bench-gpu gpu-check wheels \
+	offline-install offline-node-check clean
 
 # torch==2.13.0 first: a bare "torch" requirement would pull several GB of CUDA wheels on a CPU machine.
 # Byte-compiled once, on all cores, instead of file by file inside pip (100 s -> 80 s on 2 cores); the .pyc files
 # matter where PYTHONDONTWRITEBYTECODE is set, as every process would compile torch again. compileall's status is
 # ignored as pip ignores it: a few files in the packages are not Python 3.11 (e.g. torch's py312_intrinsics.py).
+# A .venv that this recipe created and could not finish (no package index, say) is removed, so that nothing later
+# takes a half-installed .venv for a working one.
 $(VENV)/.installed: pyproject.toml setup.py
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile torch==2.13.0
-	$(PY) -m pip install --quiet --no-compile -e '.[dev,wandb,slurm]'
-	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
-	touch $@
+	@created=; [ -d $(VENV) ] || created=1; \
+	set -x; \
+	{ $(PYTHON) -m venv $(VENV) && \
+	  $(PY) -m pip install --quiet --upgrade pip && \
+	  $(PY) -m pip install --quiet --no-compile torch==2.13.0 && \
+	  $(PY) -m pip install --quiet --no-compile -e '.[dev,wandb,slurm]' && \
+	  { $(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true; } && \
+	  touch $@; } || { { set +x; } 2> /dev/null; [ -z "$$created" ] || rm -rf $(VENV); \
+	  echo "make setup failed (is the package index reachable?)$${created:+; the unfinished $(VENV) was removed}"; \
+	  exit 1; }
 
 setup: $(VENV)/.installed
 
@@ -135,21 +143,54 @@ bench: setup
 bench-gpu: setup
 	$(PY) scripts/bench_gpu.py
 
-# The check of a GPU node (scripts/gpu_check.py): the tests with CUDA visible, every method on the tiny model in bf16,
-# a run stopped by SIGTERM and resumed, bench_gpu.py at the 0.6B and 4B shapes and the mission command on a random 4B;
-# under 8 minutes on one GPU, offline. Without a GPU the same steps at tiny sizes on the CPU (what CI runs).
-# GPU_CHECK_OUT: where the summary, the logs and the benchmark JSON go. The Python: this folder's .venv where make setup
-# made one; else the machine's own python3 where it already imports the project (a GPU node's image with its CUDA
-# torch and the project's wheels beside it: make setup would install the CPU torch); else make setup first.
+# The check of a GPU node (scripts/gpu_check.py): a preflight that names every missing package (exit 2), then the tests
+# with CUDA visible, every method on the tiny model in bf16, runs stopped by SIGTERM and resumed, bench_gpu.py at the
+# 0.6B and 4B shapes and the mission command on a random 4B; within 8 minutes on one GPU, offline. Without a GPU the
+# same steps at tiny sizes on the CPU (what CI runs). GPU_CHECK_OUT: where the summary, the logs and the benchmark JSON
+# go. The Python, first that applies: GPU_CHECK_PYTHON; this folder's .venv where make setup finished one; the
+# machine's python3 where it has every package (a GPU node's image with its CUDA torch and, in $(NODE_SITE), the wheels
+# of make wheels: make offline-install); make setup's .venv where a package index answers; else python3, whose
+# preflight then lists what is missing. make setup is never started without an index (it would install the CPU torch
+# anyway, which a GPU node does not want).
 GPU_CHECK_OUT ?= outputs/gpu_check
+GPU_CHECK_PYTHON ?=
+NODE_SITE ?= .node-site
+INDEX_ANSWERS = $(PYTHON) -m pip index versions pip --retries 0 --timeout 10 > /dev/null 2>&1
 gpu-check:
-	@py=$(PY); \
-	if [ ! -x "$$py" ]; then \
-		if $(PYTHON) -c "import torch, hydra, trl, submitit, rewarduq_exp" 2>/dev/null; then py=$(PYTHON); \
-		else $(MAKE) setup && py=$(PY); fi; \
-	fi; \
+	@if [ -d "$(NODE_SITE)" ]; then export PYTHONPATH="$(abspath $(NODE_SITE))$${PYTHONPATH:+:$$PYTHONPATH}"; fi; \
+	if [ -n "$(GPU_CHECK_PYTHON)" ]; then py="$(GPU_CHECK_PYTHON)"; \
+	elif [ -f $(VENV)/.installed ]; then py=$(PY); \
+	elif $(PYTHON) scripts/preflight.py --no-imports > /dev/null 2>&1; then py=$(PYTHON); \
+	elif $(INDEX_ANSWERS); then $(MAKE) setup && py=$(PY) || exit 1; \
+	else echo "no package index answers: make setup cannot run here; checking $(PYTHON)"; py=$(PYTHON); fi; \
 	echo "$$py scripts/gpu_check.py --out $(GPU_CHECK_OUT)"; \
 	"$$py" scripts/gpu_check.py --out $(GPU_CHECK_OUT)
+
+# Wheels for an offline node (scripts/wheels.py): every package the project's install (with the dev extra) resolves to,
+# for PYTHON_VERSION (e.g. 3.12) and PLATFORM (tags, e.g. manylinux_2_28_x86_64; default: this machine's), minus what
+# the node has: NODE_FREEZE=<its pip freeze>, or by default torch and its CUDA stack, numpy, scipy, pandas, pyarrow,
+# scikit-learn and matplotlib. Needs pip and a reachable index, not make setup. Into WHEELS_DIR (default wheels/).
+WHEELS_DIR ?= wheels
+PYTHON_VERSION ?=
+PLATFORM ?=
+NODE_FREEZE ?=
+wheels:
+	$(PYTHON) scripts/wheels.py --out $(WHEELS_DIR) $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) \
+		$(foreach p,$(PLATFORM),--platform $(p)) $(if $(NODE_FREEZE),--node-freeze $(NODE_FREEZE))
+
+# On the node (no index): the wheels into $(NODE_SITE), beside the image's own packages, whose torch is left alone
+# (--no-deps: nothing is resolved, nothing is replaced); make gpu-check then puts $(NODE_SITE) on PYTHONPATH. Byte-compiled
+# on all cores: where PYTHONDONTWRITEBYTECODE is set every process would compile transformers & co. again (the simulated
+# node's check took 470 s without, its methods step 135 s instead of about 60).
+offline-install:
+	$(PYTHON) -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target $(NODE_SITE) $(WHEELS_DIR)/*.whl
+	$(PYTHON) -m compileall -q -j 0 $(NODE_SITE) > /dev/null 2>&1 || true
+
+# The offline node simulated here (scripts/offline_node.sh): a fresh venv with only torch (the local CPU build) and the
+# heavy stack, the wheels of make wheels installed without an index, then make gpu-check from a fresh clone with the
+# index unreachable; and the preflight with one wheel left out, which must name that package. About 15 min on 2 cores.
+offline-node-check:
+	scripts/offline_node.sh
 
 clean:
 	rm -rf outputs .pytest_cache

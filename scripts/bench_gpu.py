@@ -85,6 +85,7 @@ from gpu_measure import (  # noqa: E402
     free,
     oom,
     peak_tflops,
+    random_checkpoint,
     random_model,
     timed,
 )
@@ -217,7 +218,13 @@ class ShapeBench:
         b, n = self.args.batch, self.args.length
         tokens = b * n
         try:
-            body = random_model(AutoModel, self.config, self.dtype, self.device).eval().requires_grad_(False)
+            if self.args.weights_cache and self.config.model_type == "qwen3" and self.name != TINY \
+                    and self.dtype == torch.bfloat16:   # the random weights the mission of gpu_check.py loads too
+                path = random_checkpoint(self.name, self.args.weights_cache, self.device)
+                body = AutoModel.from_pretrained(path, dtype=self.dtype, device_map=self.device)
+            else:
+                body = random_model(AutoModel, self.config, self.dtype, self.device)
+            body = body.eval().requires_grad_(False)
         except torch.cuda.OutOfMemoryError as err:
             self.results["extraction"] = {"label": "extraction", "error": oom(err)}
             return
@@ -628,6 +635,10 @@ def main() -> None:
     parser.add_argument("--cache-dir", default="outputs/cache", help="where the tiny model is built")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: 1 on a CPU, where a busy machine's cores make more slower)")
+    parser.add_argument("--weights-cache", default=None,
+                        help="a cache folder: the bf16 body of a shipped shape is built once into "
+                             "<folder>/models/random-<shape> and loaded from there after (gpu_check.py's mission "
+                             "loads the same); default: built in memory each time")
     parser.add_argument("--out", default="outputs/bench_gpu.json")
     args = parser.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -133,6 +134,42 @@ def random_model(auto_class, config, dtype: torch.dtype, device: torch.device):
         torch.manual_seed(0)
         model = auto_class.from_config(config, dtype=dtype)
     return model
+
+
+def random_checkpoint(shape: str, cache_dir, device: torch.device) -> Path:
+    """A random-init checkpoint of a shipped shape (``conf/model/shapes/<shape>.json``) in bf16, with the tiny model's
+    tokenizer (its ids are a subset of the vocabulary), built once on ``device`` into
+    ``<cache_dir>/models/random-<shape>`` under a lock and reused after: ``bench_gpu.py``'s extraction body and
+    ``gpu_check.py``'s mission (``model.path``) load the same weights, so a node builds and writes the 8 GB of a 4B
+    backbone once, not once per step and per check."""
+    import json
+
+    from filelock import FileLock
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    from rewarduq_exp.models.shapes import SHAPES_DIR
+    from rewarduq_exp.models.tiny_qwen3 import ensure_tiny_qwen3, save_checkpoint
+
+    into = Path(cache_dir) / "models" / f"random-{shape}"
+    into.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(into) + ".lock"):
+        if (into / "model.safetensors").exists():
+            return into
+        fields = json.loads((SHAPES_DIR / f"{shape}.json").read_text())
+        fields.pop("architectures", None)
+        tok = AutoTokenizer.from_pretrained(ensure_tiny_qwen3(cache_dir))
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields, pad_token_id=tok.pad_token_id,
+                                      eos_token_id=tok.eos_token_id, bos_token_id=None)
+        model = random_model(AutoModel, config, torch.bfloat16, device)
+        tmp = into.with_name(into.name + ".part")
+        shutil.rmtree(tmp, ignore_errors=True)   # what a killed build left
+        tmp.mkdir()
+        save_checkpoint(model, tmp)
+        tok.save_pretrained(tmp)
+        del model
+        free(device)
+        tmp.rename(into)
+    return into
 
 
 def checkpointing_on(model, on: bool) -> None:
