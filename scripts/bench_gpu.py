@@ -649,6 +649,19 @@ def main() -> None:
         torch.set_num_threads(threads)   # a caller running this in its own process keeps its setting
 
 
+def results_json(args, device, gpu_name, tflops, memory, smoke, done: dict, t0: float, complete: bool) -> dict:
+    return {"device": str(device), "device_name": gpu_name, "peak_bf16_tflops": tflops, "memory": memory.kind,
+            "settings": {k: getattr(args, k) for k in ("batch", "length", "members", "lora_pairs", "masks",
+                                                       "mcd_pairs", "pairs", "repeats")}
+            | {"lora_rank": LORA_RANK, "dropout": DROPOUT, "logprob_chunk": "auto", "smoke": smoke},
+            "torch": torch.__version__, "seconds": time.perf_counter() - t0, "complete": complete,
+            "shapes": {name: {"dtype": str(b.dtype).removeprefix("torch."), "params_causal_lm":
+                              b.arch.params_causal_lm, "params_body": b.arch.params_body,
+                              "measurements": b.results, "ratios": b.ratios, "budgets": b.budgets,
+                              "plans": b.planner.plans}
+                       for name, b in done.items()}}
+
+
 def run(args) -> None:
 
     from rewarduq_exp.core.strict_json import write_json
@@ -676,25 +689,17 @@ def run(args) -> None:
           flush=True)
     t0 = time.perf_counter()
     done: dict[str, ShapeBench] = {}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name in shapes:
         bench = ShapeBench(name.strip(), args, device, memory, tflops, args.cache_dir)
         print(f"{bench.name}: {bench.arch.params_causal_lm:,} parameters, hidden {bench.arch.hidden}, "
               f"{bench.arch.layers} layers, {str(bench.dtype).removeprefix('torch.')}", flush=True)
         bench.run()
         done[bench.name] = bench
+        # after each shape, so that a caller's time limit (gpu_check.py) still finds the shapes measured so far
+        write_json(args.out, results_json(args, device, gpu_name, tflops, memory, smoke, done, t0,
+                                          complete=len(done) == len(shapes)))
     print(table(done), flush=True)
-    result = {"device": str(device), "device_name": gpu_name, "peak_bf16_tflops": tflops, "memory": memory.kind,
-              "settings": {k: getattr(args, k) for k in ("batch", "length", "members", "lora_pairs", "masks",
-                                                         "mcd_pairs", "pairs", "repeats")}
-              | {"lora_rank": LORA_RANK, "dropout": DROPOUT, "logprob_chunk": "auto", "smoke": smoke},
-              "torch": torch.__version__, "seconds": time.perf_counter() - t0,
-              "shapes": {name: {"dtype": str(b.dtype).removeprefix("torch."), "params_causal_lm":
-                                b.arch.params_causal_lm, "params_body": b.arch.params_body,
-                                "measurements": b.results, "ratios": b.ratios, "budgets": b.budgets,
-                                "plans": b.planner.plans}
-                         for name, b in done.items()}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.out, result)
     print(f"wrote {args.out}", flush=True)
 
 
