@@ -2,7 +2,8 @@
 
 Runs what ``make demo`` runs (``python train.py``, the default experiment; its run folder goes to a temporary
 directory, which changes no number) and compares the table it prints with the block under the README's
-``<!-- demo table -->`` marker: exit 0 when they are equal, else a diff and exit 1. ``--write`` puts the printed table
+``<!-- demo table -->`` marker: exit 0 when they are equal up to the float noise between CPUs (below), else a diff
+and exit 1. ``--write`` puts the printed table
 into the README instead. ``make demo-check`` runs the comparison, and CI runs it on a fresh clone, so the README shows
 what a new user's ``make demo`` prints.
 
@@ -61,10 +62,40 @@ def run_demo() -> str:
     return proc.stdout
 
 
+# The same seed gives other last digits on another CPU: torch picks its kernels by instruction set (AVX-512, AVX2,
+# scalar), whose float sums round differently, and the demo trains on them. Measured on 2026-11-27 against the
+# README's table: an AVX2 machine (AMD EPYC) and ATEN_CPU_CAPABILITY=default moved rates by up to 0.002 (2 of 1000
+# pairs), ECE by 0.003, the mean width by 0.7 %. A number counts as equal within ABS_TOL + REL_TOL x its size; words and
+# whole numbers (the pair counts) must be equal.
+ABS_TOL, REL_TOL = 0.005, 0.01
+
+
+def _same(shown: str, printed: str) -> bool:
+    """Two lines of the table, equal word for word, numbers with a decimal point within the tolerance."""
+    a, b = shown.replace(",", " ").split(), printed.replace(",", " ").split()
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x == y:
+            continue
+        if "." not in x or "." not in y:
+            return False
+        try:
+            fx, fy = float(x), float(y)
+        except ValueError:
+            return False
+        if abs(fx - fy) > ABS_TOL + REL_TOL * abs(fx):
+            return False
+    return True
+
+
 def compare(table: list[str], readme: str) -> list[str]:
-    """The unified diff of the README's block against ``table``; empty when they are equal."""
+    """The unified diff of the README's block against ``table``; empty when they are equal up to the float noise
+    between CPUs (``_same``)."""
     first, end = readme_block(readme)
     shown = readme.splitlines()[first:end]
+    if len(shown) == len(table) and all(_same(a, b) for a, b in zip(shown, table)):
+        return []
     return list(difflib.unified_diff(shown, table, "README.md (demo table)", "make demo", lineterm=""))
 
 
@@ -87,6 +118,11 @@ def main(argv=None) -> int:
         print("the README's demo table differs from what make demo prints: run python scripts/readme_demo_table.py "
               "--write (and say why the numbers moved in the commit)")
         return 1
+    first, end = readme_block(readme)
+    if readme.splitlines()[first:end] != table:
+        print("the README's demo table is what make demo prints, up to float noise between CPUs (kernels by "
+              f"instruction set; tolerance {ABS_TOL} + {REL_TOL:.0%}); this machine prints:\n" + "\n".join(table))
+        return 0
     print("the README's demo table is what make demo prints")
     return 0
 

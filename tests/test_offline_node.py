@@ -120,8 +120,8 @@ def test_jobs_stop_on_their_condition_and_die_at_the_limit(tmp_path):
     stopped = gpu_check.Job([sys.executable, "-c", trap], stop_when=flag.exists)
     hang = gpu_check.Job([sys.executable, "-c", "import time; time.sleep(60)"])
     quick = gpu_check.Job([sys.executable, "-c", "print('done')"])
-    gpu_check.run_jobs([stopped, hang, quick], log, timeout=8, parallel=3)
+    gpu_check.run_jobs([stopped, hang, quick], log, timeout=5, parallel=3)
     assert (stopped.code, stopped.stopped) == (3, True) and "stopped by SIGTERM" in stopped.out
-    assert hang.code == 124 and "killed after 8 s" in hang.out
+    assert hang.code == 124 and "killed after 5 s" in hang.out
     assert quick.code == 0 and quick.out.strip() == "done"
     assert log.path.read_text().count("[exit ") == 3
