@@ -131,6 +131,9 @@ class Job:
         self.seconds = 0.0
         self.out = ""
         self.stopped = False
+        self.proc: subprocess.Popen | None = None   # while it runs: the process, its output file, its start
+        self.file = None
+        self.t0 = 0.0
 
 
 def run_jobs(jobs: list[Job], log: Log, timeout: float, parallel: int = 1, env: dict | None = None) -> None:
