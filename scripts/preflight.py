@@ -44,6 +44,12 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def requirement_name(requirement: str) -> str:
+    """The distribution a requirement string names (``datasets>=3.0; extra == "x"`` -> ``datasets``), without
+    needing ``packaging``."""
+    return re.split(r"[\s<>=!~;\[(]", requirement, 1)[0]
+
+
 def project_requirements(extras: list[str]) -> list[str]:
     """The requirement strings of pyproject.toml: its dependencies and the listed extras (skipping ``SKIP``)."""
     try:
@@ -56,7 +62,7 @@ def project_requirements(extras: list[str]) -> list[str]:
     if unknown:
         raise SystemExit(f"preflight: unknown extra {', '.join(unknown)}; allowed: {', '.join(optional)}")
     wanted = [*project["dependencies"], *(r for e in extras for r in optional[e])]
-    return [r for r in dict.fromkeys(wanted) if canonical(re.split(r"[\s<>=!~;\[(]", r, 1)[0]) not in SKIP]
+    return [r for r in dict.fromkeys(wanted) if canonical(requirement_name(r)) not in SKIP]
 
 
 class Problems:
@@ -76,7 +82,7 @@ def check_distributions(requirements: list[str], problems: Problems) -> None:
     except ModuleNotFoundError:   # without packaging only the names can be checked (no versions, no markers)
         problems.add("packaging", "packaging: not installed (needed by transformers, and to check versions here)")
         for text in requirements:
-            name = re.split(r"[\s<>=!~;\[(]", text, 1)[0]
+            name = requirement_name(text)
             try:
                 metadata.distribution(name)
             except metadata.PackageNotFoundError:
@@ -106,7 +112,7 @@ def check_distributions(requirements: list[str], problems: Problems) -> None:
 
 
 def import_name(requirement: str) -> str:
-    name = canonical(re.split(r"[\s<>=!~;\[(]", requirement, 1)[0])
+    name = canonical(requirement_name(requirement))
     return IMPORT_NAMES.get(name, name.replace("-", "_"))
 
 

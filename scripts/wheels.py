@@ -40,14 +40,16 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from preflight import canonical, project_requirements  # noqa: E402
+from preflight import ROOT, canonical, project_requirements  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from rewarduq_exp.core.atomic_write import write_atomic  # noqa: E402 (standard library only: any python3 runs this)
 
 try:
     from packaging.requirements import Requirement
 except ModuleNotFoundError:   # pip carries its own copy
     from pip._vendor.packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[1]
 # The default node: a GPU image with these (and everything they require) already installed.
 HEAVY = ("torch", "numpy", "scipy", "pandas", "pyarrow", "scikit-learn", "matplotlib")
 # Published as source only: built here into (pure-Python) wheels before the resolution, since pip's resolver, asked
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     node = read_freeze(Path(args.node_freeze)) if args.node_freeze else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.txt").unlink(missing_ok=True)   # a folder whose download fails has no manifest, not a stale one
     with tempfile.TemporaryDirectory(prefix="rewarduq-wheels-") as tmp:
         work, links = Path(tmp), Path(tmp) / "links"
         links.mkdir()
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(w.stat().st_size for w in wheels)
     node_line = (f"the packages of {args.node_freeze}" if node is not None else
                  f"{', '.join(HEAVY)} and what only they require (the default)")
-    (out / "manifest.txt").write_text(
+    write_atomic(out / "manifest.txt",
         f"# python {target.python_version}, {' '.join(target.platforms)}; extras: {args.extras or '(none)'}\n"
         f"# the node has: {node_line}: {' '.join(sorted(has))}\n" + "".join(f"{w.name}\n" for w in wheels))
     print(f"wheels: {len(wheels)} wheels, {size / 2**20:.1f} MiB in {out} (not brought, the node has them: "
