@@ -122,20 +122,17 @@ def toy_curves(mean_gold, ns):
     return pd.DataFrame(rows)
 
 
-def test_fall_after_peak_and_trough_by_hand():
-    # Rises to 3 at n=2, falls to 0.5 at n=8, recovers to 1.5 at n=16: the fall is 2.5, the gap to n_max only 1.5.
+def test_largest_drop_in_the_summary_by_hand():
+    # Rises to 3 at n=2, falls to 0.5 at n=8, recovers to 1.5 at n=16: the drop is 2.5, the gap to n_max only 1.5.
     s = curve_summary(toy_curves([1.0, 3.0, 2.0, 0.5, 1.5], [1, 2, 4, 8, 16]), 1.0)
-    assert (s["best_n"], s["trough_n"]) == (2, 8)
-    assert s["fall_after_peak"] == pytest.approx(2.5) and s["overopt_gap"] == pytest.approx(1.5)
-    assert s["gold_trough"] == pytest.approx(0.5)
+    assert s["best_n"] == 2 and s["overopt_gap"] == pytest.approx(1.5)
     assert (s["largest_drop"], s["drop_from_n"], s["drop_to_n"]) == (pytest.approx(2.5), 2, 8)
     rising = curve_summary(toy_curves([1.0, 2.0, 3.0], [1, 2, 4]), 1.0)
-    assert (rising["best_n"], rising["trough_n"], rising["fall_after_peak"]) == (4, 4, 0.0)
-    assert rising["largest_drop"] == 0.0
+    assert rising["best_n"] == 4 and rising["largest_drop"] == 0.0
     # An early peak (2 at n=2), a dip to 0.5 and a recovery above it (4 at n=16): the global peak is the last point,
-    # so nothing falls after it, but the curve dropped by 1.5 on the way.
+    # so a fall measured from it would be 0, but the curve dropped by 1.5 on the way.
     late = curve_summary(toy_curves([1.0, 2.0, 1.2, 0.5, 4.0], [1, 2, 4, 8, 16]), 1.0)
-    assert (late["best_n"], late["fall_after_peak"]) == (16, 0.0)
+    assert late["best_n"] == 16 and late["overopt_gap"] == 0.0
     assert (late["largest_drop"], late["drop_from_n"], late["drop_to_n"]) == (pytest.approx(1.5), 2, 8)
 
 
@@ -168,53 +165,63 @@ def test_correlations_carry_p_values_and_need_three_runs():
     from rewarduq_exp.downstream.best_of_n_task import DOWNSTREAM, RUN_METRICS, correlations
 
     rng = np.random.default_rng(0)
-    summary = pd.DataFrame({c: rng.normal(size=5) for c in (*DOWNSTREAM, *RUN_METRICS)}).assign(split="eval")
+    summary = pd.DataFrame({c: rng.normal(size=5) for c in (*DOWNSTREAM, *RUN_METRICS)}).assign(split="eval",
+                                                                                                 world=0)
     corr = correlations(summary)
-    assert {"spearman", "p_value", "runs"} <= set(corr.columns) and (corr.runs == 5).all()
-    row = corr[(corr.downstream == "fall_after_peak") & (corr.run_metric == "ece")].iloc[0]
-    expected = spearmanr(summary.fall_after_peak, summary.ece)
+    assert {"spearman", "p_value", "runs", "world"} <= set(corr.columns) and (corr.runs == 5).all()
+    row = corr[(corr.downstream == "largest_drop") & (corr.run_metric == "ece")].iloc[0]
+    expected = spearmanr(summary.largest_drop, summary.ece)
     assert row.spearman == pytest.approx(expected.statistic) and row.p_value == pytest.approx(expected.pvalue)
     few = correlations(summary.head(2))
     assert (few.runs == 2).all() and few.spearman.isna().all() and few.p_value.isna().all()
+    # two worlds are correlated apart, never pooled
+    two = correlations(pd.concat([summary, summary.assign(world=7)]))
+    assert set(two.world) == {0, 7} and (two.runs == 5).all()
 
 
-def test_overoptimization_table_by_hand():
-    from rewarduq_exp.downstream.overoptimization import overoptimization_lines, overoptimization_table, strength_axis
-
-    summary = pd.DataFrame({
-        "split": "eval", "method": "m", "filler_bias": [0.0, 0.0, 1.0, 1.0, 2.0], "length_bias": 0.0,
-        "seed": [0, 1, 0, 1, 0], "gold_best": [4.0, 4.2, 2.0, 1.8, 1.5], "best_n": [64, 64, 4, 4, 2],
-        "trough_n": [64, 64, 64, 32, 64], "fall_after_peak": [0.0, 0.1, 1.0, 0.6, 1.2],
-        "gold_trough": [4.0, 4.1, 1.0, 1.2, 0.3]})
-    axis = strength_axis(summary)
-    table = overoptimization_table(summary, axis).set_index(axis)
-    assert axis == "filler_bias" and table.runs.tolist() == [2, 2, 1]
-    assert table.loc[1.0, "fall_after_peak"] == pytest.approx(0.8)
-    assert table.loc[1.0, "seed_spread"] == pytest.approx(0.2)
-    assert table.loc[1.0, "exceeds"] and not table.loc[0.0, "exceeds"]  # 0.05 < spread 0.1
-    assert not table.loc[2.0, "exceeds"] and table.loc[1.0, "trough_n"] == "64,32"
-    lines = overoptimization_lines(table.reset_index(), axis)
-    assert len(lines) == 3 and "one run:" in lines[2] and "exceeds the spread" in lines[1]
-
-
-def test_sweep_figures_are_drawn(tmp_path):
-    # The figures a sweep over the shortcut's strength gets (an end-to-end run of two runs at one strength has none).
+def test_overoptimization_lines_and_figures_are_drawn(tmp_path):
+    # The figures a sweep over the shortcut's strength gets (an end-to-end run of two runs at one strength has none),
+    # from per-prompt picks made by hand: two worlds, two seeds, three strengths; the stronger the shortcut, the
+    # deeper the dip after n = 2.
+    from rewarduq_exp.downstream.best_of_n import powers_of_two
     from rewarduq_exp.downstream.best_of_n_task import LOSS, RUN_METRICS, correlations
-    from rewarduq_exp.downstream.figures import plot_overoptimization, plot_selection_vs_loss
-    from rewarduq_exp.downstream.overoptimization import overoptimization_table
+    from rewarduq_exp.downstream.figures import plot_overoptimization, plot_selection_vs_loss, plot_uncertainty_use
+    from rewarduq_exp.downstream.overoptimization import overoptimization_lines, overoptimization_table
 
     rng = np.random.default_rng(0)
-    summary = pd.DataFrame({
-        "run": [f"m/{i}" for i in range(6)], "split": "eval", "method": "m",
-        "filler_bias": [0.0, 0.0, 1.0, 1.0, 2.0, 2.0], "length_bias": 0.0, "seed": [0, 1] * 3,
-        "gold_best": rng.normal(size=6), "best_n": 4, "trough_n": 64,
-        "fall_after_peak": rng.random(6), "gold_trough": rng.normal(size=6), "overopt_gap": rng.random(6),
-        "gold_nmax": rng.normal(size=6), "conservative_gain": rng.normal(size=6),
-        **{m: rng.random(6) for m in RUN_METRICS}})
-    plot_overoptimization(summary, overoptimization_table(summary, "filler_bias"), "filler_bias",
-                          tmp_path / "overoptimization.png")
+    ns = powers_of_two(16)
+    kl = kl_best_of_n(ns)
+    rows, per_prompt = [], {}
+    for world in (0, 1):
+        for strength in (0.0, 1.0, 2.0):
+            for seed in (0, 1):
+                run = f"m/filler_bias={strength:g},world={world},seed={seed}"
+                shape = np.array([0.0, 1.0, 1.0 - strength, 1.2 - strength, 1.5 - strength / 2])
+                gold = shape + rng.normal(0, 1, size=(12, 1)) + rng.normal(0, 0.1, size=(12, 5))
+                use = {"report_prompts": np.arange(6), "mean": gold[:6], "model": gold[:6] + 0.1,
+                       "filter": gold[:6] + strength, "oracle": gold[:6] + 3, "k_model": 0.5}
+                per_prompt[(run, "eval")] = {("mean", 0.0): gold, ("conservative", 1.0): gold + 0.05,
+                                             ("optimistic", 1.0): gold - 0.05, ("oracle", 0.0): gold + 3, "use": use}
+                rows.append({"run": run, "split": "eval", "method": "m", "filler_bias": strength, "world": world,
+                             "seed": seed, "gold_best": gold.mean(0).max(), "best_n": 2,
+                             "largest_drop": rng.random(), "overopt_gap": rng.random(),
+                             "gold_nmax": gold.mean(0)[-1], "conservative_gain": rng.normal(),
+                             **{m: rng.random() for m in RUN_METRICS}})
+    summary = pd.DataFrame(rows)
+    table = overoptimization_table(summary, per_prompt, "filler_bias", kl, ns, 1.0, 300, 0)
+    assert len(table) == 6 and (table.runs == 2).all()
+    cells = table.set_index(["world", "filler_bias"])
+    assert not cells.loc[(0, 0.0), "overoptimizes"] and cells.loc[(0, 2.0), "overoptimizes"]
+    assert cells.loc[(0, 2.0), "drop_from_n"] == 2 and cells.loc[(0, 2.0), "drop_to_n"] == 4
+    assert cells.loc[(1, 1.0), "filter_vs_mean"] == pytest.approx(1.0)
+    assert cells.loc[(0, 0.0), "conservative_gain"] == pytest.approx(0.05)
+    lines = overoptimization_lines(table, "filler_bias")
+    assert any("overoptimizes in 2 of 2 worlds" in line for line in lines)
+    assert any("no fall the data can show" in line for line in lines)
+    plot_overoptimization(table, "filler_bias", tmp_path / "overoptimization.png")
+    plot_uncertainty_use(table, "filler_bias", tmp_path / "use.png")
     plot_selection_vs_loss(summary, correlations(summary), RUN_METRICS, LOSS, "eval", tmp_path / "selection.png")
-    for name in ("overoptimization.png", "selection.png"):
+    for name in ("overoptimization.png", "use.png", "selection.png"):
         assert (tmp_path / name).stat().st_size > 10_000, name
 
 
@@ -276,14 +283,20 @@ def test_best_of_n_end_to_end_on_a_sweep(sweep, shared_cache):
         assert (top.gold <= top[top.selection == "oracle"].gold.iloc[0] + 1e-9).all()
     assert len(summary) == 4 and (summary.overopt_gap >= 0).all()
     assert {"rs_0.2", "ece"} <= set(summary.columns) and summary["rs_0.2"].notna().all()
-    assert {"fall_after_peak", "trough_n", "filler_bias", "length_bias", "candidate_filler_share", "seed"} <= set(
-        summary.columns) and (summary.fall_after_peak >= summary.overopt_gap - 1e-12).all()
-    assert {"filler_bias", "seed"} <= set(curves.columns)
-    for figure in ("best_of_n", "shortcut"):
+    assert {"largest_drop", "largest_drop_lo", "largest_drop_hi", "overoptimizes", "gao_alpha", "gao_kl_peak",
+            "model_vs_mean", "model_vs_mean_lo", "knn_vs_mean", "k_model", "filler_bias", "length_bias",
+            "candidate_filler_share", "world", "seed"} <= set(summary.columns)
+    assert (summary.largest_drop >= summary.overopt_gap - 1e-12).all()
+    assert (summary.largest_drop_lo <= summary.largest_drop + 1e-12).all()
+    assert (summary.conservative_gain_lo <= summary.conservative_gain + 1e-12).all()
+    assert {"filler_bias", "world", "seed"} <= set(curves.columns)
+    per_prompt = pd.read_csv(out / "per_prompt.csv.gz")
+    assert set(per_prompt.part) == {"all", "report"} and per_prompt.prompt.max() == 3
+    for figure in ("best_of_n", "shortcut", "uncertainty_use"):
         assert (out / f"{figure}.png").stat().st_size > 10_000, figure
     # one strength and two runs: no figure over the strength, no correlation to draw (said in the log)
     assert not (out / "overoptimization.png").exists() and not (out / "selection_vs_loss.png").exists()
-    assert "the selection rule picks" in proc.stdout and "fall_after_peak" in proc.stdout
+    assert "the selection rule picks" in proc.stdout and "largest_drop" in proc.stdout
     corr = pd.read_csv(out / "correlation.csv")
     assert set(corr.run_metric) >= {"rs_0.2", "ece", "ebce"} and {"p_value", "runs"} <= set(corr.columns)
     assert (corr.runs == 2).all() and corr.p_value.isna().all()  # two runs: no correlation to speak of
@@ -307,7 +320,14 @@ def test_active_learning_end_to_end(sweep, shared_cache):
     first = curves[curves["round"] == 0].groupby("run").win_rate.nunique()
     assert (first == 1).all()
     summary = pd.read_csv(out / "summary.csv")
-    assert (summary[summary.strategy == "random"].win_rate_final_vs_random == 0).all()
+    random = summary.strategy == "random"
+    assert summary[random].win_rate_final_vs_random.isna().all()  # no difference to itself
+    assert summary[~random].win_rate_final_vs_random.notna().all() and (summary.repeats == 1).all()
+    assert summary[~random].win_rate_final_vs_random_lo.isna().all()  # one repeat: no interval
+    assert summary[~random].win_rate_auc_wins.isin(["0/1", "1/1"]).all()
+    paired = pd.read_csv(out / "paired.csv")  # one difference per run, strategy but random, metric, kind, repeat
+    assert len(paired) == curves.run.nunique() * 3 * 3 * 2 and "random" not in set(paired.strategy)
+    assert np.allclose(paired["diff"], paired["value"] - paired["random"], equal_nan=True)
     assert (out / "active_learning.png").stat().st_size > 10_000
 
 
@@ -377,3 +397,18 @@ def test_run_labels_name_what_sets_a_methods_runs_apart():
                       "ens_mlp/filler_bias=2.0,seed=0", "bay_lin"]
     # runs that differ in no setting fall back to their folder names
     assert run_labels(["ens_mlp", "ens_mlp"], [config(0, 1.0)] * 2, ["a", "b"]) == ["ens_mlp/a", "ens_mlp/b"]
+    # the world's seed (dataset.seed) is world=, apart from the model's seed=, and comes before it
+    def seeded(world, seed, bias=1.0, method_seed=None):
+        return OmegaConf.create({"seed": seed, "dataset": {"seed": world, "filler_bias": bias},
+                                 "method": {"seed": seed if method_seed is None else method_seed}})
+
+    configs = [seeded(w, s) for w in (0, 7) for s in (1, 2)]
+    assert run_labels(["ens_mlp"] * 4, configs, list("abcd")) == [
+        "ens_mlp/world=0,seed=1", "ens_mlp/world=0,seed=2", "ens_mlp/world=7,seed=1", "ens_mlp/world=7,seed=2"]
+    configs = [seeded(0, 1), seeded(7, 1, bias=2.0)]
+    assert run_labels(["ens_mlp"] * 2, configs, list("ab")) == ["ens_mlp/filler_bias=1.0,world=0",
+                                                                "ens_mlp/filler_bias=2.0,world=7"]
+    # two keys of one name that do not copy each other: the nested one shows its whole key, so labels stay unique
+    configs = [seeded(0, 1, method_seed=5), seeded(0, 2, method_seed=5), seeded(0, 1, method_seed=6)]
+    assert run_labels(["ens_mlp"] * 3, configs, list("abc")) == [
+        "ens_mlp/method.seed=5,seed=1", "ens_mlp/method.seed=5,seed=2", "ens_mlp/method.seed=6,seed=1"]

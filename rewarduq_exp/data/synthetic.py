@@ -16,11 +16,13 @@ A known spurious feature (default off): with ``length_bias`` > 0 the labels of t
 ignores length; eval and ood labels follow the true reward. ``candidate_max_words`` lets best-of-n candidates
 (:meth:`candidates`) run far longer than any training completion, so a proxy that learned "longer is better" meets
 candidates that exploit the shortcut beyond the range it was trained on. The same with a word: with ``filler_bias``
-the training labels add that many log-odds per extra occurrence of the filler (the most frequent word, worth nothing
-to the true reward once a filler option is on), and ``candidate_filler_share`` stuffs a heavy-tailed share of
-best-of-n candidates' words with it, up to that share: rare candidates, far beyond any training completion, that a
-proxy which learned the shortcut ranks first. With all four at their defaults the world is exactly the one without
-them (same draws).
+the training labels add that many log-odds per extra occurrence of the filler (the most frequent word), and
+``candidate_filler_share`` stuffs a heavy-tailed share of best-of-n candidates' words with it, up to that share: rare
+candidates, far beyond any training completion, that a proxy which learned the shortcut ranks first. Once either
+filler option is on, the true reward ignores the filler entirely: it is ``utility_scale`` times the mean utility of
+the *other* words, so adding fillers to a completion leaves its true reward exactly unchanged (the shortcut is neutral
+to the gold, neither rewarded nor punished), and a completion made only of fillers says nothing and has true reward
+0. With all four at their defaults the world is exactly the one without them (same draws, same rewards).
 """
 
 from __future__ import annotations
@@ -126,10 +128,13 @@ class SyntheticWorld:
         n_rare = int(round(self.rare_fraction * self.vocab_size))
         self.rare_words = np.sort(order[:n_rare])
         common = order[n_rare:]
-        # The filler: the most frequent word, worth nothing to the true reward once either filler option is on (it
-        # only dilutes the mean), while the training labelers may like it (filler_bias).
+        # The filler: the most frequent word, ignored by the true reward once either filler option is on (left out of
+        # the mean, so it neither adds nor dilutes: see true_reward), while the training labelers may like it
+        # (filler_bias). Its utilities are zeroed too, so nothing that reads them gives it a value; no draw depends
+        # on this, so the world's other utilities are those of the world without the options.
         self.filler_word = int(common[0])
-        if self.filler_bias or self.candidate_filler_share:
+        self.filler_ignored = bool(self.filler_bias or self.candidate_filler_share)
+        if self.filler_ignored:
             self.global_utility[self.filler_word] = 0.0
             self.topic_utility[:, self.filler_word] = 0.0
         freq = np.zeros(self.vocab_size)
@@ -175,10 +180,16 @@ class SyntheticWorld:
 
     # ------------------------------------------------------------------ truth
     def true_reward(self, topic: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Reward of padded word-index arrays ``tokens`` (n, max_words) under ``topic`` (n,)."""
+        """Reward of padded word-index arrays ``tokens`` (n, max_words) under ``topic`` (n,): ``utility_scale`` times
+        the mean utility of the first ``lengths`` words. Once a filler option is on, the mean is over the words other
+        than the filler (adding fillers leaves the reward unchanged), and a completion of fillers only has reward 0."""
         utility = self.global_utility[tokens] + self.prompt_dependence * self.topic_utility[topic[:, None], tokens]
         mask = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
-        return self.utility_scale * (utility * mask).sum(1) / lengths
+        if not self.filler_ignored:
+            return self.utility_scale * (utility * mask).sum(1) / lengths
+        mask &= tokens != self.filler_word
+        counted = mask.sum(1)
+        return self.utility_scale * (utility * mask).sum(1) / np.maximum(counted, 1)   # no words counted: 0
 
     # ------------------------------------------------------------------ sampling
     def _completions(self, rng: np.random.Generator, n: int, probs: np.ndarray,

@@ -17,27 +17,42 @@ has no such truth, so it is NaN there) and acquires ``task.batch`` more pairs fr
 
 Every strategy reads only what is known before labelling and is symmetric in the two completions, so the pool's
 chosen/rejected order (the label) never leaks into the choice. Repeats differ in the initial set; within a repeat
-every strategy starts from the same one. Pool and eval features come from the disk feature cache (the runs' own
-training features already are there), so a round costs a head fit, not a backbone pass.
+every strategy starts from the same one and retrains with the same model seed. Pool and eval features come from the
+disk feature cache (the runs' own training features already are there), so a round costs a head fit, not a
+backbone pass.
+
+The comparison with random is therefore PAIRED by repeat: a repeat's initial set moves every strategy's curve
+together, so the spread of the levels over repeats says little about the gap between strategies. For each metric of
+``SUMMARISED`` and each ``kind`` (``final``: the last round; ``auc``: the mean over rounds), ``summary.csv`` holds
+the mean over repeats (``<metric>_<kind>``) and, for every strategy but random, the paired differences
+d_r = strategy - random of the same run and repeat: their mean (``<metric>_<kind>_vs_random``), the 95 % paired
+t-interval mean ± t_{0.975, R-1} sd(d_r) / sqrt(R) (``..._vs_random_lo`` / ``..._vs_random_hi``; NaN for R < 2),
+the two-sided paired t-test p-value (``..._vs_random_p``) and ``<metric>_<kind>_wins``, "k/R": the repeats with
+d_r > 0 (for ECE, higher is worse) out of those with both values; ``repeats`` counts the repeats averaged over.
+Random's own row has NaN there, and without random in ``task.strategies`` these columns are absent.
+``paired.csv`` is the long table of every d_r (run, method, strategy, metric, kind, repeat, value, random, diff);
+``active_learning.png`` draws the levels (band: min..max over repeats) over the paired differences per round
+(band: 95 % paired t-interval), see :mod:`.active_learning_figure`.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
+from scipy.stats import t as t_dist
 from tqdm.auto import tqdm
 
-from rewarduq_exp.analysis.text_tables import fmt_number, text_table
+from rewarduq_exp.analysis.text_tables import DASH, fmt_number, text_table
 from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.registry import build
 from rewarduq_exp.data.synthetic import SPLITS
-from rewarduq_exp.downstream.figures import plot_active_learning
 from rewarduq_exp.downstream.world_runs import WorldRun, completed_world_runs, world_of
 from rewarduq_exp.methods.base import FeatureHeadMethod
 from rewarduq_exp.methods.registry import METHOD_CLASSES
@@ -51,6 +66,8 @@ log = logging.getLogger("rewarduq_exp")
 STRATEGIES = ("random", "uncertainty", "bald", "ranking_score")
 REPORTED = ("win_rate", "truth/ece", "ece", "rs_0.2")
 SUMMARISED = ("win_rate", "truth/ece", "ece")
+KINDS = ("final", "auc")  # the last round; the mean over rounds (area under the learning curve)
+PAIRED_COLUMNS = ("run", "method", "strategy", "metric", "kind", "repeat", "value", "random", "diff")
 
 
 def _entropy(p: np.ndarray) -> np.ndarray:
@@ -171,24 +188,123 @@ def learning_curves(run: WorldRun, cfg, strategies: list[str], make, pool: pd.Da
     return pd.DataFrame(rows)
 
 
-def summary_rows(curves: pd.DataFrame) -> pd.DataFrame:
+class PairedInterval(NamedTuple):
+    """Paired differences reduced along an axis: their mean, the t-interval, the t-test's p-value, how many there
+    are (finite ones) and how many are > 0."""
+    mean: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    p: np.ndarray
+    n: np.ndarray
+    wins: np.ndarray
+
+
+def paired_t_interval(diffs, axis: int = -1, level: float = 0.95) -> PairedInterval:
+    """The paired t-interval of the differences ``diffs`` along ``axis`` (one per repeat; NaN ones left out):
+    mean ± t_{(1+level)/2, n-1} sd / sqrt(n), and the two-sided p-value of the paired t-test (as
+    ``scipy.stats.ttest_rel`` of the two sides); interval and p-value are NaN for n < 2. Vectorised: every other axis
+    is a separate comparison."""
+    d = np.asarray(diffs, dtype=float)
+    finite = np.isfinite(d)
+    n = finite.sum(axis=axis)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(finite, d, 0.0).sum(axis=axis) / n
+        dev = np.where(finite, d - np.expand_dims(mean, axis), 0.0)
+        se = np.sqrt((dev ** 2).sum(axis=axis) / (n - 1) / n)
+        enough = n >= 2
+        df = np.where(enough, n - 1, 1)
+        half = np.where(enough, t_dist.ppf(0.5 + level / 2, df) * se, np.nan)
+        p = np.where(enough, 2 * t_dist.sf(np.abs(mean / se), df), np.nan)
+    return PairedInterval(mean, mean - half, mean + half, p, n, (d > 0).sum(axis=axis))
+
+
+def repeat_values(curves: pd.DataFrame) -> pd.DataFrame:
+    """Long table of each run, strategy and repeat: every metric of ``SUMMARISED`` at the run's last round
+    (``kind=final``) and its mean over rounds (``kind=auc``)."""
+    metrics = [m for m in SUMMARISED if m in curves.columns]
+    keys = ["run", "method", "strategy", "repeat"] if "method" in curves.columns else ["run", "strategy", "repeat"]
+    frames = []
+    for _, part in curves.groupby("run", sort=False):
+        last = part[part["round"] == part["round"].max()]
+        for kind, rows in (("final", last), ("auc", part)):
+            per = rows.groupby(keys, sort=False)[metrics].mean().reset_index()  # auc: one row per round
+            frames.append(per.melt(id_vars=keys, var_name="metric", value_name="value").assign(kind=kind))
+    return pd.concat(frames, ignore_index=True)
+
+
+def paired_differences(values: pd.DataFrame) -> pd.DataFrame | None:
+    """Every strategy but random against random of the same run and repeat (``values`` from
+    :func:`repeat_values`): ``diff`` = value - random, the d_r of the paired comparison. None without random."""
+    if "random" not in set(values.strategy):
+        return None
+    keys = ["run", "repeat", "metric", "kind"]
+    base = values.loc[values.strategy == "random", [*keys, "value"]].rename(columns={"value": "random"})
+    paired = values[values.strategy != "random"].merge(base, on=keys, how="left")
+    paired["diff"] = paired["value"] - paired["random"]
+    return paired[[c for c in PAIRED_COLUMNS if c in paired.columns]]
+
+
+def summary_rows(curves: pd.DataFrame, paired: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per run and strategy: each metric at the last round and its mean over rounds (area under the learning
-    curve), averaged over repeats, and the difference to random."""
-    last = curves[curves["round"] == curves["round"].max()]
+    curve), averaged over repeats, and for every strategy but random the paired difference to random (mean over
+    repeats, 95 % paired t-interval, p-value, wins); see the module's docstring. ``paired``: the
+    :func:`paired_differences` of ``curves`` when already computed."""
+    values = repeat_values(curves)
+    if paired is None:
+        paired = paired_differences(values)
+    metrics = list(dict.fromkeys(values.metric))
+    means = values.groupby(["run", "strategy", "metric", "kind"], sort=False)["value"].mean()
+    compared = {}
+    if paired is not None:
+        for key, part in paired.groupby(["run", "strategy", "metric", "kind"], sort=False):
+            iv = paired_t_interval(part["diff"].to_numpy())
+            compared[key] = {"_vs_random": float(iv.mean), "_vs_random_lo": float(iv.lo),
+                             "_vs_random_hi": float(iv.hi), "_vs_random_p": float(iv.p),
+                             "_wins": f"{int(iv.wins)}/{int(iv.n)}" if iv.n else np.nan}
+    columns = ["run", "strategy", "labels_final", "repeats"]
+    columns += [f"{m}_{kind}" for m in metrics for kind in KINDS]
+    if paired is not None:
+        columns += [f"{m}_{kind}{suffix}" for kind in KINDS for m in metrics
+                    for suffix in ("_vs_random", "_vs_random_lo", "_vs_random_hi", "_vs_random_p", "_wins")]
     rows = []
     for (run, strategy), part in curves.groupby(["run", "strategy"], sort=False):
-        end = last[(last.run == run) & (last.strategy == strategy)]
-        row = {"run": run, "strategy": strategy, "labels_final": int(end["labels"].iloc[0])}
-        for m in SUMMARISED:
-            row[f"{m}_final"] = float(end[m].mean())
-            row[f"{m}_auc"] = float(part.groupby("round")[m].mean().mean())
+        end = part[part["round"] == part["round"].max()]
+        row = {"run": run, "strategy": strategy, "labels_final": int(end["labels"].iloc[0]),
+               "repeats": int(part["repeat"].nunique())}
+        for m in metrics:
+            for kind in KINDS:
+                row[f"{m}_{kind}"] = float(means[(run, strategy, m, kind)])
+                for suffix, value in compared.get((run, strategy, m, kind), {}).items():
+                    row[f"{m}_{kind}{suffix}"] = value
         rows.append(row)
-    table = pd.DataFrame(rows)
-    for m in [f"{m}_{kind}" for kind in ("final", "auc") for m in SUMMARISED]:
-        base = table[table.strategy == "random"].set_index("run")[m] if "random" in set(table.strategy) else None
-        if base is not None:
-            table[f"{m}_vs_random"] = table[m] - table.run.map(base)
-    return table
+    return pd.DataFrame(rows).reindex(columns=columns)
+
+
+def _versus_random(row, metric: str, kind: str) -> str:
+    """``+0.046 [+0.031, +0.061] 3/3``: the mean paired difference, its interval (one repeat: none) and wins."""
+    mean = row.get(f"{metric}_{kind}_vs_random", np.nan)
+    if pd.isna(mean):
+        return DASH
+    text = f"{mean:+.3f}"
+    if pd.notna(row[f"{metric}_{kind}_vs_random_lo"]):
+        text += f" [{row[f'{metric}_{kind}_vs_random_lo']:+.3f}, {row[f'{metric}_{kind}_vs_random_hi']:+.3f}]"
+    return f"{text} {row[f'{metric}_{kind}_wins']}"
+
+
+def summary_table(summary: pd.DataFrame) -> str:
+    """The printed summary: per run and strategy, win rate and calibration (truth/ece where the world has it, else
+    ece) at the last round, and the paired differences to random with their 95 % intervals and wins (the win rate's
+    also averaged over rounds); the rest is in summary.csv."""
+    cal = "truth/ece" if summary.get("truth/ece_final", pd.Series(dtype=float)).notna().any() else "ece"
+    header = ["run", "strategy", "labels", "win_rate", "win_rate - random", "win_rate auc - random", cal,
+              f"{cal} - random"]
+    rows = [[r.run, r.strategy, str(r.labels_final), fmt_number(r["win_rate_final"], 3),
+             _versus_random(r, "win_rate", "final"), _versus_random(r, "win_rate", "auc"),
+             fmt_number(r[f"{cal}_final"], 3), _versus_random(r, cal, "final")] for _, r in summary.iterrows()]
+    note = ("'- random': the mean over repeats of strategy - random within each repeat [its 95 % paired t-interval] "
+            "and in how many repeats it is > 0; final: the last round, auc: the mean over rounds; p-values in "
+            "summary.csv")
+    return f"{text_table(header, rows)}\n{note}"
 
 
 def active_learning(cfg, out_dir: Path) -> dict:
@@ -207,13 +323,16 @@ def active_learning(cfg, out_dir: Path) -> dict:
     data = {r.label: pool_and_eval(r, cfg.task) for r in learners}  # every pool checked before any training
     curves = pd.concat([learning_curves(r, cfg, strategies, makers[r.label], *data[r.label]) for r in learners],
                        ignore_index=True)
-    summary = summary_rows(curves)
+    from rewarduq_exp.downstream.active_learning_figure import plot_active_learning  # matplotlib, when drawn
+
+    paired = paired_differences(repeat_values(curves))
+    summary = summary_rows(curves, paired)
+    if paired is None:  # no random to pair with: the header alone
+        paired = pd.DataFrame(columns=list(PAIRED_COLUMNS))
     write_atomic(out_dir / "curves.csv", curves.to_csv(index=False))
     write_atomic(out_dir / "summary.csv", summary.to_csv(index=False))
+    write_atomic(out_dir / "paired.csv", paired.to_csv(index=False))
     plot_active_learning(curves, out_dir / "active_learning.png")
-    cols = [c for c in summary.columns if c not in ("run", "strategy")]
-    print(text_table(["run", "strategy", *cols],
-                     [[r.run, r.strategy, *(fmt_number(r[c], 4) for c in cols)] for _, r in summary.iterrows()]),
-          flush=True)
-    print(f"learning curves, summary and figure in {out_dir}", flush=True)
-    return {"curves": curves, "summary": summary}
+    print(summary_table(summary), flush=True)
+    print(f"learning curves, summary, paired differences and figure in {out_dir}", flush=True)
+    return {"curves": curves, "summary": summary, "paired": paired}

@@ -19,6 +19,7 @@ import pandas as pd
 from scipy.special import gammaln
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.downstream.paired_bootstrap import largest_drop
 
 SELECTIONS = ("mean", "conservative", "optimistic")
 ORACLE = "oracle"  # pick by the gold reward itself: the ceiling no reward model can beat
@@ -28,6 +29,20 @@ def kl_best_of_n(n) -> np.ndarray:
     """KL divergence of the best-of-n distribution from the base distribution, log n - (n - 1) / n."""
     n = np.asarray(n, dtype=np.float64)
     return np.log(n) - (n - 1) / n
+
+
+def area_weights(kl: np.ndarray) -> np.ndarray:
+    """Weights w with curve @ w = the curve's mean over the KL range (trapezoid rule / span; the first point when the
+    range is empty)."""
+    kl = np.asarray(kl, dtype=np.float64)
+    w = np.zeros_like(kl)
+    if kl.size < 2 or kl[-1] == kl[0]:
+        w[0] = 1.0
+        return w
+    steps = np.diff(kl)
+    w[:-1] += steps / 2
+    w[1:] += steps / 2
+    return w / (kl[-1] - kl[0])
 
 
 def powers_of_two(n_max: int) -> list[int]:
@@ -76,17 +91,23 @@ def selection_scores(reward: np.ndarray, u: np.ndarray, ks) -> dict[tuple[str, f
     return out
 
 
-def best_of_n_curves(reward: np.ndarray, u: np.ndarray, gold: np.ndarray, ks, ns) -> pd.DataFrame:
-    """Gold reward of the best-of-n pick vs n for every selection rule, plus the oracle (pick by gold).
-
-    ``reward``, ``u``, ``gold``: (P, M) per prompt and candidate. Columns: selection, k, n, kl, gold (mean over
-    prompts), gold_se (its standard error over prompts), reward (the mean proxy reward of the pick)."""
-    rows = []
+def picked_per_prompt(reward: np.ndarray, u: np.ndarray, gold: np.ndarray, ks, ns) -> dict:
+    """Per prompt, the expected gold and proxy reward of the best-of-n pick under every selection rule and the
+    oracle: ``{(selection, k): (gold (P, J), reward (P, J))}``, J = len(ns). What the curves average over prompts,
+    kept per prompt for the paired intervals (:mod:`.paired_bootstrap`)."""
     proxies = {**selection_scores(reward, u, ks), (ORACLE, 0.0): gold}
-    for (selection, k), proxy in proxies.items():
-        picked_gold = expected_best_of_n(proxy, gold, ns)
-        picked_reward = expected_best_of_n(proxy, reward, ns)
-        se = picked_gold.std(0, ddof=1) / np.sqrt(len(gold)) if len(gold) > 1 else np.full(len(ns), np.nan)
+    return {key: (expected_best_of_n(proxy, gold, ns), expected_best_of_n(proxy, reward, ns))
+            for key, proxy in proxies.items()}
+
+
+def curves_frame(per_prompt: dict, ns) -> pd.DataFrame:
+    """The curves of :func:`picked_per_prompt`'s rules, averaged over prompts. Columns: selection, k, n, kl, gold
+    (mean over prompts), gold_se (the standard error of that level over prompts: not the yardstick of a
+    difference between rules or n, which is paired), reward (the mean proxy reward of the pick)."""
+    rows = []
+    for (selection, k), (picked_gold, picked_reward) in per_prompt.items():
+        prompts = len(picked_gold)
+        se = picked_gold.std(0, ddof=1) / np.sqrt(prompts) if prompts > 1 else np.full(len(ns), np.nan)
         for j, n in enumerate(ns):
             rows.append({"selection": selection, "k": k, "n": int(n), "kl": float(kl_best_of_n(n)),
                          "gold": float(picked_gold[:, j].mean()), "gold_se": float(se[j]),
@@ -94,19 +115,22 @@ def best_of_n_curves(reward: np.ndarray, u: np.ndarray, gold: np.ndarray, ks, ns
     return pd.DataFrame(rows)
 
 
+def best_of_n_curves(reward: np.ndarray, u: np.ndarray, gold: np.ndarray, ks, ns) -> pd.DataFrame:
+    """Gold reward of the best-of-n pick vs n for every selection rule, plus the oracle (pick by gold).
+
+    ``reward``, ``u``, ``gold``: (P, M) per prompt and candidate; the columns of :func:`curves_frame`."""
+    return curves_frame(picked_per_prompt(reward, u, gold, ks, ns), ns)
+
+
 def curve_summary(curves: pd.DataFrame, k_compare: float) -> dict[str, float]:
-    """Scalars of one run's curves on one split.
+    """Point values of one run's curves on one split (their intervals: :mod:`.overoptimization`).
 
     - ``gold_n1``: gold reward at n = 1 (the base policy); ``gold_nmax``: at the largest n, mean selection;
     - ``best_n`` / ``gold_best``: the n where the mean-selection curve peaks and its gold reward;
     - ``overopt_gap`` = gold_best - gold_nmax (>= 0; 0 when the curve still rises at n_max);
-    - ``trough_n`` / ``gold_trough``: the n from the peak on where the mean-selection curve is lowest, and its gold;
-      ``fall_after_peak`` = gold_best - gold_trough (>= 0; 0 when gold never drops below the peak after it). A curve
-      that falls and then recovers at large n (candidates good enough to outweigh the shortcut turn up) falls by
-      more than ``overopt_gap`` says;
-    - ``largest_drop``: the largest fall of the curve from any n to a larger one, from ``drop_from_n`` to
-      ``drop_to_n``. It differs from ``fall_after_peak`` when the curve peaks early, falls and then climbs above its
-      early peak at large n: the peak is then the last point and the early fall shows only here;
+    - ``largest_drop``: the largest fall of the mean-selection curve from any n to a larger one, from
+      ``drop_from_n`` to ``drop_to_n`` (0 when it never falls). Unlike a fall measured from the curve's highest
+      point, it sees a curve that dips and then climbs above its early peak;
     - ``conservative_gain``: area between the conservative (k = ``k_compare``) and mean curves over KL, divided by
       the KL range (the average gold gained by penalising uncertainty; < 0: it hurts);
       ``optimistic_gain`` likewise for r + k u; ``conservative_gain_nmax``: the difference at n_max;
@@ -120,33 +144,21 @@ def curve_summary(curves: pd.DataFrame, k_compare: float) -> dict[str, float]:
 
     mean, cons, opt, oracle = (curve("mean", 0.0), curve("conservative", k_compare),
                                curve("optimistic", k_compare), curve(ORACLE, 0.0))
-    kl = mean.kl.to_numpy()
-    span = kl[-1] - kl[0]
-
-    def area(other: pd.DataFrame) -> float:
-        diff = other.gold.to_numpy() - mean.gold.to_numpy()
-        return float(np.trapezoid(diff, kl) / span) if span > 0 else float(diff[0])
-
+    weights = area_weights(mean.kl.to_numpy())
     gold = mean.gold.to_numpy()
     best = int(gold.argmax())
-    trough = best + int(gold[best:].argmin())
-    drops = np.maximum.accumulate(gold) - gold         # below the highest gold at any smaller n
-    drop_to = int(drops.argmax())
-    drop_from = int(gold[: drop_to + 1].argmax())
+    drop, drop_from, drop_to = largest_drop(gold)
     return {
         "gold_n1": float(gold[0]),
         "gold_nmax": float(gold[-1]),
         "best_n": int(mean.n.iloc[best]),
         "gold_best": float(gold[best]),
         "overopt_gap": float(gold[best] - gold[-1]),
-        "trough_n": int(mean.n.iloc[trough]),
-        "gold_trough": float(gold[trough]),
-        "fall_after_peak": float(gold[best] - gold[trough]),
-        "largest_drop": float(drops[drop_to]),
+        "largest_drop": drop,
         "drop_from_n": int(mean.n.iloc[drop_from]),
         "drop_to_n": int(mean.n.iloc[drop_to]),
-        "conservative_gain": area(cons),
+        "conservative_gain": float((cons.gold.to_numpy() - gold) @ weights),
         "conservative_gain_nmax": float(cons.gold.iloc[-1] - mean.gold.iloc[-1]),
-        "optimistic_gain": area(opt),
+        "optimistic_gain": float((opt.gold.to_numpy() - gold) @ weights),
         "oracle_nmax": float(oracle.gold.iloc[-1]),
     }

@@ -15,6 +15,7 @@ of the downstream scalars with the runs' own eval metrics, with p-values), and t
 
 from __future__ import annotations
 
+import gzip
 import logging
 import time
 from pathlib import Path
@@ -29,24 +30,39 @@ from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.synthetic import SPLITS
-from rewarduq_exp.downstream.best_of_n import best_of_n_curves, curve_summary, powers_of_two
-from rewarduq_exp.downstream.figures import plot_best_of_n, plot_overoptimization, plot_selection_vs_loss, plot_shortcut
+from rewarduq_exp.downstream.best_of_n import (
+    curve_summary,
+    curves_frame,
+    kl_best_of_n,
+    picked_per_prompt,
+    powers_of_two,
+)
+from rewarduq_exp.downstream.figures import (
+    plot_best_of_n,
+    plot_overoptimization,
+    plot_selection_vs_loss,
+    plot_shortcut,
+    plot_uncertainty_use,
+)
 from rewarduq_exp.downstream.overoptimization import (
     overoptimization_lines,
     overoptimization_table,
+    paired_statistics,
     strength_axis,
     world_settings,
 )
 from rewarduq_exp.downstream.shortcut import shortcut_bins, shortcut_table, spearman_or_nan
+from rewarduq_exp.downstream.uncertainty_use import knn_distance, use_curves
 from rewarduq_exp.downstream.world_runs import WorldRun, completed_world_runs, world_of
+from rewarduq_exp.methods.base import FeatureHeadMethod
 from rewarduq_exp.runner.trained_run import load_trained_method
 
 log = logging.getLogger("rewarduq_exp")
 # The runs' own statistics that the downstream scalars are correlated with (higher RS and lower ECE are "better").
 RUN_METRICS = ("win_rate", DEFAULT_RANK, "ece", "ebce", "truth/ece")
-# The downstream losses (and gains) they are correlated with; fall_after_peak is the one the figure shows.
-DOWNSTREAM = ("fall_after_peak", "overopt_gap", "gold_nmax", "conservative_gain")
-LOSS = "fall_after_peak"
+# The downstream losses (and gains) they are correlated with; largest_drop is the one the figure shows.
+DOWNSTREAM = ("largest_drop", "overopt_gap", "gold_nmax", "conservative_gain")
+LOSS = "largest_drop"
 
 
 def check_settings(task) -> tuple[list[int], list[float], list[str]]:
@@ -61,6 +77,18 @@ def check_settings(task) -> tuple[list[int], list[float], list[str]]:
     bad = [s for s in splits if s not in SPLITS]
     if bad or not splits:
         raise UserError(f"task.splits={splits} is invalid; allowed: {', '.join(SPLITS)}")
+    grid = [float(k) for k in task.k_grid]
+    if not grid or any(not np.isfinite(k) or k < 0 for k in grid):
+        raise UserError(f"task.k_grid={list(task.k_grid)} is invalid: must be a non-empty list of numbers >= 0 "
+                        "(units of the reward's spread; 0 = do not use u)")
+    share = float(task.select_share)
+    if not 0 < share < 1:
+        raise UserError(f"task.select_share={task.select_share} is invalid: must be a number in (0, 1)")
+    if int(task.prompts) < 2:
+        raise UserError(f"task.prompts={task.prompts} is invalid: must be >= 2 (k is chosen on some prompts and "
+                        "reported on the others)")
+    check_positive(task.knn, "task.knn", integer=True, minimum=1, inclusive=True)
+    check_positive(task.draws, "task.draws", integer=True, minimum=100, inclusive=True)
     return ns, ks, splits
 
 
@@ -73,17 +101,36 @@ def score_candidates(model: RewardModel, candidates) -> tuple[np.ndarray, np.nda
     return table.reward.to_numpy().reshape(n_prompts, n), table.uncertainty.to_numpy().reshape(n_prompts, n)
 
 
+def knn_uncertainty(model: RewardModel, world, candidates, k: int) -> np.ndarray | None:
+    """The k-NN distance of every candidate to the run's training completions in its frozen feature space, (P, N);
+    None for methods without frozen features (the fine-tuned ones), which have no feature space apart from
+    their adapted model."""
+    encoder = getattr(model.method, "encoder", None)
+    if not isinstance(model.method, FeatureHeadMethod) or encoder is None:
+        return None
+    train = world.load(world.data.train_split if hasattr(world, "data") else world.train_split)
+    train_chosen, train_rejected = encoder.encode_pairs(train, desc="features (train)")  # cached by the run
+    n_prompts, n = candidates.gold.shape
+    prompts = [p for p in candidates.prompts for _ in range(n)]
+    completions = [[{"role": "assistant", "content": t}] for group in candidates.texts for t in group]
+    feats = encoder.encode(prompts, completions, desc="features (candidates)")  # cached by the scoring
+    reference = np.concatenate([train_chosen.numpy(), train_rejected.numpy()]).astype(np.float64)
+    return knn_distance(reference, feats.numpy().astype(np.float64), k).reshape(n_prompts, n)
+
+
 def run_curves(run: WorldRun, task, ns, ks, splits, *, device: str, progress: bool, cache_dir=None,
-               trust_remote_code: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """The run's best-of-n curves, its shortcut table and the shortcut bins, on every split; each row carries the
-    run, its method, the split and the run's world settings and seed."""
+               trust_remote_code: bool = False):
+    """The run's best-of-n curves, its shortcut table and the shortcut bins on every split (each row carries the
+    run, its method, the split and the run's world settings and seed), and per split its per-prompt picks:
+    ``{split: {(selection, k): gold (P, J), "use": use_curves(...)}}``."""
     trained = load_trained_method(run.path, device=device, progress=progress, batch_size=task.get("batch_size"),
                                   cache_dir=cache_dir, trust_remote_code=trust_remote_code)
     model = RewardModel(trained.method, run.path, trained.config)
     world = world_of(run.config, run.path / ".hydra" / "config.yaml")
     train_max = world.training_feature_max()
     tags = {"run": run.label, "method": run.record.method, **world_settings(run.config)}
-    parts, shortcuts, bins = [], [], []
+    parts, shortcuts, bins, per_prompt = [], [], [], {}
+    kl = kl_best_of_n(ns)
     for split in splits:
         candidates = world.candidates(split, int(task.prompts), ns[-1], seed=int(task.seed))
         t0 = time.perf_counter()
@@ -91,44 +138,90 @@ def run_curves(run: WorldRun, task, ns, ks, splits, *, device: str, progress: bo
         seconds = time.perf_counter() - t0
         log.info("%s %s: %d candidates scored in %.1f s (%.0f candidates/s)", run.label, split, reward.size,
                  seconds, reward.size / max(seconds, 1e-9))
-        curves = best_of_n_curves(reward, u, candidates.gold, ks, ns)
-        parts.append(curves.assign(**tags, split=split, path=str(run.path)))
+        picked = picked_per_prompt(reward, u, candidates.gold, ks, ns)
+        parts.append(curves_frame(picked, ns).assign(**tags, split=split, path=str(run.path)))
+        beyond = np.zeros(reward.shape, dtype=bool)
+        for name, values in candidates.features.items():
+            beyond |= values > train_max.get(name, np.inf)
+        use = use_curves(reward, u, candidates.gold, beyond, ns, kl, [float(k) for k in task.k_grid],
+                         float(task.select_share), int(task.seed),
+                         knn_u=knn_uncertainty(model, world, candidates, int(task.knn)))
+        per_prompt[split] = {key: gold for key, (gold, _) in picked.items()} | {"use": use}
         shortcuts.append(shortcut_table(reward, u, candidates.gold, candidates.features, train_max)
                          .assign(**tags, split=split))
         bins.append(shortcut_bins(reward, u, candidates.gold, candidates.features).assign(**tags, split=split))
-    return tuple(pd.concat(p, ignore_index=True) for p in (parts, shortcuts, bins))
+    return (*(pd.concat(p, ignore_index=True) for p in (parts, shortcuts, bins)), per_prompt)
 
 
-def summarise(curves: pd.DataFrame, runs: list[WorldRun], k_compare: float) -> pd.DataFrame:
+def per_prompt_frame(per_prompt: dict, ns) -> pd.DataFrame:
+    """The per-prompt picks in long form (run, split, rule, k, prompt, n, gold): what every interval was computed
+    from. The fair-use rules (model, knn, filter, and mean / oracle again as their baselines) cover the report
+    prompts only, marked ``part=report``; the other rows cover every prompt (``part=all``)."""
+    frames = []
+    for (run, split), picks in per_prompt.items():
+        for key, gold in picks.items():
+            if key == "use":
+                continue
+            frames.append(_long(gold, ns, np.arange(len(gold)), run=run, split=split, rule=key[0], k=key[1],
+                                part="all"))
+        use = picks["use"]
+        for rule in ("mean", "model", "knn", "filter", "oracle"):
+            if rule in use:
+                frames.append(_long(use[rule], ns, use["report_prompts"], run=run, split=split, rule=rule,
+                                    k=float(use.get(f"k_{rule}", 0.0)), part="report"))
+    return pd.concat(frames, ignore_index=True)
+
+
+def _long(gold: np.ndarray, ns, prompts: np.ndarray, **tags) -> pd.DataFrame:
+    return pd.DataFrame({**tags, "prompt": np.repeat(prompts, len(ns)), "n": np.tile(np.asarray(ns), len(gold)),
+                         "gold": gold.ravel()})
+
+
+def summarise(curves: pd.DataFrame, runs: list[WorldRun], per_prompt: dict, task, ns) -> pd.DataFrame:
+    """Per run and split: :func:`curve_summary`'s point values, then the same with intervals over the run's prompts
+    (:func:`~.overoptimization.paired_statistics`, which overwrites the point values it shares), the world settings
+    and the run's own eval metrics."""
     rows = []
+    k_compare, kl = float(task.k_compare), kl_best_of_n(ns)
     for run in runs:
         for split, c in curves[curves.run == run.label].groupby("split", sort=False):
             eval_metrics = run.record.metrics.get(f"{run.config.dataset.name}_{split}", {})
+            stats = paired_statistics([per_prompt[(run.label, split)]], kl, ns, k_compare, int(task.draws),
+                                      int(task.seed))
             rows.append({"run": run.label, "method": run.record.method, "split": split,
-                         **world_settings(run.config), **curve_summary(c, k_compare),
-                         **{m: eval_metrics.get(m, np.nan) for m in RUN_METRICS}})
+                         **world_settings(run.config), **curve_summary(c, k_compare), **stats,
+                         **{m: eval_metrics.get(m, np.nan) for m in RUN_METRICS}, "path": str(run.path)})
     return pd.DataFrame(rows)
 
 
 def correlations(summary: pd.DataFrame) -> pd.DataFrame:
-    """Spearman correlation across runs, per split, of each downstream scalar with each run metric, its p-value and
-    the number of runs (``runs``) with both values (NaN with fewer than three: two points always correlate
-    perfectly; NaN too where either side is constant, e.g. no run falls after its peak)."""
+    """Spearman correlation across the runs of one world, per split, of each downstream scalar with each run metric,
+    its p-value and the number of runs (``runs``) with both values (NaN with fewer than three: two points always
+    correlate perfectly; NaN too where either side is constant, e.g. no run falls). Worlds are not pooled: their
+    oracles and candidates differ."""
     rows = []
-    for split, s in summary.groupby("split", sort=False):
+    for (split, world), s in summary.groupby(["split", "world"], sort=False):
         for d in DOWNSTREAM:
             for m in RUN_METRICS:
                 x, y = s[d].to_numpy(float), s[m].to_numpy(float)
                 ok = np.isfinite(x) & np.isfinite(y)
                 rho, p = spearman_or_nan(x[ok], y[ok])
-                rows.append({"split": split, "downstream": d, "run_metric": m, "spearman": float(rho),
+                rows.append({"split": split, "world": world, "downstream": d, "run_metric": m, "spearman": float(rho),
                              "p_value": float(p), "runs": int(ok.sum())})
     return pd.DataFrame(rows)
 
 
-def selection_check(summary: pd.DataFrame, split: str) -> str:
+def selection_checks(summary: pd.DataFrame, split: str) -> list[str]:
+    """:func:`selection_check` within each world: runs of different worlds meet different candidates and oracles,
+    so their gold is not ranked together."""
+    return [selection_check(part, split, f" world={world}" if summary.world.nunique() > 1 else "")
+            for world, part in summary[summary.split == split].groupby("world", sort=True)]
+
+
+def selection_check(summary: pd.DataFrame, split: str, where: str = "") -> str:
     """Which run the paper's selection rule (ECE <= 0.05, EBCE <= 0.01, then highest RS_0.2) picks on ``split``,
-    and where it stands downstream (gold reward at n_max under mean selection)."""
+    and where it stands downstream (gold reward at n_max under mean selection) among the runs of ``summary``
+    (one world's)."""
     s = summary[summary.split == split]
     if s.empty:
         return ""
@@ -139,16 +232,23 @@ def selection_check(summary: pd.DataFrame, split: str) -> str:
     picked = pool.loc[pool[DEFAULT_RANK].idxmax()]
     ranked = s.sort_values("gold_nmax", ascending=False).run.tolist()
     note = "" if not passing.empty else f" (no run passes ECE <= {DEFAULT_ECE} and EBCE <= {DEFAULT_EBCE}: ranked all)"
-    return (f"{split}: the selection rule picks {picked.run}{note}; downstream it ranks {ranked.index(picked.run) + 1} "
+    return (f"{split}{where}: the selection rule picks {picked.run}{note}; downstream it ranks "
+            f"{ranked.index(picked.run) + 1} "
             f"of {len(ranked)} (best: {ranked[0]})")
 
 
 def summary_text(summary: pd.DataFrame, axis: str) -> str:
-    cols = ["gold_n1", "gold_best", "best_n", "trough_n", "fall_after_peak", "largest_drop", "gold_nmax",
-            "conservative_gain", "conservative_gain_nmax", "optimistic_gain", "oracle_nmax", DEFAULT_RANK, "ece"]
-    rows = [[r.run, f"{r[axis]:g}", r.split,
-             *(str(r[c]) if c.endswith("_n") else fmt_number(r[c], 3) for c in cols)] for _, r in summary.iterrows()]
-    return text_table(["run", axis, "split", *cols], rows)
+    """Per run: the level values, then each difference with its 95 % interval over the run's prompts."""
+    def ci(r, name: str) -> str:
+        return (f"{fmt_number(r[name], 2)} [{fmt_number(r[f'{name}_lo'], 2)}, {fmt_number(r[f'{name}_hi'], 2)}]"
+                if name in r and np.isfinite(r[name]) else "-")
+
+    cols = ["gold_n1", "gold_best", "best_n", "gold_nmax", "oracle_nmax", DEFAULT_RANK, "ece"]
+    intervals = ["largest_drop", "conservative_gain", "model_vs_mean", "knn_vs_mean", "filter_vs_mean"]
+    rows = [[r.run, str(r.world), f"{r[axis]:g}", r.split,
+             *(str(r[c]) if c.endswith("_n") else fmt_number(r[c], 3) for c in cols),
+             *(ci(r, c) for c in intervals)] for _, r in summary.iterrows()]
+    return text_table(["run", "world", axis, "split", *cols, *intervals], rows)
 
 
 def shortcut_lines(shortcut: pd.DataFrame, axis: str) -> list[str]:
@@ -179,8 +279,8 @@ def loss_split(splits: list[str]) -> str:
 
 def selection_lines(corr: pd.DataFrame, split: str) -> list[str]:
     part = corr[(corr.split == split) & (corr.downstream == LOSS)]
-    return [f"{r.run_metric} vs {LOSS} ({split}): Spearman rho {fmt_number(r.spearman, 3)}, p {fmt_p(r.p_value)}, "
-            f"n = {r.runs} runs" for _, r in part.iterrows()]
+    return [f"{r.run_metric} vs {LOSS} ({split}, world={r.world}): Spearman rho {fmt_number(r.spearman, 3)}, p "
+            f"{fmt_p(r.p_value)}, n = {r.runs} runs" for _, r in part.iterrows()]
 
 
 def best_of_n(cfg, out_dir: Path) -> dict:
@@ -189,21 +289,27 @@ def best_of_n(cfg, out_dir: Path) -> dict:
     cache_dir = cfg.paths.get("cache_dir")
     parts = [run_curves(r, cfg.task, ns, ks, splits, device=str(cfg.device), progress=bool(cfg.progress),
                         cache_dir=cache_dir, trust_remote_code=cfg.get("trust_remote_code", False)) for r in runs]
-    curves, shortcut, bins = (pd.concat(p, ignore_index=True) for p in zip(*parts))
-    summary = summarise(curves, runs, float(cfg.task.k_compare))
+    curves, shortcut, bins = (pd.concat([p[i] for p in parts], ignore_index=True) for i in range(3))
+    per_prompt = {(r.label, split): picks for r, p in zip(runs, parts) for split, picks in p[3].items()}
+    summary = summarise(curves, runs, per_prompt, cfg.task, ns)
     axis = strength_axis(summary)
-    overopt = overoptimization_table(summary, axis)
+    overopt = overoptimization_table(summary, per_prompt, axis, kl_best_of_n(ns), ns, float(cfg.task.k_compare),
+                                     int(cfg.task.draws), int(cfg.task.seed))
     corr = correlations(summary)
     tables = {"curves": curves, "summary": summary, "overoptimization": overopt, "shortcut": shortcut,
               "shortcut_bins": bins, "correlation": corr}
     for name, table in tables.items():
         write_atomic(out_dir / f"{name}.csv", table.to_csv(index=False))
+    # what every interval was computed from, for a reader who wants to recompute one (gzip: ~10^5 rows a sweep)
+    write_atomic(out_dir / "per_prompt.csv.gz",
+                 gzip.compress(per_prompt_frame(per_prompt, ns).to_csv(index=False).encode(), mtime=0))
     k = float(cfg.task.k_compare)
     plot_best_of_n(curves, out_dir / "best_of_n.png", k=k, axis=axis)
     # A figure over the shortcut's strength needs runs at two strengths at least, and the scatter of the runs'
     # statistics needs a correlation to show; otherwise the figure would be an empty axis (the tables still say it).
+    plot_uncertainty_use(overopt, axis, out_dir / "uncertainty_use.png")
     if summary[axis].nunique() > 1:
-        plot_overoptimization(summary, overopt, axis, out_dir / "overoptimization.png")
+        plot_overoptimization(overopt, axis, out_dir / "overoptimization.png")
     else:
         log.info("no overoptimization.png: the runs share one %s (train runs over several to sweep it)", axis)
     plot_shortcut(bins, shortcut, axis, out_dir / "shortcut.png")
@@ -213,9 +319,10 @@ def best_of_n(cfg, out_dir: Path) -> dict:
     else:
         log.info("no selection_vs_loss.png: no Spearman correlation is defined on %s (three runs with distinct "
                  "values are needed)", split)
-    checks = [selection_check(summary, s) for s in splits]
+    checks = [line for s in splits for line in selection_checks(summary, s)]
     print(summary_text(summary, axis), flush=True)
-    sections = (("overoptimization (fall after the peak vs the seed spread):", overoptimization_lines(overopt, axis)),
+    sections = (("overoptimization per world (largest drop, gains; 95 % paired intervals over runs and prompts):",
+                 overoptimization_lines(overopt, axis)),
                 ("shortcut (is u higher on candidates beyond the training range?):", shortcut_lines(shortcut, axis)),
                 ("selection rule:", list(filter(None, checks))),
                 ("selection statistics vs the loss, across runs:", selection_lines(corr, split)))

@@ -1,5 +1,6 @@
-"""Figures of the downstream tasks: best-of-n gold reward vs KL (Gao et al. 2023, figure 1 style) and active-learning
-curves. Built on ``matplotlib.figure.Figure`` (Agg canvas, no pyplot) and saved atomically, like the run figures."""
+"""Figures of the best-of-n task: gold reward vs KL (Gao et al. 2023, figure 1 style), overoptimization, shortcut and
+selection vs loss (active learning's figure is :mod:`.active_learning_figure`, reusing :func:`_colors`). Built on
+``matplotlib.figure.Figure`` (Agg canvas, no pyplot) and saved atomically, like the run figures."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from scipy.stats import t as t_dist
 
 from rewarduq_exp.metrics.diagrams import save_figure
 
@@ -69,15 +69,6 @@ def plot_best_of_n(curves: pd.DataFrame, path: Path, k: float, axis: str | None 
     save_figure(fig, Path(path))
 
 
-def mean_and_t_band(values: pd.Series, by: pd.Series, level: float = 0.95) -> tuple[pd.Series, pd.Series]:
-    """Mean of ``values`` per group of ``by`` and the half-width of its ``level`` confidence interval over the
-    group's members (Student's t with n - 1 degrees of freedom: few repeats; 0 for a group of one)."""
-    g = values.groupby(by)
-    n = g.count()
-    half = pd.Series(t_dist.ppf(0.5 + level / 2, n - 1), index=n.index) * g.std(ddof=1) / np.sqrt(n)
-    return g.mean(), half.fillna(0.0)
-
-
 def _top_legend(fig: Figure, handles: list) -> None:
     """One legend for every panel, in rows under the title (about 1.7 inches an entry), with the panels below it."""
     ncol = max(1, min(len(handles), int(fig.get_figwidth() / 1.7)))
@@ -128,84 +119,96 @@ def _plot_best_of_n_sweep(curves: pd.DataFrame, path: Path, k: float, axis: str)
     save_figure(fig, Path(path))
 
 
-def plot_active_learning(curves: pd.DataFrame, path: Path) -> None:
-    """Rows: methods; columns: eval win rate and calibration (``truth/ece`` where the world knows the true
-    preference probability, else ``ece`` against the labels); one line per acquisition strategy (mean over repeats,
-    band = 95 % t-interval over repeats) against the number of labels acquired."""
-    methods = list(dict.fromkeys(curves.run))
-    strategies = list(dict.fromkeys(curves.strategy))
-    colors = _colors(strategies)
-    repeats = int(curves.repeat.nunique()) if "repeat" in curves.columns else 1
-    fig = Figure(figsize=(9.6, 3.6 * len(methods) + 0.4))
-    axes = fig.subplots(len(methods), 2, squeeze=False)
-    for row, method in zip(axes, methods):
-        part = curves[curves.run == method]
-        truth = "truth/ece" in part.columns and bool(part["truth/ece"].notna().any())
-        for ax, metric in zip(row, ("win_rate", "truth/ece" if truth else "ece")):
-            for strategy in strategies:
-                mine = part[part.strategy == strategy]
-                mean, half = mean_and_t_band(mine[metric], mine["labels"])
-                ax.plot(mean.index, mean.values, marker="o", markersize=3, color=colors[strategy], label=strategy)
-                ax.fill_between(mean.index, mean - half, mean + half, color=colors[strategy], alpha=0.15,
-                                linewidth=0)
-            ax.fill_between([], [], [], color="0.5", alpha=0.3, linewidth=0,
-                            label=f"95 % t-interval, {repeats} repeats")
-            ax.set_title(f"{method}: {metric}")
-            ax.set_xlabel("labelled pairs")
-            ax.set_ylabel(metric)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, loc="best")
-    fig.suptitle(f"active learning: mean over {repeats} repeats, bands = 95 % confidence intervals (Student's t)",
-                 fontsize=9)
-    height = fig.get_figheight()  # margins in inches, so one row of panels keeps its title and axis labels
-    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.55 / height, top=1 - 0.8 / height, wspace=0.3, hspace=0.45)
-    save_figure(fig, Path(path))
-
-
-def plot_overoptimization(summary: pd.DataFrame, table: pd.DataFrame, axis: str, path: Path) -> None:
-    """Rows: splits; columns: peak gold (mean selection) and the fall after the peak, against the shortcut's
-    strength ``axis``. One colour per method: a small dot per run, the line through the mean over the runs; the
-    methods are shifted a little along x so that their points do not hide each other. In the fall panel the mean is
-    a filled marker where it exceeds the seed spread (``table.exceeds``), a hollow one where it does not."""
-    splits = list(dict.fromkeys(summary.split))
-    methods = list(dict.fromkeys(summary.method))
-    colors = _colors(methods)
-    strengths = np.sort(summary[axis].unique())
+def _cell_offsets(table: pd.DataFrame, axis: str, groups: list) -> tuple[dict, float]:
+    """x offsets, so that the cells of one strength (a method or rule per world) stand side by side."""
+    strengths = np.sort(table[axis].unique())
     step = np.diff(strengths).min() if len(strengths) > 1 else 1.0
-    shift = {m: (i - (len(methods) - 1) / 2) * 0.06 * step for i, m in enumerate(methods)}
-    panels = (("gold_best", "peak gold of the pick (mean selection)"),
-              ("fall_after_peak", "fall after the peak (peak - trough gold)"))
-    fig = Figure(figsize=(5.4 * len(panels), 4.2 * len(splits)))
-    axes = fig.subplots(len(splits), len(panels), squeeze=False)
+    width = 0.7 * step / max(len(groups), 1)
+    return {g: (i - (len(groups) - 1) / 2) * width for i, g in enumerate(groups)}, step
+
+
+def plot_overoptimization(table: pd.DataFrame, axis: str, path: Path) -> None:
+    """Rows: splits; columns: peak gold of the mean-selection pick and the largest drop with its 95 % interval,
+    against the shortcut's strength ``axis``, one point per cell (a world's runs of a method pooled; markers tell the
+    worlds apart, colours the methods). A drop is drawn filled where its interval excludes 0 (it overoptimizes)."""
+    splits = list(dict.fromkeys(table.split))
+    methods = list(dict.fromkeys(table.method))
+    worlds = sorted(table.world.unique())
+    colors = _colors(methods)
+    markers = dict(zip(worlds, "osD^vP*X"))
+    offsets, _ = _cell_offsets(table, axis, [(m, w) for m in methods for w in worlds])
+    fig = Figure(figsize=(11.0, 4.2 * len(splits)))
+    axes = fig.subplots(len(splits), 2, squeeze=False)
     for row, split in zip(axes, splits):
-        part = summary[summary.split == split]
-        for ax, (column, label) in zip(row, panels):
-            for method in methods:
-                runs = part[part.method == method]
-                mean = runs.groupby(axis)[column].mean()
-                ax.scatter(runs[axis] + shift[method], runs[column], s=14, color=colors[method], alpha=0.6,
-                           linewidths=0)
-                ax.plot(mean.index + shift[method], mean.values, "-", color=colors[method],
-                        label=f"{method} (mean of {len(runs)} runs)")
-                exceeds = (table[(table.split == split) & (table.method == method)].set_index(axis).exceeds
-                           .reindex(mean.index, fill_value=False).to_numpy(bool))
-                filled = exceeds if column == "fall_after_peak" else np.ones(len(mean), bool)
-                ax.scatter(mean.index + shift[method], mean.values, s=36, edgecolors=colors[method],
-                           facecolors=[colors[method] if f else "white" for f in filled], zorder=3)
-            if column == "fall_after_peak":
-                ax.axhline(0.0, color="0.5", linewidth=0.8)
-                ax.scatter([], [], s=36, edgecolors="k", facecolors="k", label="mean fall > spread over runs")
-                ax.scatter([], [], s=36, edgecolors="k", facecolors="white", label="mean fall <= spread over runs")
-            ax.set_xticks(strengths)
-            ax.set_title(f"{split}: {label}", fontsize=10)
+        part = table[table.split == split]
+        for _, cell in part.iterrows():
+            x = cell[axis] + offsets[(cell.method, cell.world)]
+            color, marker = colors[cell.method], markers[cell.world]
+            row[0].scatter(x, cell.gold_best, color=color, marker=marker, s=30)
+            lo, hi = cell.largest_drop - cell.largest_drop_lo, cell.largest_drop_hi - cell.largest_drop
+            row[1].errorbar(x, cell.largest_drop, yerr=[[lo], [hi]], color=color, marker=marker, markersize=6,
+                            markerfacecolor=color if cell.overoptimizes else "white", capsize=2, linewidth=1.0)
+        for ax, title in zip(row, ("peak gold of the pick (mean selection)",
+                                   "largest drop, any n to a later n (95 % interval)")):
+            ax.set_xticks(np.sort(part[axis].unique()))
+            ax.set_title(f"{split}: {title}", fontsize=10)
             ax.set_xlabel(f"dataset.{axis} (shortcut strength)")
             ax.set_ylabel("gold reward")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, loc="best", framealpha=0.9)
-    fig.suptitle("Best-of-n overoptimization vs the shortcut's strength (small dots: runs; lines: mean over runs; "
-                 "spread: range of the trough gold over the runs)", fontsize=10)
-    height = fig.get_figheight()  # margins in inches: the same room for titles and labels with one split or many
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.6 / height, top=1 - 0.85 / height, wspace=0.25, hspace=0.45)
+        row[1].axhline(0.0, color="0.5", linewidth=0.8)
+    handles = [Line2D([], [], color=colors[m], linewidth=2, label=m) for m in methods]
+    handles += [Line2D([], [], color="k", marker=markers[w], linestyle="", label=f"world {w}") for w in worlds]
+    handles += [Line2D([], [], color="k", marker="o", linestyle="", markerfacecolor="k",
+                       label="interval excludes 0: overoptimizes"),
+                Line2D([], [], color="k", marker="o", linestyle="", markerfacecolor="white",
+                       label="no fall the data can show")]
+    runs = "/".join(str(v) for v in sorted(table.runs.unique()))
+    fig.suptitle(f"Best-of-n overoptimization vs the shortcut's strength: one point per world and method ({runs} "
+                 "runs each, prompts and runs resampled)", fontsize=10)
+    _top_legend(fig, handles)
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.6 / fig.get_figheight(), wspace=0.25, hspace=0.45)
+    save_figure(fig, Path(path))
+
+
+USE_RULES = (("model_vs_mean", "r - k u (k chosen on held-out prompts)"),
+             ("knn_vs_mean", "r - k (k-NN feature distance)"),
+             ("filter_vs_mean", "oracle filter: beyond the training range last"))
+
+
+def plot_uncertainty_use(table: pd.DataFrame, axis: str, path: Path) -> None:
+    """Rows: splits; columns: methods. The gold gained over mean selection (mean over the KL range, report prompts
+    only) by the run's own u, by a k-NN distance in feature space, and by the oracle filter, with 95 % intervals, per
+    world, against the shortcut's strength."""
+    rules = [(c, label) for c, label in USE_RULES if c in table.columns and table[c].notna().any()]
+    splits = list(dict.fromkeys(table.split))
+    methods = list(dict.fromkeys(table.method))
+    worlds = sorted(table.world.unique())
+    colors = _colors([c for c, _ in rules])
+    markers = dict(zip(worlds, "osD^vP*X"))
+    offsets, _ = _cell_offsets(table, axis, [(c, w) for c, _ in rules for w in worlds])
+    fig = Figure(figsize=(4.8 * len(methods), 3.9 * len(splits)))
+    axes = fig.subplots(len(splits), len(methods), squeeze=False)
+    for row, split in zip(axes, splits):
+        for ax, method in zip(row, methods):
+            part = table[(table.split == split) & (table.method == method)]
+            for column, _ in rules:
+                for _, cell in part[part[column].notna()].iterrows():
+                    x = cell[axis] + offsets[(column, cell.world)]
+                    err = [[cell[column] - cell[f"{column}_lo"]], [cell[f"{column}_hi"] - cell[column]]]
+                    ax.errorbar(x, cell[column], yerr=err, color=colors[column], marker=markers[cell.world],
+                                markersize=5, capsize=2, linewidth=1.0)
+            ax.axhline(0.0, color="0.5", linewidth=0.8, linestyle="--")
+            ax.set_xticks(np.sort(table[axis].unique()))
+            ax.set_title(f"{split}: {method}", fontsize=10)
+            ax.set_xlabel(f"dataset.{axis}", fontsize=8)
+            ax.set_ylabel("gold gained over mean r (KL-average)", fontsize=8)
+            ax.grid(alpha=0.3)
+    handles = [Line2D([], [], color=colors[c], linewidth=2, label=label) for c, label in rules]
+    handles += [Line2D([], [], color="k", marker=markers[w], linestyle="", label=f"world {w}") for w in worlds]
+    fig.suptitle("Does uncertainty pay off in best-of-n? Paired gain over mean selection, 95 % intervals (runs "
+                 "and report prompts resampled)", fontsize=10)
+    _top_legend(fig, handles)
+    fig.subplots_adjust(left=0.07, right=0.99, bottom=0.55 / fig.get_figheight(), wspace=0.3, hspace=0.45)
     save_figure(fig, Path(path))
 
 
@@ -256,7 +259,8 @@ def plot_shortcut(bins: pd.DataFrame, shortcut: pd.DataFrame, axis: str, path: P
 def plot_selection_vs_loss(summary: pd.DataFrame, corr: pd.DataFrame, metrics, loss: str, split: str,
                            path: Path) -> None:
     """One panel per run metric: each run's metric (x) against its downstream ``loss`` (y) on ``split``, one colour
-    per method; the title gives Spearman's rho across the runs, its p-value and the number of runs."""
+    per method; the title gives Spearman's rho across the runs of each world (w<seed>), its p-value and the number
+    of runs."""
     part = summary[summary.split == split]
     methods = list(dict.fromkeys(part.method))
     colors = _colors(methods)
@@ -271,14 +275,14 @@ def plot_selection_vs_loss(summary: pd.DataFrame, corr: pd.DataFrame, metrics, l
             runs = part[part.method == method]
             ax.scatter(runs[metric], runs[loss], s=22, color=colors[method], label=method)
         stat = corr[(corr.split == split) & (corr.downstream == loss) & (corr.run_metric == metric)]
-        rho, p, n = ((stat.spearman.iloc[0], stat.p_value.iloc[0], int(stat.runs.iloc[0])) if not stat.empty
-                     else (np.nan, np.nan, 0))
-        ax.set_title(f"{metric}\nrho = {rho:.2f}, p = {p:.2g}, n = {n}", fontsize=9)
+        text = "; ".join(f"w{r.world}: rho {r.spearman:.2f}, p {r.p_value:.2g}, n {int(r.runs)}"
+                         for _, r in stat.iterrows()) or "no correlation defined"
+        ax.set_title(f"{metric}\n{text}", fontsize=7 if len(stat) > 1 else 9)
         ax.set_xlabel(f"{metric} ({split}, the run's own)", fontsize=8)
         ax.set_ylabel(f"{loss} ({split})", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
-    fig.suptitle(f"Do the runs' own statistics predict the fall after the peak? ({split}; Spearman across runs)",
+    fig.suptitle(f"Do the runs' own statistics predict {loss}? ({split}; Spearman across the runs of one world)",
                  fontsize=10)
     height = fig.get_figheight()
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.55 / height, top=1 - 0.9 / height, wspace=0.3, hspace=0.55)

@@ -1,10 +1,20 @@
-"""The strength of a world's shortcut as a sweep axis: how far each method's best-of-n gold falls after its peak, per
-strength, against the spread over its runs (the seeds of a sweep; in a hyperparameter sweep, its points).
+"""Does best-of-n overoptimize, and does uncertainty help: per run and per cell of runs, with paired intervals.
 
-The acceptance question of a world built to overoptimize is "a measured peak followed by a fall larger than its seed
-spread". Here the fall is ``fall_after_peak`` (gold at the peak minus the lowest gold at any n from the peak on, mean
-over the runs) and the seed spread is the range over the runs of that lowest gold (the trough): a fall within it could
-be one run's luck.
+A cell is the runs of one world (``dataset.seed``), method and shortcut strength: its training seeds. Runs of
+different worlds are never pooled (their candidates and oracles differ); a world is a replicate of the whole
+study, and the lines printed say in how many worlds a finding holds.
+
+Per run (the prompts resampled) and per cell (runs and prompts resampled, crossed: :mod:`.paired_bootstrap`):
+- ``largest_drop`` [``_lo``, ``_hi``]: the largest fall of the mean-selection curve from any n to a later one;
+  ``overoptimizes`` when the interval's lower end is above 0 (a fall the prompts and seeds cannot explain);
+- ``conservative_gain`` / ``optimistic_gain`` (mean gold gained over the KL range by r -+ k u, k = task.k_compare
+  in the run's own unit) and ``conservative_gain_nmax`` (at the largest n), each a paired difference;
+- Gao et al.'s form gold(d) - gold(0) = d (alpha - beta d), d = sqrt(KL): ``gao_alpha``, ``gao_beta``, the fitted
+  peak ``gao_kl_peak`` (KL = d*^2; inf: the fit never turns down) and ``gao_gold_peak`` (gold at n = 1 plus the peak
+  gain), with intervals, and ``gao_r2``;
+- the fair use of u (:mod:`.uncertainty_use`), on the report prompts only: ``<rule>_vs_<baseline>`` (area) and
+  ``..._nmax`` for rule in model (r - k u_std, k chosen on the selection prompts), knn, filter, with intervals, and
+  the chosen ``k_model`` / ``k_knn`` per run.
 """
 
 from __future__ import annotations
@@ -13,15 +23,21 @@ import numpy as np
 import pandas as pd
 
 from rewarduq_exp.analysis.text_tables import fmt_number
+from rewarduq_exp.downstream.best_of_n import area_weights
+from rewarduq_exp.downstream.paired_bootstrap import gao_fit_interval, largest_drop_interval, mean_interval
+from rewarduq_exp.downstream.uncertainty_use import COMPARISONS
 
-# The world's shortcut settings each run records (dataset.<key>), and its own seed.
+# The world's shortcut settings each run records (dataset.<key>), its world (dataset.seed) and its own seed.
 WORLD_SETTINGS = ("filler_bias", "length_bias", "candidate_filler_share")
 STRENGTHS = ("filler_bias", "length_bias")  # the settings that can be the strength axis, in order of preference
+CELL = ("split", "world", "method")          # plus the strength axis
 
 
 def world_settings(config) -> dict:
-    """A run's shortcut settings (``dataset.<key>``, 0 when its world predates them) and its ``seed``."""
+    """A run's shortcut settings (``dataset.<key>``, 0 when its world predates them), its ``world`` (the dataset's
+    seed: which utilities, candidates and pairs) and its ``seed`` (the model's initialisation)."""
     out = {key: float(config.dataset.get(key) or 0.0) for key in WORLD_SETTINGS}
+    out["world"] = int(config.dataset.get("seed") or 0)
     out["seed"] = int(config.get("seed") or 0)
     return out
 
@@ -32,35 +48,87 @@ def strength_axis(summary: pd.DataFrame) -> str:
     return next((key for key in STRENGTHS if summary[key].nunique() > 1), STRENGTHS[0])
 
 
-def overoptimization_table(summary: pd.DataFrame, axis: str) -> pd.DataFrame:
-    """Per split, method and strength (``axis``): ``runs`` (and how many ``seeds`` among them), the mean
-    ``gold_best``, ``best_n`` and ``trough_n`` per run (joined), the mean ``fall_after_peak`` and its smallest value,
-    ``seed_spread`` (range over the runs of the trough gold) and ``exceeds`` (the mean fall is larger than the
-    spread, with at least two runs)."""
-    def join(values) -> str:
-        return ",".join(str(int(v)) for v in values)
+def _interval(prefix: str, estimate: float, lo: float, hi: float) -> dict:
+    return {prefix: estimate, f"{prefix}_lo": lo, f"{prefix}_hi": hi}
 
-    grouped = summary.groupby(["split", "method", axis], sort=False)
-    table = grouped.agg(runs=("seed", "size"), seeds=("seed", "nunique"), gold_best=("gold_best", "mean"),
-                        best_n=("best_n", join),
-                        trough_n=("trough_n", join), fall_after_peak=("fall_after_peak", "mean"),
-                        fall_min=("fall_after_peak", "min"), seed_spread=("gold_trough", np.ptp)).reset_index()
-    table["exceeds"] = (table.runs >= 2) & (table.fall_after_peak > table.seed_spread)
-    return table.sort_values(["split", "method", axis], kind="stable", ignore_index=True)
+
+def paired_statistics(picked: list[dict], kl: np.ndarray, ns, k_compare: float, draws: int, seed: int) -> dict:
+    """The statistics of the module docstring for the runs ``picked`` (one dict per run: ``{(selection, k): gold of
+    the pick (P, J)}`` plus ``"use"``: :func:`~.uncertainty_use.use_curves`' dict), pooled: R runs sharing P
+    prompts."""
+    def stack(key) -> np.ndarray:
+        return np.stack([p[key] for p in picked])                  # (R, P, J)
+
+    weights = area_weights(kl)
+    mean = stack(("mean", 0.0))
+    drop = largest_drop_interval(mean, draws, seed)
+    out = {**_interval("largest_drop", drop["drop"], drop["lo"], drop["hi"]),
+           "overoptimizes": bool(drop["lo"] > 0), "drop_from_n": int(ns[drop["from_index"]]),
+           "drop_to_n": int(ns[drop["to_index"]])}
+    for name in ("conservative", "optimistic"):
+        diff = stack((name, float(k_compare))) - mean
+        out.update(_interval(f"{name}_gain", *mean_interval(diff @ weights, draws, seed)))
+        if name == "conservative":
+            out.update(_interval(f"{name}_gain_nmax", *mean_interval(diff[..., -1], draws, seed)))
+    fit = gao_fit_interval(np.sqrt(kl), mean, draws, seed)
+    gold_n1 = float(mean[..., 0].mean())
+    out.update({"gao_alpha": fit["alpha"], "gao_alpha_lo": fit["alpha_lo"], "gao_alpha_hi": fit["alpha_hi"],
+                "gao_beta": fit["beta"], "gao_beta_lo": fit["beta_lo"], "gao_beta_hi": fit["beta_hi"],
+                "gao_kl_peak": fit["d_peak"] ** 2, "gao_kl_peak_lo": fit["d_peak_lo"] ** 2,
+                "gao_kl_peak_hi": fit["d_peak_hi"] ** 2, "gao_gold_peak": gold_n1 + fit["gain_peak"],
+                "gao_gold_peak_lo": gold_n1 + fit["gain_peak_lo"], "gao_gold_peak_hi": gold_n1 + fit["gain_peak_hi"],
+                "gao_r2": fit["r2"]})
+    uses = [p["use"] for p in picked if p.get("use")]
+    if len(uses) == len(picked) and uses:
+        for key in ("k_model", "k_knn"):
+            if all(key in use for use in uses):
+                out[key] = ",".join(f"{use[key]:g}" for use in uses)
+        for rule, base in COMPARISONS:
+            if all(rule in use and base in use for use in uses):
+                diff = np.stack([use[rule] - use[base] for use in uses])   # (R, P_report, J)
+                name = f"{rule}_vs_{base}"
+                out.update(_interval(name, *mean_interval(diff @ weights, draws, seed)))
+                out.update(_interval(f"{name}_nmax", *mean_interval(diff[..., -1], draws, seed)))
+        out["report_prompts"] = int(len(uses[0]["report_prompts"]))
+    return out
+
+
+def overoptimization_table(summary: pd.DataFrame, per_prompt: dict, axis: str, kl: np.ndarray, ns,
+                           k_compare: float, draws: int, seed: int) -> pd.DataFrame:
+    """One row per split, world, method and strength (``axis``): ``runs``, ``seeds``, the mean ``gold_best`` /
+    ``gold_nmax``, the runs' ``best_n`` (joined), and :func:`paired_statistics` over the cell's runs.
+    ``per_prompt[(run, split)]`` holds each run's per-prompt picks."""
+    rows = []
+    for key, part in summary.groupby([*CELL, axis], sort=True):
+        picked = [per_prompt[(run, key[0])] for run in part.run]
+        rows.append({**dict(zip([*CELL, axis], key)), "runs": len(part), "seeds": int(part.seed.nunique()),
+                     "gold_best": float(part.gold_best.mean()), "gold_nmax": float(part.gold_nmax.mean()),
+                     "best_n": ",".join(str(int(v)) for v in part.best_n),
+                     **paired_statistics(picked, kl, ns, k_compare, draws, seed)})
+    return pd.DataFrame(rows)
+
+
+def _ci(row, name: str, digits: int = 2) -> str:
+    return (f"{fmt_number(row[name], digits)} [{fmt_number(row[f'{name}_lo'], digits)}, "
+            f"{fmt_number(row[f'{name}_hi'], digits)}]")
 
 
 def overoptimization_lines(table: pd.DataFrame, axis: str) -> list[str]:
-    """One line per split, method and strength: the peak, the fall after it and whether it exceeds the spread over
-    the runs."""
+    """One line per cell (its largest drop and gains with 95 % intervals), then per split, method and strength: in
+    how many worlds the cell overoptimizes."""
     lines = []
     for _, row in table.iterrows():
-        if row.runs < 2:
-            verdict = "one run: no spread to compare with"
-        else:
-            verdict = "the fall exceeds the spread" if row.exceeds else "the fall does NOT exceed the spread"
-        lines.append(f"{row.split} {row.method} {axis}={row[axis]:g} ({row.runs} runs, {row.seeds} seeds): peak gold "
-                     f"{fmt_number(row.gold_best, 3)} at n={row.best_n}, fall after it "
-                     f"{fmt_number(row.fall_after_peak, 3)} (smallest {fmt_number(row.fall_min, 3)}) to the trough at "
-                     f"n={row.trough_n}; spread (range of the trough gold over the runs) "
-                     f"{fmt_number(row.seed_spread, 3)}: {verdict}")
+        verdict = "overoptimizes" if row.overoptimizes else "no fall the data can show"
+        line = (f"{row.split} world={row.world} {row.method} {axis}={row[axis]:g} ({row.runs} runs): largest drop "
+                f"{_ci(row, 'largest_drop')} from n={row.drop_from_n} to n={row.drop_to_n}: {verdict}; "
+                f"r - k u gain {_ci(row, 'conservative_gain')}")
+        if "model_vs_mean" in row and np.isfinite(row.model_vs_mean):
+            line += f"; fair k (chosen {row.get('k_model', '')}): {_ci(row, 'model_vs_mean')}"
+        for rival in ("knn", "filter"):
+            if f"{rival}_vs_mean" in row and np.isfinite(row[f"{rival}_vs_mean"]):
+                line += f"; {rival} {_ci(row, f'{rival}_vs_mean')}"
+        lines.append(line)
+    for key, part in table.groupby(["split", "method", axis], sort=True):
+        lines.append(f"{key[0]} {key[1]} {axis}={key[2]:g}: overoptimizes in {int(part.overoptimizes.sum())} of "
+                     f"{len(part)} worlds")
     return lines

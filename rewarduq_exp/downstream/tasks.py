@@ -10,9 +10,10 @@ from rewarduq_exp.core.inside_folder import check_writes_inside
 TASKS = ("best_of_n", "active_learning")
 # What each task writes into its folder (a fresh one per call, unless hydra.run.dir names an existing one).
 OUTPUTS = {"best_of_n": ("curves.csv", "summary.csv", "overoptimization.csv", "shortcut.csv", "shortcut_bins.csv",
-                         "correlation.csv", "best_of_n.png", "overoptimization.png", "shortcut.png",
+                         "correlation.csv", "per_prompt.csv.gz", "best_of_n.png", "uncertainty_use.png",
+                         "overoptimization.png", "shortcut.png",
                          "selection_vs_loss.png"),
-           "active_learning": ("curves.csv", "summary.csv", "active_learning.png")}
+           "active_learning": ("curves.csv", "summary.csv", "paired.csv", "active_learning.png")}
 
 
 def run_task(cfg, out_dir: Path) -> dict:

@@ -106,10 +106,35 @@ def _label_settings(config: DictConfig) -> dict[str, str]:
     return flat
 
 
+# Settings shown under a name of their own: the world's seed is not the model's (the top-level ``seed``).
+LABEL_NAMES = {"dataset.seed": "world"}
+
+
+def _label_names(keys: list[str], values: dict[str, list[str]]) -> dict[str, str]:
+    """The name each varying key is shown under: its last part (``dataset.filler_bias`` -> ``filler_bias``), or its
+    name in ``LABEL_NAMES``. A key that repeats another of the same name run for run (``method.seed`` copying
+    ``seed``) is dropped; when names still clash, the top-level key keeps its name and the others show their whole
+    key (``seed=1,method.seed=3``), so a label never holds one name twice."""
+    short = {k: LABEL_NAMES.get(k, k.rsplit(".", 1)[-1]) for k in keys}
+    kept: list[str] = []
+    for k in sorted(keys, key=lambda k: (k.count("."), k)):   # the top-level key first: it is the one kept
+        if not any(short[j] == short[k] and values[j] == values[k] for j in kept):
+            kept.append(k)
+    names = {}
+    for k in kept:
+        clash = [j for j in kept if short[j] == short[k]]
+        names[k] = short[k] if len(clash) == 1 or k == short[k] else k
+    return names
+
+
 def run_labels(methods: list[str], configs: list[DictConfig], folders: list[str]) -> list[str]:
     """Short labels, unique within a study: the method alone when it has one run, else the method and the settings
-    in which its runs differ (``ens_mlp/filler_bias=1,seed=0``; the last part of each key), else the folder name
-    (runs that differ in nothing listed, e.g. two copies of one run)."""
+    in which its runs differ (``ens_mlp/filler_bias=1,world=0,seed=1``), else the folder name (runs that differ in
+    nothing listed, e.g. two copies of one run). A setting is named by the last part of its key, except the world's
+    seed (``dataset.seed``), shown as ``world=`` apart from the model's ``seed=``; a key that merely repeats another
+    of the same name (``method.seed`` = ``seed``) is shown once, and when two keys would still share a name the
+    nested one shows its whole key (``method.seed=3``). Order: the other settings by key, then ``world=``, then
+    ``seed=`` last."""
     settings = [_label_settings(c) for c in configs]
     labels = []
     for i, method in enumerate(methods):
@@ -117,11 +142,13 @@ def run_labels(methods: list[str], configs: list[DictConfig], folders: list[str]
         if len(peers) == 1:
             labels.append(method)
             continue
-        keys = sorted({k for j in peers for k in settings[j]}, key=lambda k: (k != "seed", k))
-        varying = [k for k in keys if len({settings[j].get(k) for j in peers}) > 1]
-        varying = [k for k in varying if k != "seed"] + [k for k in varying if k == "seed"]  # the seed last
-        parts = dict.fromkeys(f"{k.rsplit('.', 1)[-1]}={settings[i].get(k)}" for k in varying)  # method.seed = seed
-        labels.append(f"{method}/" + ",".join(parts))
+        keys = sorted({k for j in peers for k in settings[j]})
+        values = {k: [settings[j].get(k) for j in peers] for k in keys}
+        varying = [k for k in keys if len(set(values[k])) > 1]
+        names = _label_names(varying, values)
+        # the world, then the model's seed, after every other setting
+        shown = sorted(names, key=lambda k: (1 if k == "dataset.seed" else 2 if "seed" in (k, names[k]) else 0, k))
+        labels.append(f"{method}/" + ",".join(f"{names[k]}={settings[i].get(k)}" for k in shown))
     if len(set(labels)) < len(labels):  # not told apart by their settings: fall back to the folders
         return [m if methods.count(m) == 1 else f"{m}/{f}" for m, f in zip(methods, folders)]
     return labels
