@@ -10,7 +10,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-check demo-real downstream-real test test-all test-slurm bench bench-gpu gpu-check wheels \
+.PHONY: setup demo demo-check demo-real downstream-real downstream-real-finetuned test test-all test-slurm bench bench-gpu gpu-check wheels \
 	offline-install offline-node-check clean
 
 # torch==2.13.0 first: a bare "torch" requirement would pull several GB of CUDA wheels on a CPU machine.
@@ -72,41 +72,46 @@ demo-real: $(VENV)/.installed-real
 		method.learning_rate=5e-5 method.dpo_beta=0.01 method.dropout=0.05 method.batch_size=16 \
 		method.micro_batch_size=16 method.score_batch_size=32 hydra.run.dir=$(REAL_OUT)/mcd_dpo
 
-# Downstream use against human gold (README, "Downstream: does uncertainty pay off?"): the four RewardUQ methods on
-# SmolLM2 trained on few VADER pairs, then best-of-n (real held-out sentences, gold = the crowd's mean rating) and
-# active learning (ENS-MLP, BAY-LIN; pool = their 256 training pairs) into outputs/downstream-real/<task>. A rerun
-# skips the trained runs that completed, and a task whose stamp is newer than every run's status.json. Sized for a
-# 2-core CPU, where SmolLM2's backward pass is the cost: ENS-MLP and BAY-LIN (one shared backbone pass) on 256 pairs,
-# 10 epochs (as task=active_learning retrains them); ENS-LoRA (4 members, batches of 8 at 5x its default learning
-# rate) on 128 pairs and MCD-DPO on 256 pairs with demo-real's settings (16 optimizer steps each). Scoring the 768
-# best-of-n candidates with ENS-LoRA and MCD-DPO (3-8 candidates/s on 2 cores) is most of the time: task.n_max=16
-# halves it. Time: README.
+# Downstream use against human gold (README, "Downstream: does uncertainty pay off?"): ENS-MLP and BAY-LIN on
+# SmolLM2, trained on few VADER pairs with 3 seeds each (one shared backbone pass), then best-of-n (real held-out
+# sentences, gold = the crowd's mean rating) on as many prompts as the smallest corpus holds sets of 32 sentences (69
+# per split), and active learning (pool = their 256 training pairs, 5 repeats), into outputs/downstream-real/<task>.
+# A rerun skips the trained runs that completed, and a task whose stamp is newer than every run's status.json. Sized
+# for a 2-core CPU: 256 pairs, 10 epochs (as task=active_learning retrains them). The fine-tuned methods score 4-8
+# candidates/s on 2 cores (4416 candidates: 10-20 min each): make downstream-real-finetuned adds ENS-LoRA and MCD-DPO,
+# one seed each, on 12 prompts per split. Time: README.
 DS_REAL := outputs/downstream-real
 DS_PAIRS := dataset=vader_pairs
 DOWNSTREAM_REAL = $(PY) downstream.py progress=false
-DS_REAL_RUNS = [$(DS_REAL)/ens_mlp,$(DS_REAL)/bay_lin,$(DS_REAL)/ens_lora,$(DS_REAL)/mcd_dpo]
+DS_HEADS := $(DS_REAL)/heads
+# Active learning retrains from the run's settings with its own seeds (task.seed + repeat), so one run per method is
+# enough: the seed-0 runs (recursive =: read after training).
+# Quoted: a multirun folder's name holds '=' and ','.
+DS_SEED0 = $(shell grep -lx 'seed: 0' $(DS_HEADS)/*/.hydra/config.yaml 2>/dev/null | xargs -rn1 dirname \
+	| xargs -rn1 dirname | sed 's/.*/"&"/' | paste -sd, -)
 
 downstream-real: $(VENV)/.installed-real
-	$(REAL) method=ens_mlp $(DS_PAIRS) dataset.n_train=256 dataset.n_eval=200 dataset.n_ood=200 method.num_epochs=10 \
-		hydra.run.dir=$(DS_REAL)/ens_mlp
-	$(REAL) method=bay_lin $(DS_PAIRS) dataset.n_train=256 dataset.n_eval=200 dataset.n_ood=200 method.num_epochs=10 \
-		hydra.run.dir=$(DS_REAL)/bay_lin
+	$(REAL) -m method=ens_mlp,bay_lin seed=0,1,2 $(DS_PAIRS) dataset.n_train=256 dataset.n_eval=200 dataset.n_ood=200 \
+		method.num_epochs=10 hydra.sweep.dir=$(DS_HEADS)
+	@$(MAKE) --no-print-directory $(DS_REAL)/best_of_n.done $(DS_REAL)/active_learning.done
+
+$(DS_REAL)/best_of_n.done: $(wildcard $(DS_HEADS)/*/status.json)
+	$(DOWNSTREAM_REAL) task=best_of_n run=$(DS_HEADS) task.prompts=69 task.n_max=32 hydra.run.dir=$(DS_REAL)/best_of_n
+	touch $@
+
+$(DS_REAL)/active_learning.done: $(wildcard $(DS_HEADS)/*/status.json)
+	$(DOWNSTREAM_REAL) task=active_learning 'run=[$(DS_SEED0)]' task.pool=256 task.initial=32 \
+		task.batch=32 task.rounds=5 task.repeats=5 hydra.run.dir=$(DS_REAL)/active_learning
+	touch $@
+
+downstream-real-finetuned: $(VENV)/.installed-real
 	$(REAL) method=ens_lora $(DS_PAIRS) dataset.n_train=128 dataset.n_eval=100 dataset.n_ood=100 method.num_members=4 \
 		method.batch_size=8 method.learning_rate=5e-4 method.score_batch_size=32 hydra.run.dir=$(DS_REAL)/ens_lora
 	$(REAL) method=mcd_dpo $(DS_PAIRS) dataset.n_train=256 dataset.n_eval=100 dataset.n_ood=100 \
 		method.learning_rate=5e-5 method.dpo_beta=0.01 method.dropout=0.05 method.batch_size=16 \
 		method.micro_batch_size=16 method.score_batch_size=32 hydra.run.dir=$(DS_REAL)/mcd_dpo
-	@$(MAKE) --no-print-directory $(DS_REAL)/best_of_n.done $(DS_REAL)/active_learning.done
-
-$(DS_REAL)/best_of_n.done: $(wildcard $(DS_REAL)/*/status.json)
-	$(DOWNSTREAM_REAL) task=best_of_n 'run=$(DS_REAL_RUNS)' task.prompts=12 task.n_max=32 \
-		hydra.run.dir=$(DS_REAL)/best_of_n
-	touch $@
-
-$(DS_REAL)/active_learning.done: $(wildcard $(DS_REAL)/*/status.json)
-	$(DOWNSTREAM_REAL) task=active_learning 'run=[$(DS_REAL)/ens_mlp,$(DS_REAL)/bay_lin]' task.pool=256 \
-		task.initial=32 task.batch=32 task.rounds=5 task.repeats=3 hydra.run.dir=$(DS_REAL)/active_learning
-	touch $@
+	$(DOWNSTREAM_REAL) task=best_of_n 'run=[$(DS_REAL)/ens_lora,$(DS_REAL)/mcd_dpo]' task.prompts=12 task.n_max=32 \
+		hydra.run.dir=$(DS_REAL)/best_of_n_finetuned
 
 # Lint, then the tests on two workers (pytest-xdist): whole files per worker, so a file's fixtures are made once, in
 # the order tests/conftest.py gives (longest first).

@@ -118,3 +118,22 @@ def test_the_default_world_is_unchanged():
         pairs_a = [{c[0]["content"], r[0]["content"]} for c, r in zip(fa["chosen"], fa["rejected"])]
         pairs_b = [{c[0]["content"], r[0]["content"]} for c, r in zip(fb["chosen"], fb["rejected"])]
         assert pairs_a == pairs_b
+
+
+def test_stuffing_inserts_fillers_and_keeps_every_word_and_the_gold():
+    """Stuffed candidates are the unstuffed ones with fillers inserted: the same words in the same order, the same
+    gold (so a stuffed candidate's gold is distributed as any other's), and longer."""
+    sizes = {"n_train": 50, "n_eval": 20, "n_ood": 20}
+    plain = SyntheticWorld(filler_bias=1.0, candidate_filler_share=0.0, **sizes).candidates("eval", 8, 256)
+    stuffed_world = SyntheticWorld(filler_bias=1.0, candidate_filler_share=1.0, **sizes)
+    stuffed = stuffed_world.candidates("eval", 8, 256)
+    filler = stuffed_world.words[stuffed_world.filler_word]
+
+    def words(texts):
+        return [[w for w in t.split() if w != filler] for group in texts for t in group]
+
+    assert words(plain.texts) == words(stuffed.texts)
+    np.testing.assert_allclose(stuffed.gold, plain.gold, atol=1e-12)
+    added = stuffed.features["filler"] - plain.features["filler"]
+    np.testing.assert_array_equal(stuffed.features["words"] - plain.features["words"], added)
+    assert added.max() > 6 and (added > 0).mean() < 0.5  # some far beyond training, most barely touched

@@ -17,8 +17,9 @@ ignores length; eval and ood labels follow the true reward. ``candidate_max_word
 (:meth:`candidates`) run far longer than any training completion, so a proxy that learned "longer is better" meets
 candidates that exploit the shortcut beyond the range it was trained on. The same with a word: with ``filler_bias``
 the training labels add that many log-odds per extra occurrence of the filler (the most frequent word), and
-``candidate_filler_share`` stuffs a heavy-tailed share of best-of-n candidates' words with it, up to that share: rare
-candidates, far beyond any training completion, that a proxy which learned the shortcut ranks first. Once either
+``candidate_filler_share`` stuffs a heavy-tailed share of best-of-n candidates with it, a filler inserted after up to
+that share of their words: rare candidates, far beyond any training completion (in filler count and in length), that
+a proxy which learned the shortcut ranks first. Once either
 filler option is on, the true reward ignores the filler entirely: it is ``utility_scale`` times the mean utility of
 the *other* words, so adding fillers to a completion leaves its true reward exactly unchanged (the shortcut is neutral
 to the gold, neither rewarded nor punished), and a completion made only of fillers says nothing and has true reward
@@ -203,6 +204,22 @@ class SyntheticWorld:
         mask = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
         return ((tokens == self.filler_word) & mask).sum(1)
 
+    def _insert_fillers(self, tokens: np.ndarray, lengths: np.ndarray,
+                        stuff: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A filler inserted after every word marked in ``stuff`` (within its length). Inserted, not replacing a
+        word: every word of the candidate stays, so its gold (the mean over its non-filler words) is exactly that of
+        the unstuffed candidate, and a stuffed candidate's gold has the same distribution as any other's. Replacing
+        words would leave fewer words to average, a noisier gold whose extremes a proxy that likes the filler would
+        reach more often. Stuffed candidates are longer (up to twice)."""
+        n, width = tokens.shape
+        stuff = stuff & (np.arange(width)[None, :] < lengths[:, None])
+        start = np.cumsum(1 + stuff, axis=1) - (1 + stuff)         # where each original word lands
+        out = np.zeros((n, 2 * width), dtype=tokens.dtype)
+        rows = np.repeat(np.arange(n), width).reshape(n, width)
+        out[rows, start] = tokens
+        out[rows[stuff], start[stuff] + 1] = self.filler_word
+        return out, lengths + stuff.sum(1)
+
     def _text(self, tokens: np.ndarray, length: int) -> str:
         return " ".join(self.words[t] for t in tokens[:length])
 
@@ -238,7 +255,8 @@ class SyntheticWorld:
             # Heavy-tailed shares: most candidates hold the filler about as often as training completions do, and
             # the stuffed ones are rare (5.6 % above half the largest share), so only a large n meets them.
             share = self.candidate_filler_share * rng.random(len(tokens)) ** FILLER_TAIL
-            tokens = np.where(rng.random(tokens.shape) < share[:, None], self.filler_word, tokens)
+            stuff = rng.random(tokens.shape) < share[:, None]
+            tokens, lengths = self._insert_fillers(tokens, lengths, stuff)
         gold = self.true_reward(np.repeat(topic, n_candidates), tokens, lengths)
         texts = [self._text(tokens[i], lengths[i]) for i in range(len(tokens))]
         features = {name: values.reshape(n_prompts, n_candidates) for name, values in self.text_features(texts).items()}

@@ -16,6 +16,8 @@ of the downstream scalars with the runs' own eval metrics, with p-values), and t
 from __future__ import annotations
 
 import gzip
+import hashlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -101,25 +103,32 @@ def score_candidates(model: RewardModel, candidates) -> tuple[np.ndarray, np.nda
     return table.reward.to_numpy().reshape(n_prompts, n), table.uncertainty.to_numpy().reshape(n_prompts, n)
 
 
-def knn_uncertainty(model: RewardModel, world, candidates, k: int) -> np.ndarray | None:
+def knn_uncertainty(model: RewardModel, world, candidates, k: int, memo: dict) -> np.ndarray | None:
     """The k-NN distance of every candidate to the run's training completions in its frozen feature space, (P, N);
     None for methods without frozen features (the fine-tuned ones), which have no feature space apart from
-    their adapted model."""
+    their adapted model. ``memo`` keeps the distances of a backbone, probe, training set and candidates: the seeds
+    and label strengths of one world share them (their texts are the same), so a sweep computes them once."""
     encoder = getattr(model.method, "encoder", None)
     if not isinstance(model.method, FeatureHeadMethod) or encoder is None:
         return None
     train = world.load(world.data.train_split if hasattr(world, "data") else world.train_split)
-    train_chosen, train_rejected = encoder.encode_pairs(train, desc="features (train)")  # cached by the run
-    n_prompts, n = candidates.gold.shape
-    prompts = [p for p in candidates.prompts for _ in range(n)]
-    completions = [[{"role": "assistant", "content": t}] for group in candidates.texts for t in group]
-    feats = encoder.encode(prompts, completions, desc="features (candidates)")  # cached by the scoring
-    reference = np.concatenate([train_chosen.numpy(), train_rejected.numpy()]).astype(np.float64)
-    return knn_distance(reference, feats.numpy().astype(np.float64), k).reshape(n_prompts, n)
+    key = hashlib.sha256(json.dumps([encoder.backbone.identity(), encoder.probe_identity(), int(k),
+                                     sorted(map(str, zip(train.prompt, train.chosen, train.rejected))),
+                                     candidates.prompts, candidates.texts], sort_keys=True, default=str).encode()
+                         ).hexdigest()
+    if key not in memo:
+        train_chosen, train_rejected = encoder.encode_pairs(train, desc="features (train)")  # cached by the run
+        n_prompts, n = candidates.gold.shape
+        prompts = [p for p in candidates.prompts for _ in range(n)]
+        completions = [[{"role": "assistant", "content": t}] for group in candidates.texts for t in group]
+        feats = encoder.encode(prompts, completions, desc="features (candidates)")  # cached by the scoring
+        reference = np.concatenate([train_chosen.numpy(), train_rejected.numpy()]).astype(np.float64)
+        memo[key] = knn_distance(reference, feats.numpy().astype(np.float64), k).reshape(n_prompts, n)
+    return memo[key]
 
 
 def run_curves(run: WorldRun, task, ns, ks, splits, *, device: str, progress: bool, cache_dir=None,
-               trust_remote_code: bool = False):
+               trust_remote_code: bool = False, memo: dict | None = None):
     """The run's best-of-n curves, its shortcut table and the shortcut bins on every split (each row carries the
     run, its method, the split and the run's world settings and seed), and per split its per-prompt picks:
     ``{split: {(selection, k): gold (P, J), "use": use_curves(...)}}``."""
@@ -145,7 +154,7 @@ def run_curves(run: WorldRun, task, ns, ks, splits, *, device: str, progress: bo
             beyond |= values > train_max.get(name, np.inf)
         use = use_curves(reward, u, candidates.gold, beyond, ns, kl, [float(k) for k in task.k_grid],
                          float(task.select_share), int(task.seed),
-                         knn_u=knn_uncertainty(model, world, candidates, int(task.knn)))
+                         knn_u=knn_uncertainty(model, world, candidates, int(task.knn), {} if memo is None else memo))
         per_prompt[split] = {key: gold for key, (gold, _) in picked.items()} | {"use": use}
         shortcuts.append(shortcut_table(reward, u, candidates.gold, candidates.features, train_max)
                          .assign(**tags, split=split))
@@ -286,9 +295,10 @@ def selection_lines(corr: pd.DataFrame, split: str) -> list[str]:
 def best_of_n(cfg, out_dir: Path) -> dict:
     ns, ks, splits = check_settings(cfg.task)
     runs = completed_world_runs(cfg.run)
-    cache_dir = cfg.paths.get("cache_dir")
+    cache_dir, memo = cfg.paths.get("cache_dir"), {}
     parts = [run_curves(r, cfg.task, ns, ks, splits, device=str(cfg.device), progress=bool(cfg.progress),
-                        cache_dir=cache_dir, trust_remote_code=cfg.get("trust_remote_code", False)) for r in runs]
+                        cache_dir=cache_dir, trust_remote_code=cfg.get("trust_remote_code", False), memo=memo)
+             for r in runs]
     curves, shortcut, bins = (pd.concat([p[i] for p in parts], ignore_index=True) for i in range(3))
     per_prompt = {(r.label, split): picks for r, p in zip(runs, parts) for split, picks in p[3].items()}
     summary = summarise(curves, runs, per_prompt, cfg.task, ns)

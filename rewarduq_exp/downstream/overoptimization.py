@@ -119,9 +119,10 @@ def overoptimization_lines(table: pd.DataFrame, axis: str) -> list[str]:
     lines = []
     for _, row in table.iterrows():
         verdict = "overoptimizes" if row.overoptimizes else "no fall the data can show"
+        where = (f" from n={row.drop_from_n} to n={row.drop_to_n}" if row.largest_drop > 0
+                 else " (the mean curve never falls)")
         line = (f"{row.split} world={row.world} {row.method} {axis}={row[axis]:g} ({row.runs} runs): largest drop "
-                f"{_ci(row, 'largest_drop')} from n={row.drop_from_n} to n={row.drop_to_n}: {verdict}; "
-                f"r - k u gain {_ci(row, 'conservative_gain')}")
+                f"{_ci(row, 'largest_drop')}{where}: {verdict}; r - k u gain {_ci(row, 'conservative_gain')}")
         if "model_vs_mean" in row and np.isfinite(row.model_vs_mean):
             line += f"; fair k (chosen {row.get('k_model', '')}): {_ci(row, 'model_vs_mean')}"
         for rival in ("knn", "filter"):
