@@ -215,6 +215,9 @@ def test_overoptimization_lines_and_figures_are_drawn(tmp_path):
     assert cells.loc[(0, 2.0), "drop_from_n"] == 2 and cells.loc[(0, 2.0), "drop_to_n"] == 4
     assert cells.loc[(1, 1.0), "filter_vs_mean"] == pytest.approx(1.0)
     assert cells.loc[(0, 0.0), "conservative_gain"] == pytest.approx(0.05)
+    # the shortcut's cost at n_max against the same world's control (strength 0): 1.5 - 2/2 - 1.5 = -1 at strength 2
+    assert np.isnan(cells.loc[(0, 0.0), "gold_nmax_vs_control"])
+    assert cells.loc[(0, 2.0), "gold_nmax_vs_control_hi"] < 0
     lines = overoptimization_lines(table, "filler_bias")
     assert any("overoptimizes in 2 of 2 worlds" in line for line in lines)
     assert any("no fall the data can show" in line for line in lines)

@@ -171,7 +171,7 @@ def plot_overoptimization(table: pd.DataFrame, axis: str, path: Path) -> None:
 
 
 USE_RULES = (("model_vs_mean", "r - k u (k chosen on held-out prompts)"),
-             ("knn_vs_mean", "r - k (k-NN feature distance)"),
+             ("knn_vs_mean", "r - k d (d: k-NN distance in feature space)"),
              ("filter_vs_mean", "oracle filter: beyond the training range last"))
 
 

@@ -24,7 +24,12 @@ import pandas as pd
 
 from rewarduq_exp.analysis.text_tables import fmt_number
 from rewarduq_exp.downstream.best_of_n import area_weights
-from rewarduq_exp.downstream.paired_bootstrap import gao_fit_interval, largest_drop_interval, mean_interval
+from rewarduq_exp.downstream.paired_bootstrap import (
+    cell_difference_interval,
+    gao_fit_interval,
+    largest_drop_interval,
+    mean_interval,
+)
 from rewarduq_exp.downstream.uncertainty_use import COMPARISONS
 
 # The world's shortcut settings each run records (dataset.<key>), its world (dataset.seed) and its own seed.
@@ -96,15 +101,23 @@ def paired_statistics(picked: list[dict], kl: np.ndarray, ns, k_compare: float, 
 def overoptimization_table(summary: pd.DataFrame, per_prompt: dict, axis: str, kl: np.ndarray, ns,
                            k_compare: float, draws: int, seed: int) -> pd.DataFrame:
     """One row per split, world, method and strength (``axis``): ``runs``, ``seeds``, the mean ``gold_best`` /
-    ``gold_nmax``, the runs' ``best_n`` (joined), and :func:`paired_statistics` over the cell's runs.
+    ``gold_nmax``, the runs' ``best_n`` (joined), :func:`paired_statistics` over the cell's runs, and where the world
+    has a control (the same method at strength 0) ``gold_nmax_vs_control`` [``_lo``, ``_hi``]: what the shortcut
+    costs at n_max (:func:`~.paired_bootstrap.cell_difference_interval`: the prompts are shared, the runs are not).
     ``per_prompt[(run, split)]`` holds each run's per-prompt picks."""
-    rows = []
+    rows, at_nmax = [], {}
     for key, part in summary.groupby([*CELL, axis], sort=True):
         picked = [per_prompt[(run, key[0])] for run in part.run]
+        at_nmax[key] = np.stack([p[("mean", 0.0)][:, -1] for p in picked])   # (runs, prompts)
         rows.append({**dict(zip([*CELL, axis], key)), "runs": len(part), "seeds": int(part.seed.nunique()),
                      "gold_best": float(part.gold_best.mean()), "gold_nmax": float(part.gold_nmax.mean()),
                      "best_n": ",".join(str(int(v)) for v in part.best_n),
                      **paired_statistics(picked, kl, ns, k_compare, draws, seed)})
+    for row, key in zip(rows, at_nmax):
+        control = (*key[:3], 0.0)
+        if key[3] != 0 and control in at_nmax:
+            row.update(_interval("gold_nmax_vs_control", *cell_difference_interval(at_nmax[key], at_nmax[control],
+                                                                                  draws, seed)))
     return pd.DataFrame(rows)
 
 
@@ -117,11 +130,16 @@ def overoptimization_lines(table: pd.DataFrame, axis: str) -> list[str]:
     """One line per cell (its largest drop and gains with 95 % intervals), then per split, method and strength: in
     how many worlds the cell overoptimizes."""
     lines = []
+    swept = table[axis].nunique() > 1 or bool((table[axis] != 0).any())  # a world without the shortcut: no axis
+
+    def strength(value) -> str:
+        return f" {axis}={value:g}" if swept else ""
+
     for _, row in table.iterrows():
         verdict = "overoptimizes" if row.overoptimizes else "no fall the data can show"
         where = (f" from n={row.drop_from_n} to n={row.drop_to_n}" if row.largest_drop > 0
                  else " (the mean curve never falls)")
-        line = (f"{row.split} world={row.world} {row.method} {axis}={row[axis]:g} ({row.runs} runs): largest drop "
+        line = (f"{row.split} world={row.world} {row.method}{strength(row[axis])} ({row.runs} runs): largest drop "
                 f"{_ci(row, 'largest_drop')}{where}: {verdict}; r - k u gain {_ci(row, 'conservative_gain')}")
         if "model_vs_mean" in row and np.isfinite(row.model_vs_mean):
             line += f"; fair k (chosen {row.get('k_model', '')}): {_ci(row, 'model_vs_mean')}"
@@ -130,6 +148,6 @@ def overoptimization_lines(table: pd.DataFrame, axis: str) -> list[str]:
                 line += f"; {rival} {_ci(row, f'{rival}_vs_mean')}"
         lines.append(line)
     for key, part in table.groupby(["split", "method", axis], sort=True):
-        lines.append(f"{key[0]} {key[1]} {axis}={key[2]:g}: overoptimizes in {int(part.overoptimizes.sum())} of "
+        lines.append(f"{key[0]} {key[1]}{strength(key[2])}: overoptimizes in {int(part.overoptimizes.sum())} of "
                      f"{len(part)} worlds")
     return lines

@@ -13,6 +13,8 @@ multinomial counts as weights, so B draws cost one ``einsum`` instead of B copie
 - :func:`bootstrap_means`: B resampled means of ``(R, P, J)`` values (J: the points of a curve, or 1);
 - :func:`mean_interval`: the mean over runs and prompts and its 95 % percentile interval, for a paired difference
   computed per run and prompt (``a - b``);
+- :func:`cell_difference_interval`: the difference between two cells of one world (different runs, shared prompts),
+  e.g. a shortcut's cost against its control;
 - :func:`largest_drop` / :func:`largest_drop_interval`: the largest fall of a curve from any earlier n to any later
   one, with an interval from a simultaneous band over every pair of points (a curve that dips and recovers falls;
   one that rises throughout has drop 0). "It overoptimizes" means the interval's lower end is above 0;
@@ -75,6 +77,21 @@ def mean_interval(values, draws: int = DRAWS, seed: int = 0, level: float = LEVE
     boot = bootstrap_means(v, draws, seed)[:, 0]
     lo, hi = percentile_interval(boot, level)
     return float(v.mean()), float(lo), float(hi)
+
+
+def cell_difference_interval(a, b, draws: int = DRAWS, seed: int = 0,
+                             level: float = LEVEL) -> tuple[float, float, float]:
+    """mean(a) - mean(b) for two cells of one world, ``a`` (Ra, P) and ``b`` (Rb, P): different runs on the same
+    prompts. Each draw resamples the prompts once for both cells (they are shared) and the runs of each cell on
+    their own (they are not)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"cells must be (runs, prompts) on the same prompts; got {a.shape} and {b.shape}")
+    rng = np.random.default_rng(seed)
+    w_prompts = bootstrap_weights(a.shape[1], draws, rng) / a.shape[1]
+    means = [np.einsum("br,bp,rp->b", bootstrap_weights(len(v), draws, rng) / len(v), w_prompts, v) for v in (a, b)]
+    lo, hi = percentile_interval(means[0] - means[1], level)
+    return float(a.mean() - b.mean()), float(lo), float(hi)
 
 
 def largest_drop(curve) -> tuple[float, int, int]:
