@@ -300,6 +300,7 @@ def test_best_of_n_end_to_end_on_a_sweep(sweep, shared_cache):
     # one strength and two runs: no figure over the strength, no correlation to draw (said in the log)
     assert not (out / "overoptimization.png").exists() and not (out / "selection_vs_loss.png").exists()
     assert "the selection rule picks" in proc.stdout and "largest_drop" in proc.stdout
+    assert "minus the mean over the 2 runs" in proc.stdout  # the rule's pick against a run taken at random
     corr = pd.read_csv(out / "correlation.csv")
     assert set(corr.run_metric) >= {"rs_0.2", "ece", "ebce"} and {"p_value", "runs"} <= set(corr.columns)
     assert (corr.runs == 2).all() and corr.p_value.isna().all()  # two runs: no correlation to speak of

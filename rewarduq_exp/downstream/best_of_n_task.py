@@ -53,6 +53,7 @@ from rewarduq_exp.downstream.overoptimization import (
     strength_axis,
     world_settings,
 )
+from rewarduq_exp.downstream.paired_bootstrap import mean_interval
 from rewarduq_exp.downstream.shortcut import shortcut_bins, shortcut_table, spearman_or_nan
 from rewarduq_exp.downstream.uncertainty_use import knn_distance, use_curves
 from rewarduq_exp.downstream.world_runs import WorldRun, completed_world_runs, world_of
@@ -220,17 +221,21 @@ def correlations(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def selection_checks(summary: pd.DataFrame, split: str) -> list[str]:
+def selection_checks(summary: pd.DataFrame, split: str, per_prompt: dict | None = None,
+                     draws: int = 2000, seed: int = 0) -> list[str]:
     """:func:`selection_check` within each world: runs of different worlds meet different candidates and oracles,
     so their gold is not ranked together."""
-    return [selection_check(part, split, f" world={world}" if summary.world.nunique() > 1 else "")
+    return [selection_check(part, split, f" world={world}" if summary.world.nunique() > 1 else "", per_prompt,
+                            draws, seed)
             for world, part in summary[summary.split == split].groupby("world", sort=True)]
 
 
-def selection_check(summary: pd.DataFrame, split: str, where: str = "") -> str:
+def selection_check(summary: pd.DataFrame, split: str, where: str = "", per_prompt: dict | None = None,
+                    draws: int = 2000, seed: int = 0) -> str:
     """Which run the paper's selection rule (ECE <= 0.05, EBCE <= 0.01, then highest RS_0.2) picks on ``split``,
     and where it stands downstream (gold reward at n_max under mean selection) among the runs of ``summary``
-    (one world's)."""
+    (one world's). With the runs' per-prompt picks: the picked run's gold at n_max minus the mean over these runs,
+    per prompt, with its 95 % interval (does the rule beat a run taken at random?)."""
     s = summary[summary.split == split]
     if s.empty:
         return ""
@@ -241,9 +246,15 @@ def selection_check(summary: pd.DataFrame, split: str, where: str = "") -> str:
     picked = pool.loc[pool[DEFAULT_RANK].idxmax()]
     ranked = s.sort_values("gold_nmax", ascending=False).run.tolist()
     note = "" if not passing.empty else f" (no run passes ECE <= {DEFAULT_ECE} and EBCE <= {DEFAULT_EBCE}: ranked all)"
-    return (f"{split}{where}: the selection rule picks {picked.run}{note}; downstream it ranks "
-            f"{ranked.index(picked.run) + 1} "
-            f"of {len(ranked)} (best: {ranked[0]})")
+    line = (f"{split}{where}: the selection rule picks {picked.run}{note}; downstream it ranks "
+            f"{ranked.index(picked.run) + 1} of {len(ranked)} (best: {ranked[0]})")
+    if per_prompt is not None and len(s) > 1:
+        at_nmax = {run: per_prompt[(run, split)][("mean", 0.0)][:, -1] for run in s.run}
+        gap = at_nmax[picked.run] - np.mean(list(at_nmax.values()), axis=0)
+        estimate, lo, hi = mean_interval(gap, draws, seed)
+        line += (f"; its gold at n_max minus the mean over the {len(s)} runs: {estimate:+.3f} [{lo:+.3f}, {hi:+.3f}] "
+                 "(95 %, prompts resampled)")
+    return line
 
 
 def summary_text(summary: pd.DataFrame, axis: str) -> str:
@@ -329,7 +340,8 @@ def best_of_n(cfg, out_dir: Path) -> dict:
     else:
         log.info("no selection_vs_loss.png: no Spearman correlation is defined on %s (three runs with distinct "
                  "values are needed)", split)
-    checks = [line for s in splits for line in selection_checks(summary, s)]
+    checks = [line for s in splits for line in selection_checks(summary, s, per_prompt, int(cfg.task.draws),
+                                                                int(cfg.task.seed))]
     print(summary_text(summary, axis), flush=True)
     sections = (("overoptimization per world (largest drop, gains; 95 % paired intervals over runs and prompts):",
                  overoptimization_lines(overopt, axis)),
