@@ -337,6 +337,8 @@ def best_of_n(cfg, out_dir: Path) -> dict:
     split = loss_split(splits)
     if np.isfinite(corr[corr.split == split].spearman).any():
         plot_selection_vs_loss(summary, corr, RUN_METRICS, LOSS, split, out_dir / "selection_vs_loss.png")
+        # the level the pick reaches, beside its drop: where no run falls, this is what the statistics can predict
+        plot_selection_vs_loss(summary, corr, RUN_METRICS, "gold_nmax", split, out_dir / "selection_vs_gold.png")
     else:
         log.info("no selection_vs_loss.png: no Spearman correlation is defined on %s (three runs with distinct "
                  "values are needed)", split)

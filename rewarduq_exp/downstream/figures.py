@@ -271,9 +271,13 @@ def plot_selection_vs_loss(summary: pd.DataFrame, corr: pd.DataFrame, metrics, l
     for ax in axes[len(metrics):]:
         ax.set_visible(False)
     for ax, metric in zip(axes, metrics):
+        worlds = sorted(part.world.unique()) if "world" in part.columns else [None]
+        markers = dict(zip(worlds, "osD^vP*X"))
         for method in methods:
-            runs = part[part.method == method]
-            ax.scatter(runs[metric], runs[loss], s=22, color=colors[method], label=method)
+            for world in worlds:  # a marker per world: their golds are not on one scale
+                runs = part[(part.method == method) & ((part.world == world) if world is not None else True)]
+                label = method if world is None or len(worlds) == 1 else f"{method}, world {world}"
+                ax.scatter(runs[metric], runs[loss], s=22, color=colors[method], marker=markers[world], label=label)
         stat = corr[(corr.split == split) & (corr.downstream == loss) & (corr.run_metric == metric)]
         text = "; ".join(f"w{r.world}: rho {r.spearman:.2f}, p {r.p_value:.2g}, n {int(r.runs)}"
                          for _, r in stat.iterrows()) or "no correlation defined"

@@ -12,7 +12,7 @@ TASKS = ("best_of_n", "active_learning")
 OUTPUTS = {"best_of_n": ("curves.csv", "summary.csv", "overoptimization.csv", "shortcut.csv", "shortcut_bins.csv",
                          "correlation.csv", "per_prompt.csv.gz", "best_of_n.png", "uncertainty_use.png",
                          "overoptimization.png", "shortcut.png",
-                         "selection_vs_loss.png"),
+                         "selection_vs_loss.png", "selection_vs_gold.png"),
            "active_learning": ("curves.csv", "summary.csv", "paired.csv", "active_learning.png")}
 
 
