@@ -108,7 +108,9 @@ def _plot_best_of_n_sweep(curves: pd.DataFrame, path: Path, k: float, axis: str)
             ax.set_xlabel("KL(best-of-n) [nats]", fontsize=8)
             ax.set_ylabel("gold reward of the pick", fontsize=8)
             ax.grid(alpha=0.3)
-    handles = [Line2D([], [], color=colors[s], marker="o", markersize=3, label=f"{axis}={s:g}") for s in strengths]
+    swept = len(strengths) > 1 or strengths[0] != 0  # a world without the shortcut: no strength to name
+    handles = [Line2D([], [], color=colors[s], marker="o", markersize=3, label=f"{axis}={s:g}" if swept else "runs")
+               for s in strengths]
     handles += [Line2D([], [], color="0.6", label="oracle"), Line2D([], [], color="k", linestyle="-", label="mean r"),
                 Line2D([], [], color="k", linestyle="--", label=f"conservative r - {k:g}u"),
                 Line2D([], [], color="k", linestyle=":", label=f"optimistic r + {k:g}u")]
