@@ -12,12 +12,12 @@ from scipy.stats import ttest_rel
 from rewarduq_exp.downstream import active_learning as al
 from rewarduq_exp.downstream.active_learning import (
     paired_differences,
-    paired_t_interval,
     repeat_values,
     summary_rows,
     summary_table,
 )
 from rewarduq_exp.downstream.active_learning_figure import plot_active_learning
+from rewarduq_exp.downstream.statistics import paired_t_interval
 
 # Per repeat (rows) and round (columns): random's win rate, and the reviewer's example of ENS-MLP ranking_score,
 # ahead of random by +0.052, +0.046, +0.053 averaged over rounds (the same at the last round here).

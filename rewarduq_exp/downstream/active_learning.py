@@ -39,12 +39,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
-from scipy.stats import t as t_dist
 from tqdm.auto import tqdm
 
 from rewarduq_exp.analysis.text_tables import DASH, fmt_number, text_table
@@ -53,6 +51,7 @@ from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.registry import build
 from rewarduq_exp.data.synthetic import SPLITS
+from rewarduq_exp.downstream.statistics import paired_t_interval
 from rewarduq_exp.downstream.world_runs import WorldRun, completed_world_runs, world_of
 from rewarduq_exp.methods.base import FeatureHeadMethod
 from rewarduq_exp.methods.registry import METHOD_CLASSES
@@ -186,36 +185,6 @@ def learning_curves(run: WorldRun, cfg, strategies: list[str], make, pool: pd.Da
                 labelled += rest[np.argsort(-scores, kind="stable")[: int(task.batch)]].tolist()
     bar.close()
     return pd.DataFrame(rows)
-
-
-class PairedInterval(NamedTuple):
-    """Paired differences reduced along an axis: their mean, the t-interval, the t-test's p-value, how many there
-    are (finite ones) and how many are > 0."""
-    mean: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
-    p: np.ndarray
-    n: np.ndarray
-    wins: np.ndarray
-
-
-def paired_t_interval(diffs, axis: int = -1, level: float = 0.95) -> PairedInterval:
-    """The paired t-interval of the differences ``diffs`` along ``axis`` (one per repeat; NaN ones left out):
-    mean ± t_{(1+level)/2, n-1} sd / sqrt(n), and the two-sided p-value of the paired t-test (as
-    ``scipy.stats.ttest_rel`` of the two sides); interval and p-value are NaN for n < 2. Vectorised: every other axis
-    is a separate comparison."""
-    d = np.asarray(diffs, dtype=float)
-    finite = np.isfinite(d)
-    n = finite.sum(axis=axis)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.where(finite, d, 0.0).sum(axis=axis) / n
-        dev = np.where(finite, d - np.expand_dims(mean, axis), 0.0)
-        se = np.sqrt((dev ** 2).sum(axis=axis) / (n - 1) / n)
-        enough = n >= 2
-        df = np.where(enough, n - 1, 1)
-        half = np.where(enough, t_dist.ppf(0.5 + level / 2, df) * se, np.nan)
-        p = np.where(enough, 2 * t_dist.sf(np.abs(mean / se), df), np.nan)
-    return PairedInterval(mean, mean - half, mean + half, p, n, (d > 0).sum(axis=axis))
 
 
 def repeat_values(curves: pd.DataFrame) -> pd.DataFrame:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from rewarduq_exp.downstream.active_learning import paired_t_interval
 from rewarduq_exp.downstream.figures import _colors
+from rewarduq_exp.downstream.statistics import paired_t_interval
 from rewarduq_exp.metrics.diagrams import save_figure
 
 

@@ -19,7 +19,7 @@ import pandas as pd
 from scipy.special import gammaln
 
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.downstream.paired_bootstrap import largest_drop
+from rewarduq_exp.downstream.statistics import largest_drop
 
 SELECTIONS = ("mean", "conservative", "optimistic")
 ORACLE = "oracle"  # pick by the gold reward itself: the ceiling no reward model can beat
@@ -94,7 +94,7 @@ def selection_scores(reward: np.ndarray, u: np.ndarray, ks) -> dict[tuple[str, f
 def picked_per_prompt(reward: np.ndarray, u: np.ndarray, gold: np.ndarray, ks, ns) -> dict:
     """Per prompt, the expected gold and proxy reward of the best-of-n pick under every selection rule and the
     oracle: ``{(selection, k): (gold (P, J), reward (P, J))}``, J = len(ns). What the curves average over prompts,
-    kept per prompt for the paired intervals (:mod:`.paired_bootstrap`)."""
+    kept per prompt for the paired intervals (:mod:`.statistics`)."""
     proxies = {**selection_scores(reward, u, ks), (ORACLE, 0.0): gold}
     return {key: (expected_best_of_n(proxy, gold, ns), expected_best_of_n(proxy, reward, ns))
             for key, proxy in proxies.items()}

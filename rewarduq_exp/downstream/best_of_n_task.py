@@ -53,8 +53,8 @@ from rewarduq_exp.downstream.overoptimization import (
     strength_axis,
     world_settings,
 )
-from rewarduq_exp.downstream.paired_bootstrap import mean_interval
 from rewarduq_exp.downstream.shortcut import shortcut_bins, shortcut_table, spearman_or_nan
+from rewarduq_exp.downstream.statistics import mean_interval
 from rewarduq_exp.downstream.uncertainty_use import knn_distance, use_curves
 from rewarduq_exp.downstream.world_runs import WorldRun, completed_world_runs, world_of
 from rewarduq_exp.methods.base import FeatureHeadMethod

@@ -4,7 +4,7 @@ A cell is the runs of one world (``dataset.seed``), method and shortcut strength
 different worlds are never pooled (their candidates and oracles differ); a world is a replicate of the whole
 study, and the lines printed say in how many worlds a finding holds.
 
-Per run (the prompts resampled) and per cell (runs and prompts resampled, crossed: :mod:`.paired_bootstrap`):
+Per run (the prompts resampled) and per cell (runs and prompts resampled, crossed: :mod:`.statistics`):
 - ``largest_drop`` [``_lo``, ``_hi``]: the largest fall of the mean-selection curve from any n to a later one;
   ``overoptimizes`` when the interval's lower end is above 0 (a fall the prompts and seeds cannot explain);
 - ``conservative_gain`` / ``optimistic_gain`` (mean gold gained over the KL range by r -+ k u, k = task.k_compare
@@ -24,7 +24,7 @@ import pandas as pd
 
 from rewarduq_exp.analysis.text_tables import fmt_number
 from rewarduq_exp.downstream.best_of_n import area_weights
-from rewarduq_exp.downstream.paired_bootstrap import (
+from rewarduq_exp.downstream.statistics import (
     cell_difference_interval,
     gao_fit_interval,
     largest_drop_interval,
@@ -103,7 +103,7 @@ def overoptimization_table(summary: pd.DataFrame, per_prompt: dict, axis: str, k
     """One row per split, world, method and strength (``axis``): ``runs``, ``seeds``, the mean ``gold_best`` /
     ``gold_nmax``, the runs' ``best_n`` (joined), :func:`paired_statistics` over the cell's runs, and where the world
     has a control (the same method at strength 0) ``gold_nmax_vs_control`` [``_lo``, ``_hi``]: what the shortcut
-    costs at n_max (:func:`~.paired_bootstrap.cell_difference_interval`: the prompts are shared, the runs are not).
+    costs at n_max (:func:`~.statistics.cell_difference_interval`: the prompts are shared, the runs are not).
     ``per_prompt[(run, split)]`` holds each run's per-prompt picks."""
     rows, at_nmax = [], {}
     for key, part in summary.groupby([*CELL, axis], sort=True):

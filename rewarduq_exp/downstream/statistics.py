@@ -1,4 +1,5 @@
-"""Intervals for the differences a best-of-n study claims, respecting its design.
+"""Intervals for the differences the downstream tasks claim, respecting their design: every table and figure of
+``downstream.py`` takes its intervals from here.
 
 Every rule of one run picks from the same candidates of the same prompts, and the runs of one world (its training
 seeds) meet the same prompts too: a gain of r - k u over r, or a drop of a curve from one n to a later one, is a
@@ -19,12 +20,17 @@ multinomial counts as weights, so B draws cost one ``einsum`` instead of B copie
   one, with an interval from a simultaneous band over every pair of points (a curve that dips and recovers falls;
   one that rises throughout has drop 0). "It overoptimizes" means the interval's lower end is above 0;
 - :func:`gao_fit` / :func:`gao_fit_interval`: Gao et al.'s best-of-n form gold(d) - gold(0) = d (alpha - beta d),
-  d = sqrt(KL), fitted by least squares, with its peak.
+  d = sqrt(KL), fitted by least squares, with its peak;
+- :func:`paired_t_interval`: active learning's comparison with random, paired by repeat (a handful of repeats, each a
+  whole retraining: a t-interval over the per-repeat differences, not a bootstrap of five numbers).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
+from scipy.stats import t as t_dist
 
 LEVEL = 0.95
 DRAWS = 2000
@@ -182,3 +188,33 @@ def gao_fit_interval(d, values, draws: int = DRAWS, seed: int = 0, level: float 
         lo, hi = percentile_interval(boot_values, level)
         out[f"{name}_lo"], out[f"{name}_hi"] = float(lo), float(hi)
     return out
+
+
+class PairedInterval(NamedTuple):
+    """Paired differences reduced along an axis: their mean, the t-interval, the t-test's p-value, how many there
+    are (finite ones) and how many are > 0."""
+    mean: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    p: np.ndarray
+    n: np.ndarray
+    wins: np.ndarray
+
+
+def paired_t_interval(diffs, axis: int = -1, level: float = 0.95) -> PairedInterval:
+    """The paired t-interval of the differences ``diffs`` along ``axis`` (one per repeat; NaN ones left out):
+    mean ± t_{(1+level)/2, n-1} sd / sqrt(n), and the two-sided p-value of the paired t-test (as
+    ``scipy.stats.ttest_rel`` of the two sides); interval and p-value are NaN for n < 2. Vectorised: every other axis
+    is a separate comparison."""
+    d = np.asarray(diffs, dtype=float)
+    finite = np.isfinite(d)
+    n = finite.sum(axis=axis)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(finite, d, 0.0).sum(axis=axis) / n
+        dev = np.where(finite, d - np.expand_dims(mean, axis), 0.0)
+        se = np.sqrt((dev ** 2).sum(axis=axis) / (n - 1) / n)
+        enough = n >= 2
+        df = np.where(enough, n - 1, 1)
+        half = np.where(enough, t_dist.ppf(0.5 + level / 2, df) * se, np.nan)
+        p = np.where(enough, 2 * t_dist.sf(np.abs(mean / se), df), np.nan)
+    return PairedInterval(mean, mean - half, mean + half, p, n, (d > 0).sum(axis=axis))

@@ -1,10 +1,10 @@
 """The intervals of the best-of-n study: coverage of known differences, the largest drop on hand-made curves, and
-Gao et al.'s functional form (rewarduq_exp/downstream/paired_bootstrap.py)."""
+Gao et al.'s functional form (rewarduq_exp/downstream/statistics.py)."""
 
 import numpy as np
 import pytest
 
-from rewarduq_exp.downstream.paired_bootstrap import (
+from rewarduq_exp.downstream.statistics import (
     bootstrap_means,
     cell_difference_interval,
     gao_fit,
