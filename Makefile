@@ -58,7 +58,8 @@ $(VENV)/.installed-real: $(VENV)/.installed
 # otherwise. Recursive (=): asked only when demo-real runs.
 REAL_DTYPE = $(shell $(PY) -c "import torch; print('bfloat16' if torch.cuda.is_available() or \
 	torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported() else 'float32')")
-REAL = $(PY) train.py model=smollm2-135m progress=false model.dtype=$(REAL_DTYPE) model.keep_dtype_on_cpu=true
+REAL_SETTINGS = model=smollm2-135m progress=false model.dtype=$(REAL_DTYPE) model.keep_dtype_on_cpu=true
+REAL = $(PY) train.py $(REAL_SETTINGS)
 REAL_OUT := outputs/demo-real
 
 demo-real: $(VENV)/.installed-real
@@ -91,7 +92,7 @@ DS_SEED0 = $(shell grep -lx 'seed: 0' $(DS_HEADS)/*/.hydra/config.yaml 2>/dev/nu
 	| xargs -rn1 dirname | sed 's/.*/"&"/' | paste -sd, -)
 
 downstream-real: $(VENV)/.installed-real
-	$(REAL) -m method=ens_mlp,bay_lin seed=0,1,2 $(DS_PAIRS) dataset.n_train=256 dataset.n_eval=200 dataset.n_ood=200 \
+	$(PY) train.py -m $(REAL_SETTINGS) method=ens_mlp,bay_lin seed=0,1,2 $(DS_PAIRS) dataset.n_train=256 dataset.n_eval=200 dataset.n_ood=200 \
 		method.num_epochs=10 hydra.sweep.dir=$(DS_HEADS)
 	@$(MAKE) --no-print-directory $(DS_REAL)/best_of_n.done $(DS_REAL)/active_learning.done
 
