@@ -80,15 +80,19 @@ def _top_legend(fig: Figure, handles: list) -> None:
 
 
 def _plot_best_of_n_sweep(curves: pd.DataFrame, path: Path, k: float, axis: str) -> None:
-    splits = list(dict.fromkeys(curves.split))
+    # A row per split and world: runs of different worlds meet different candidates and oracles, so a curve is a mean
+    # over the runs (seeds) of one world only.
+    worlds = sorted(curves.world.unique()) if "world" in curves.columns else [None]
+    rows = [(split, world) for split in dict.fromkeys(curves.split) for world in worlds]
     methods = list(dict.fromkeys(curves.method))
     strengths = np.sort(curves[axis].unique())
     colors = _strength_colors(strengths)
-    fig = Figure(figsize=(4.6 * len(methods), 4.0 * len(splits)))
-    axes = fig.subplots(len(splits), len(methods), squeeze=False)
-    for row, split in zip(axes, splits):
+    fig = Figure(figsize=(4.6 * len(methods), 4.0 * len(rows)))
+    axes = fig.subplots(len(rows), len(methods), squeeze=False)
+    for row, (split, world) in zip(axes, rows):
         for ax, method in zip(row, methods):
-            part = curves[(curves.split == split) & (curves.method == method)]
+            part = curves[(curves.split == split) & (curves.method == method)
+                          & ((curves.world == world) if world is not None else True)]
             oracle = part[part.selection == "oracle"].groupby("kl").gold.mean()
             ax.plot(oracle.index, oracle.values, color="0.6", linewidth=1.0)
             for strength in strengths:
@@ -104,7 +108,7 @@ def _plot_best_of_n_sweep(curves: pd.DataFrame, path: Path, k: float, axis: str)
                     if selection == "mean":
                         ax.fill_between(mean.index, g.min(), g.max(), color=colors[strength], alpha=0.15,
                                         linewidth=0)
-            ax.set_title(f"{split}: {method}", fontsize=10)
+            ax.set_title(f"{split}: {method}" + (f", world {world}" if len(worlds) > 1 else ""), fontsize=10)
             ax.set_xlabel("KL(best-of-n) [nats]", fontsize=8)
             ax.set_ylabel("gold reward of the pick", fontsize=8)
             ax.grid(alpha=0.3)
@@ -116,7 +120,7 @@ def _plot_best_of_n_sweep(curves: pd.DataFrame, path: Path, k: float, axis: str)
                 Line2D([], [], color="k", linestyle=":", label=f"optimistic r + {k:g}u")]
     _top_legend(fig, handles)
     top = int(curves.n.max())
-    fig.suptitle(f"Best-of-n, n = 1..{top}: mean over runs (shaded: the runs' range, mean r)", fontsize=11)
+    fig.suptitle(f"Best-of-n, n = 1..{top}: mean over the runs of a world (shaded: their range, mean r)", fontsize=11)
     fig.subplots_adjust(left=0.07, right=0.99, bottom=0.55 / fig.get_figheight(), wspace=0.25, hspace=0.35)
     save_figure(fig, Path(path))
 
