@@ -19,11 +19,11 @@ candidates that exploit the shortcut beyond the range it was trained on. The sam
 the training labels add that many log-odds per extra occurrence of the filler (the most frequent word), and
 ``candidate_filler_share`` stuffs a heavy-tailed share of best-of-n candidates with it, a filler inserted after up to
 that share of their words: rare candidates, far beyond any training completion (in filler count and in length), that
-a proxy which learned the shortcut ranks first. Once either
-filler option is on, the true reward ignores the filler entirely: it is ``utility_scale`` times the mean utility of
-the *other* words, so adding fillers to a completion leaves its true reward exactly unchanged (the shortcut is neutral
-to the gold, neither rewarded nor punished), and a completion made only of fillers says nothing and has true reward
-0. With all four at their defaults the world is exactly the one without them (same draws, same rewards).
+a proxy which learned the shortcut ranks first. Once either filler option is on, the true reward ignores the filler
+entirely: it is ``utility_scale`` times the mean utility of the *other* words, so adding fillers to a completion leaves
+its true reward exactly unchanged (the shortcut is neutral to the gold, neither rewarded nor punished), and a
+completion made only of fillers says nothing and has true reward 0. With all four at their defaults the world is
+exactly the one without them (same draws, same rewards).
 """
 
 from __future__ import annotations

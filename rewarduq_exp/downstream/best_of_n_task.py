@@ -47,6 +47,7 @@ from rewarduq_exp.downstream.figures import (
     plot_uncertainty_use,
 )
 from rewarduq_exp.downstream.overoptimization import (
+    format_interval,
     overoptimization_lines,
     overoptimization_table,
     paired_statistics,
@@ -54,7 +55,7 @@ from rewarduq_exp.downstream.overoptimization import (
     world_settings,
 )
 from rewarduq_exp.downstream.shortcut import shortcut_bins, shortcut_table, spearman_or_nan
-from rewarduq_exp.downstream.statistics import mean_interval
+from rewarduq_exp.downstream.statistics import DRAWS, mean_interval
 from rewarduq_exp.downstream.uncertainty_use import knn_distance, use_curves
 from rewarduq_exp.downstream.world_runs import WorldRun, completed_world_runs, world_of
 from rewarduq_exp.methods.base import FeatureHeadMethod
@@ -222,7 +223,7 @@ def correlations(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 def selection_checks(summary: pd.DataFrame, split: str, per_prompt: dict | None = None,
-                     draws: int = 2000, seed: int = 0) -> list[str]:
+                     draws: int = DRAWS, seed: int = 0) -> list[str]:
     """:func:`selection_check` within each world: runs of different worlds meet different candidates and oracles,
     so their gold is not ranked together."""
     return [selection_check(part, split, f" world={world}" if summary.world.nunique() > 1 else "", per_prompt,
@@ -231,7 +232,7 @@ def selection_checks(summary: pd.DataFrame, split: str, per_prompt: dict | None 
 
 
 def selection_check(summary: pd.DataFrame, split: str, where: str = "", per_prompt: dict | None = None,
-                    draws: int = 2000, seed: int = 0) -> str:
+                    draws: int = DRAWS, seed: int = 0) -> str:
     """Which run the paper's selection rule (ECE <= 0.05, EBCE <= 0.01, then highest RS_0.2) picks on ``split``,
     and where it stands downstream (gold reward at n_max under mean selection) among the runs of ``summary``
     (one world's). With the runs' per-prompt picks: the picked run's gold at n_max minus the mean over these runs,
@@ -259,15 +260,11 @@ def selection_check(summary: pd.DataFrame, split: str, where: str = "", per_prom
 
 def summary_text(summary: pd.DataFrame, axis: str) -> str:
     """Per run: the level values, then each difference with its 95 % interval over the run's prompts."""
-    def ci(r, name: str) -> str:
-        return (f"{fmt_number(r[name], 2)} [{fmt_number(r[f'{name}_lo'], 2)}, {fmt_number(r[f'{name}_hi'], 2)}]"
-                if name in r and np.isfinite(r[name]) else "-")
-
     cols = ["gold_n1", "gold_best", "best_n", "gold_nmax", "oracle_nmax", DEFAULT_RANK, "ece"]
     intervals = ["largest_drop", "conservative_gain", "model_vs_mean", "knn_vs_mean", "filter_vs_mean"]
     rows = [[r.run, str(r.world), f"{r[axis]:g}", r.split,
              *(str(r[c]) if c.endswith("_n") else fmt_number(r[c], 3) for c in cols),
-             *(ci(r, c) for c in intervals)] for _, r in summary.iterrows()]
+             *(format_interval(r, c) for c in intervals)] for _, r in summary.iterrows()]
     return text_table(["run", "world", axis, "split", *cols, *intervals], rows)
 
 

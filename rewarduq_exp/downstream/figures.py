@@ -125,12 +125,12 @@ def _plot_best_of_n_sweep(curves: pd.DataFrame, path: Path, k: float, axis: str)
     save_figure(fig, Path(path))
 
 
-def _cell_offsets(table: pd.DataFrame, axis: str, groups: list) -> tuple[dict, float]:
+def _cell_offsets(table: pd.DataFrame, axis: str, groups: list) -> dict:
     """x offsets, so that the cells of one strength (a method or rule per world) stand side by side."""
     strengths = np.sort(table[axis].unique())
     step = np.diff(strengths).min() if len(strengths) > 1 else 1.0
     width = 0.7 * step / max(len(groups), 1)
-    return {g: (i - (len(groups) - 1) / 2) * width for i, g in enumerate(groups)}, step
+    return {g: (i - (len(groups) - 1) / 2) * width for i, g in enumerate(groups)}
 
 
 def plot_overoptimization(table: pd.DataFrame, axis: str, path: Path) -> None:
@@ -142,7 +142,7 @@ def plot_overoptimization(table: pd.DataFrame, axis: str, path: Path) -> None:
     worlds = sorted(table.world.unique())
     colors = _colors(methods)
     markers = dict(zip(worlds, "osD^vP*X"))
-    offsets, _ = _cell_offsets(table, axis, [(m, w) for m in methods for w in worlds])
+    offsets = _cell_offsets(table, axis, [(m, w) for m in methods for w in worlds])
     fig = Figure(figsize=(11.0, 4.2 * len(splits)))
     axes = fig.subplots(len(splits), 2, squeeze=False)
     for row, split in zip(axes, splits):
@@ -191,7 +191,7 @@ def plot_uncertainty_use(table: pd.DataFrame, axis: str, path: Path) -> None:
     worlds = sorted(table.world.unique())
     colors = _colors([c for c, _ in rules])
     markers = dict(zip(worlds, "osD^vP*X"))
-    offsets, _ = _cell_offsets(table, axis, [(c, w) for c, _ in rules for w in worlds])
+    offsets = _cell_offsets(table, axis, [(c, w) for c, _ in rules for w in worlds])
     fig = Figure(figsize=(4.8 * len(methods), 3.9 * len(splits)))
     axes = fig.subplots(len(splits), len(methods), squeeze=False)
     for row, split in zip(axes, splits):

@@ -121,7 +121,10 @@ def overoptimization_table(summary: pd.DataFrame, per_prompt: dict, axis: str, k
     return pd.DataFrame(rows)
 
 
-def _ci(row, name: str, digits: int = 2) -> str:
+def format_interval(row, name: str, digits: int = 2) -> str:
+    """``row[name] [row[name_lo], row[name_hi]]``; "-" where the row has no such value."""
+    if name not in row or not np.isfinite(row[name]):
+        return "-"
     return (f"{fmt_number(row[name], digits)} [{fmt_number(row[f'{name}_lo'], digits)}, "
             f"{fmt_number(row[f'{name}_hi'], digits)}]")
 
@@ -140,12 +143,13 @@ def overoptimization_lines(table: pd.DataFrame, axis: str) -> list[str]:
         where = (f" from n={row.drop_from_n} to n={row.drop_to_n}" if row.largest_drop > 0
                  else " (the mean curve never falls)")
         line = (f"{row.split} world={row.world} {row.method}{strength(row[axis])} ({row.runs} runs): largest drop "
-                f"{_ci(row, 'largest_drop')}{where}: {verdict}; r - k u gain {_ci(row, 'conservative_gain')}")
+                f"{format_interval(row, 'largest_drop')}{where}: {verdict}; r - k u gain "
+                f"{format_interval(row, 'conservative_gain')}")
         if "model_vs_mean" in row and np.isfinite(row.model_vs_mean):
-            line += f"; fair k (chosen {row.get('k_model', '')}): {_ci(row, 'model_vs_mean')}"
+            line += f"; fair k (chosen {row.get('k_model', '')}): {format_interval(row, 'model_vs_mean')}"
         for rival in ("knn", "filter"):
             if f"{rival}_vs_mean" in row and np.isfinite(row[f"{rival}_vs_mean"]):
-                line += f"; {rival} {_ci(row, f'{rival}_vs_mean')}"
+                line += f"; {rival} {format_interval(row, f'{rival}_vs_mean')}"
         lines.append(line)
     for key, part in table.groupby(["split", "method", axis], sort=True):
         lines.append(f"{key[0]} {key[1]}{strength(key[2])}: overoptimizes in {int(part.overoptimizes.sum())} of "
