@@ -15,18 +15,31 @@ Checked in Arrow, before any text becomes a Python object: that every text is va
 column and row instead of pandas' ``ArrowException``), and, when the run gives ``max_chars``, which rows are too
 long for ``max_length`` tokens: those are dropped there, so a huge row's text is never copied into Python strings,
 and they are reported by the length filter like any row it drops (``frame.attrs["dropped_too_long"]``).
+
+Refused in one line naming the file: a path that is not a regular file (a named pipe would block the reader, a folder
+or a device is no data file), and a JSON row nested deeper than :data:`MAX_ROW_DEPTH` levels, with the line where it
+happens (pyarrow's reader refuses a deeper row, and a JSON line nested thousands deep crashes it with a
+segmentation fault; Python's JSON parser, which ``datasets`` falls back to, stops at the interpreter's recursion
+limit). JSON lines are scanned for that before the reader, at little cost (a row with at most that many opening
+brackets is not looked at further); a file that is one JSON array, which the reader fails on without crashing, only
+after it failed, so a good file is read once.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import lzma
+import os
+import re
+import stat
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from rewarduq_exp.core.checks import check_positive
-from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.errors import UserError, first_line
 from rewarduq_exp.data.contract import content_chars, validate_preferences
 from rewarduq_exp.data.conversation import PairColumns, normalise_pairs, parse_transcript
 from rewarduq_exp.data.hub import check_utf8, file_builder, no_rows, reader_error, reader_errors_unlogged
@@ -36,6 +49,95 @@ log = logging.getLogger(__name__)
 TEXT = ("prompt", "chosen", "rejected")
 REQUIRED = ("chosen", "rejected")          # prompt may be implicit in chosen/rejected conversations
 OPTIONAL = ("prompt", "id", "weight", "subset")
+# The deepest JSON row the reader takes, the row object being level 1 (a row of messages is 3 deep): pyarrow refuses
+# a 64th level ("Recursion level in ArrowSchema struct exceeded"), and crashes (SIGSEGV) on rows 10^5 levels deep.
+MAX_ROW_DEPTH = 63
+
+
+def _file_kind(path: Path) -> str:
+    mode = os.stat(path).st_mode
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file"
+
+
+def _too_deep(path: Path, documents: bool) -> int | None:
+    """The line of a JSON data file (compressed or not) where a row first nests deeper than :data:`MAX_ROW_DEPTH`, or
+    None (also when the file cannot be read here). ``documents``: look into a file that is one JSON array too (it
+    starts with ``[``; its rows are a level deeper than the array); else only into JSON lines. See
+    :func:`first_too_deep`."""
+    from rewarduq_exp.data.hub import _split_suffixes
+    from rewarduq_exp.data.text_lines import open_text
+
+    f = open_text(path, _split_suffixes(str(path))[1], errors="replace")
+    if f is None:
+        return None
+    try:
+        with f:
+            first = f.readline()
+            document = first.lstrip().startswith("[")
+            if document and not documents:
+                return None
+            return first_too_deep(itertools.chain([first], f), MAX_ROW_DEPTH + document, rows_are_lines=not document)
+    except (OSError, EOFError, ValueError, lzma.LZMAError):
+        return None
+
+
+# A JSON string on one line (JSON has no raw newline in a string), in the unrolled form: 8x faster than (a|b)*.
+_STRINGS = re.compile(r'"[^"\\\n]*(?:\\.[^"\\\n]*)*"')
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+
+
+def _levels(text: str, depth: int) -> np.ndarray:
+    """The nesting level after each bracket of ``text`` outside its strings, starting from ``depth``."""
+    brackets = np.frombuffer(_NOT_BRACKETS.sub("", _STRINGS.sub("", text)).encode("ascii"), dtype=np.uint8)
+    return depth + np.cumsum(np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1))
+
+
+def first_too_deep(lines, max_depth: int, *, rows_are_lines: bool) -> int | None:
+    """The number (from 1) of the first of ``lines`` (a JSON text's lines, newlines kept or not) where the text nests
+    deeper than ``max_depth`` arrays/objects, the outermost being level 1; None if it never does.
+
+    ``rows_are_lines``: JSON lines, every line its own value (the depth starts again at each line, so a broken line
+    does not shift the next); otherwise one document. Brackets inside strings do not count. Not a parser and no
+    recursion: in JSON lines, a line with no more than ``max_depth`` opening brackets (every row of an ordinary file)
+    costs two ``str.count`` calls and any other line is measured without its strings, in numpy; a document is
+    measured so in blocks of lines (about 1 MB), line by line only in the block where it goes too deep."""
+    if rows_are_lines:
+        for number, line in enumerate(lines, 1):
+            if line.count("[") + line.count("{") > max_depth:
+                levels = _levels(line, 0)
+                if levels.size and levels.max() > max_depth:
+                    return number
+        return None
+    depth, done, block, size = 0, 0, [], 0
+    for line in itertools.chain(lines, [None]):
+        if line is not None:
+            block.append(line)
+            size += len(line)
+            if size < 1 << 20:
+                continue
+        levels = _levels("\n".join(block), depth)
+        if levels.size and levels.max() > max_depth:
+            for number, part in enumerate(block, done + 1):
+                levels = _levels(part, depth)
+                if levels.size and levels.max() > max_depth:
+                    return number
+                depth = int(levels[-1]) if levels.size else depth
+        depth = int(levels[-1]) if levels.size else depth
+        done, block, size = done + len(block), [], 0
+    return None
+
+
+def _check_depth(path: Path, key: str, documents: bool) -> None:
+    line = _too_deep(path, documents)
+    if line is not None:
+        raise UserError(f"{key}={path} line {line}: nested deeper than {MAX_ROW_DEPTH} levels, more than the JSON "
+                        "reader takes; a row holds texts or lists of {role, content} messages (3 levels)")
 
 
 def _text_if_scalar(value):
@@ -110,16 +212,26 @@ class LocalPreferenceFile:
         path = Path(path)
         if not path.exists():
             raise UserError(f"{key}={path}: file not found")
+        if not path.is_file():  # stat only: a named pipe must not be opened (it blocks until a writer comes)
+            raise UserError(f"{key}={path}: not a regular file ({_file_kind(path)}); give a data file")
         fmt = file_builder(str(path), what=f"{key}={path}")
         problem = no_rows(str(path))
         if problem:
             raise UserError(f"{key}={path}: file {problem}")
+        if fmt == "json":   # JSON lines nested too deep crash pyarrow's reader (SIGSEGV): checked before it reads
+            _check_depth(path, key, documents=False)
         source = f"dataset '{self.name}' ({path})"
         try:
             with reader_errors_unlogged():
                 dataset = datasets.load_dataset(fmt, data_files=str(path), split="train")
         except Exception as err:  # malformed file: report it as the user's input, in one line
-            raise UserError(f"{source}: could not be read as {fmt} ({reader_error(err, path)})") from None
+            if fmt == "json":  # a JSON array: its reader fails on deep rows, without crashing
+                _check_depth(path, key, documents=True)
+            try:
+                why = reader_error(err, path)
+            except RecursionError:  # locating the error parses the file again, recursively
+                why = f"{type(err).__name__}: {first_line(err, None)}"
+            raise UserError(f"{source}: could not be read as {fmt} ({why})") from None
         if len(dataset) == 0:
             raise UserError(f"{key}={path}: file has no rows")
         check_utf8(dataset, f"{key}={path}", path)

@@ -4,6 +4,9 @@
   ``method=``/``model=``/``dataset=`` gets one line naming the allowed values instead of Hydra's multi-line report.
 * ``run_name`` names a multirun job folder after its overrides plus a short hash (stable across launches, so a
   relaunched sweep finds its finished runs); ``unique_run_dir`` creates a single run's folder, exclusively.
+* An output folder that cannot be made or written (a name over the filesystem's 255 bytes, ``/proc/x``, a file in
+  the way, no permission) is one line before Hydra tries: given on the command line (:func:`output_folder_problem`),
+  resolved by Hydra (:class:`CheckOutputFolder`) or made for a single run (:func:`unique_run_dir`).
 * ``guarded`` turns a :class:`UserError` into ``error: <message>`` and exit status 2 (single runs); inside a sweep
   the failure is recorded in the run folder and the sweep goes on.
 """
@@ -63,6 +66,10 @@ def unique_run_dir(base: str, *, _root_=None) -> str:
         except Exception:  # noqa: BLE001 (an incomplete config: the run fails validation in its folder next)
             pass
     parent = Path(stem).parent
+    problem = writable_folder_problem(stem)   # before anything looks into the parent: a name too long, a file
+    if problem:
+        fail(f"cannot create the run folder {shown_path(stem)}: {problem}; paths.output_root must be a folder you can "
+             "write (set paths.output_root=<folder> or hydra.run.dir=<folder>)")
     if chash is not None and not OmegaConf.select(_root_, "force", default=False):
         if (resumable := interrupted_run_with_checkpoint(parent, chash)) is not None:
             return str(resumable)
@@ -102,18 +109,59 @@ def interrupted_run_with_checkpoint(parent: Path, chash: str) -> Path | None:
     return folder
 
 
+def shown_path(path: str | os.PathLike, longest: int = 80) -> str:
+    """``path`` for a one-line message: a name longer than ``longest`` characters cut, with its length."""
+    parts = [part if len(part) <= longest else f"{part[:24]}...({len(part)} characters)" for part in Path(path).parts]
+    return str(Path(*parts)) if parts else str(path)
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long (ENAMETOOLONG), a loop of links: nothing there to use
+        return False
+
+
 def writable_folder_problem(path: str | os.PathLike) -> str | None:
-    """Why ``path`` cannot be created or written (its nearest existing ancestor is a file, or not writable), else
-    None. Nothing is created."""
+    """Why ``path`` cannot be created or written as a folder, else None: a name in it longer than its filesystem
+    allows (NAME_MAX, 255 bytes on most), the whole path longer than PATH_MAX, its nearest existing ancestor a file
+    or not writable, or a folder the filesystem will not make there (``/proc/x``; found by making the missing
+    folders and removing them again). Nothing is left behind."""
     path = Path(path).absolute()
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    existing = next((p for p in (path, *path.parents) if _exists(p)), None)
     if existing is None:
         return None
+    try:
+        name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    too_long = next((part for part in path.parts if len(os.fsencode(part)) > name_max), None)
+    if too_long is not None:
+        return (f"the name {shown_path(too_long)} is {len(os.fsencode(too_long))} bytes long, more than the "
+                f"{name_max} a file name may have")
+    if len(os.fsencode(str(path))) >= path_max:
+        return f"the path is {len(os.fsencode(str(path)))} bytes long, more than the {path_max - 1} a path may have"
     if not existing.is_dir():
-        return f"{existing} is a file, not a folder"
+        return f"{shown_path(existing)} is a file, not a folder"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
-    return None
+        return f"{shown_path(existing)} is not writable"
+    if existing == path:
+        return None
+    missing = [p for p in (path, *path.parents) if p != existing and existing in p.parents]
+    try:
+        path.mkdir(parents=True)
+        problem = None
+    except FileExistsError:  # made by someone else meanwhile: usable, and not ours to remove
+        return None
+    except OSError as err:
+        problem = f"{shown_path(path)} cannot be created ({err.strerror or type(err).__name__})"
+    for folder in missing:  # deepest first: the empty folders this call made
+        if _exists(folder):
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+    return problem
 
 
 class CheckOutputFolder(Callback):
@@ -133,8 +181,8 @@ class CheckOutputFolder(Callback):
     def _check(folder, key: str) -> None:
         problem = writable_folder_problem(str(folder))
         if problem:
-            fail(f"cannot write the run folder {folder} ({key}): {problem}; set paths.output_root=<a folder you can "
-                 f"write> (or {key}=...)")
+            fail(f"cannot write the run folder {shown_path(folder)} ({key}): {problem}; set paths.output_root=<a "
+                 f"folder you can write> (or {key}=...)")
 
 
 def run_identity(name: str):
@@ -159,6 +207,27 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("run_identity", run_identity)
 
 
+INTERVAL = ("interval(...) is sampled by optimising sweepers, it is not a grid; the basic sweeper runs lists (a,b), "
+            "choice(...), range(...) and glob(...)")
+
+
+def sweep_strings(override, conf_dir: Path = CONF_DIR) -> list[str]:
+    """The values of a config group's sweep override as the strings Hydra's sweeper puts after ``key=``;
+    ``glob(...)`` over the group's options in ``conf_dir`` (Hydra's own expansion needs its config loader). A
+    :class:`UserError` for an ``interval(...)`` and for a glob that matches no option."""
+    from hydra.core.override_parser.types import Glob
+
+    value = override.value()
+    if not override.is_discrete_sweep():
+        raise UserError(f"{override.input_line} is invalid: {INTERVAL}")
+    if isinstance(value, Glob):
+        options = available(override.key_or_group, conf_dir)
+        if not (chosen := value.filter(options)):
+            raise UserError(f"{override.input_line} matches no {override.key_or_group}; allowed: {', '.join(options)}")
+        return chosen
+    return list(override.sweep_string_iterator())
+
+
 def _choices(arg: str, groups=GROUPS) -> tuple[str, list[str]] | None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -169,7 +238,7 @@ def _choices(arg: str, groups=GROUPS) -> tuple[str, list[str]] | None:
     if override.is_delete() or override.key_or_group not in groups or override.package:
         return None
     if override.is_sweep_override():
-        return override.key_or_group, list(override.sweep_string_iterator())
+        return override.key_or_group, sweep_strings(override)
     value = override.value()
     return (override.key_or_group, [str(value)]) if isinstance(value, str) else None
 
@@ -192,7 +261,10 @@ def check_group_choices(args: list[str], conf_dir: Path = CONF_DIR, groups=GROUP
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
-        parsed = _choices(arg, groups)
+        try:
+            parsed = _choices(arg, groups)
+        except UserError as err:
+            fail(str(err))
         if parsed is None:
             continue
         group, values = parsed
@@ -205,10 +277,40 @@ def check_group_choices(args: list[str], conf_dir: Path = CONF_DIR, groups=GROUP
 def check_setting_keys(args: list[str], config_name: str, conf_dir: Path = CONF_DIR) -> None:
     """Exit with one line (status 2) if a ``key=value`` override names a setting the config does not have, gives a
     setting a value of the wrong kind (:func:`bad_setting_value`) or cannot be merged into the config."""
-    problem = (malformed_override(args) or unknown_setting(args, config_name, conf_dir)
-               or bad_setting_value(args, config_name, conf_dir) or merge_problem(args, config_name, conf_dir))
+    try:
+        problem = (malformed_override(args) or unknown_setting(args, config_name, conf_dir)
+                   or bad_setting_value(args, config_name, conf_dir) or merge_problem(args, config_name, conf_dir)
+                   or output_folder_problem(args))
+    except UserError as err:  # a group's sweep that gives no value (sweep_strings)
+        problem = str(err)
     if problem:
         fail(problem)
+
+
+def output_folder_problem(args: list[str]) -> str | None:
+    """The one-line message when the output folder given on the command line cannot be made or written
+    (:func:`writable_folder_problem`): ``hydra.sweep.dir`` of a multirun (``-m``), ``hydra.run.dir`` of a single
+    run, else ``paths.output_root``. Hydra's own attempt ends in a traceback. A value that interpolates (``${...}``)
+    is checked once resolved (:class:`CheckOutputFolder`, :func:`unique_run_dir`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    given = {}
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception:  # noqa: BLE001 (malformed_override reports it)
+            continue
+        value = None if override.is_sweep_override() or override.is_delete() else override.value()
+        if isinstance(value, str) and value and "${" not in value:
+            given[override.key_or_group] = value
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    key = next((k for k in ("hydra.sweep.dir" if multirun else "hydra.run.dir", "paths.output_root") if k in given),
+               None)
+    problem = writable_folder_problem(given[key]) if key else None
+    return f"{key}={shown_path(given[key])} cannot be used: {problem}" if problem else None
 
 
 def _overrides(args: list[str], conf_dir: Path):
@@ -231,7 +333,7 @@ def _overrides(args: list[str], conf_dir: Path):
         if override.package or name == "hydra" or name.startswith(("hydra.", "hydra/")):
             continue
         if "/" in name or (conf_dir / name).is_dir():  # a config group choice
-            values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+            values = sweep_strings(override, conf_dir) if override.is_sweep_override() else [override.value()]
             choices[name] = [str(v) for v in values if isinstance(v, str)]
         elif not (override.is_add() or override.is_force_add() or override.is_delete()):
             settings.append((name, override, arg.split("=", 1)[1]))
@@ -294,11 +396,18 @@ def bad_setting_value(args: list[str], config_name: str, conf_dir: Path = CONF_D
 
     Checked against the config's own default before Hydra starts, so no run folder is made for a run that cannot
     start; every value of a sweep (``seed=1,2,abc``) is checked."""
+    from hydra.core.override_parser.types import Glob
+
     from rewarduq_exp.core.checks import check_like_default
 
     choices, settings = _overrides(args, conf_dir)
     for key, override, text in settings:
         sweep = override.is_sweep_override()
+        if isinstance(override.value(), Glob):
+            return (f"{key}={text} is invalid: glob(...) picks among the options of a config group, and {key} is a "
+                    "setting; give a list (a,b), choice(...) or range(...)")
+        if sweep and not override.is_discrete_sweep():
+            return f"{key}={text} is invalid: {INTERVAL}"
         values = list(override.sweep_iterator()) if sweep else [override.value()]
         for _, cfg in _configs_of(key, choices, config_name, conf_dir):
             default = _default(cfg, key)

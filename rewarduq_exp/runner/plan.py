@@ -460,26 +460,39 @@ def format_plan(plan: Plan) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- commands
-def sweep_points(cfg: DictConfig, overrides: list[str]) -> list[list[str]]:
-    """The command-line overrides of every point of a sweep (the cartesian product of comma lists on the command
-    line and of ``hydra.sweeper.params``); one point for a single run."""
+def sweep_points(cfg: DictConfig, overrides: list[str], config_loader=None) -> list[list[str]]:
+    """The overrides of every point of a sweep, as Hydra's basic sweeper makes them: the ``hydra.sweeper.params`` of
+    the config (a sweep config's grid), then the command line's ``overrides``, each ``key=value`` parsed by Hydra's
+    override parser, so every form of its grammar enumerates as in the real sweep (``a,b,c``, ``choice(a,b)``,
+    ``range(0,3)``, ``glob(ens_*)`` over a group's options with ``config_loader``; a quoted ``'a,b'`` is one value).
+    A key given on the command line replaces the config's values for it. The cartesian product of all; one point for
+    a single run. An ``interval(...)`` sweep is one line: only sampling sweepers (Optuna, ...) can run it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parser = OverridesParser.create()
-    params = OmegaConf.select(cfg, "hydra.sweeper.params", default=None) or {}
-    items = [(k, str(v)) for k, v in OmegaConf.to_container(params).items()] if params else []
-    given = []
-    for arg in overrides:
-        parsed = parser.parse_override(arg)
-        if parsed.is_sweep_override():
-            items.append((parsed.get_key_element(), None))
-            given.append((parsed.get_key_element(), list(parsed.sweep_string_iterator())))
+    from rewarduq_exp.core.errors import first_line
+
+    parser = OverridesParser.create(config_loader=config_loader)
+    params = OmegaConf.select(cfg, "hydra.sweeper.params", default=None)
+    params = OmegaConf.to_container(params) if params else {}
+    texts = [(f"{k}={v}", f"hydra.sweeper.params: {k}: {v}") for k, v in params.items()]
+    choices: dict[str, list[str]] = {}
+    for text, shown in [*texts, *((arg, arg) for arg in overrides)]:
+        try:
+            parsed = parser.parse_override(text)
+        except Exception as err:  # noqa: BLE001 (Hydra's parse errors have no common public type)
+            raise UserError(f"{shown} is not a valid override ({first_line(err)}); see "
+                            "https://hydra.cc/docs/advanced/override_grammar/extended/") from None
+        parsed.config_loader = config_loader   # glob(...) lists a group's options through it
+        key = parsed.get_key_element()
+        if not parsed.is_sweep_override():
+            choices[key] = [parsed.get_value_element_as_str()]
+        elif parsed.is_discrete_sweep():
+            choices[key] = list(parsed.sweep_string_iterator())
+            if not choices[key]:
+                raise UserError(f"{shown} gives no value to run (an empty range, or a glob that matches no option)")
         else:
-            given.append((parsed.get_key_element(), [arg.split("=", 1)[1]]))
-    choices = dict(given)
-    for key, value in items:
-        if key not in choices and value is not None:
-            choices[key] = [s.strip() for s in value.split(",")]
+            raise UserError(f"{shown}: an interval is not a grid; the basic sweeper runs lists, choice(...), "
+                            "range(...) and glob(...)")
     keys = list(choices)
     return [[f"{k}={v}" for k, v in zip(keys, combo)] for combo in itertools.product(*(choices[k] for k in keys))]
 
@@ -510,7 +523,7 @@ def compose_points(args: list[str], config_name: str = "train") -> list[tuple[li
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             first = compose(config_name, overrides=fixed, return_hydra_config=True)
             task_args = [a for a in args if not a.split("=", 1)[0].lstrip("+~").startswith("hydra")]
-            for point in sweep_points(first, task_args):
+            for point in sweep_points(first, task_args, GlobalHydra.instance().config_loader()):
                 points.append((point, compose(config_name, overrides=[*fixed, *point])))
     finally:
         GlobalHydra.instance().clear()
