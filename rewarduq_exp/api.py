@@ -132,7 +132,7 @@ class RewardModel:
         a list of ``{"type": "text", "text": ...}`` parts (OpenAI style)."""
         s = self._scores(prompts, completions)
         return pd.DataFrame({"reward": s.reward, "lower": s.lower, "upper": s.upper,
-                             "uncertainty": (s.upper - s.reward) / self.beta})
+                             "uncertainty": (s.upper - s.reward) / check_positive(self.beta, "method.beta")})
 
     def score_pairs(self, prompts, chosen, rejected) -> pd.DataFrame:
         """P(chosen > rejected) = sigmoid(r_c - r_r) per pair, with the interval the bounds give:

@@ -83,7 +83,7 @@ class McdDpo(RewardMethod):
             raise UserError(f"method.dropout={dropout} is invalid: must be in [0, 1)")
         check_positive(num_samples, "method.num_samples", integer=True, minimum=2, inclusive=True)
         check_positive(dpo_beta, "method.dpo_beta")
-        check_positive(beta, "method.beta", inclusive=True)
+        check_positive(beta, "method.beta")   # bounds r +- beta u: beta 0 leaves no interval and no u
         micro_batch_size = check_setting(micro_batch_size, "method.micro_batch_size")
         score_batch_size = check_setting(score_batch_size, "method.score_batch_size")
         self.score_batch_tokens = check_setting(score_batch_tokens, "method.score_batch_tokens")
