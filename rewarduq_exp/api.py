@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import numbers
 import os
+import shutil
+import tempfile
+import weakref
 
 import numpy as np
 import pandas as pd
@@ -61,7 +64,66 @@ def _messages(values, role: str, what: str) -> list[list[dict]]:
         got = "None" if values is None else f"a single {type(values).__name__}"
         raise UserError(f"{what} must be a list with one entry per text (strings or lists of chat messages), "
                         f"got {got}")
-    return [as_messages(v, role, source="score", column=what) for v in values]
+    out = [as_messages(v, role, source="score", column=what) for v in values]
+    for i, messages in enumerate(out):
+        for message in messages:
+            _check_text(message["content"], f"{what}[{i}]")
+    return out
+
+
+def _check_text(text: str, where: str) -> None:
+    """Text the tokenizer can take: valid Unicode, i.e. encodable as UTF-8. A lone surrogate ('\\ud800', from a JSON
+    escape or bytes decoded with errors='surrogateescape') is not: one line naming the text, not a tokenizer's
+    traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UserError(f"{where} holds {text[err.start]!r} at character {err.start}, a lone surrogate, which is not "
+                        "text: prompts and completions must be valid Unicode (encodable as UTF-8); replace it, e.g. "
+                        "text.encode('utf-8', 'replace').decode()") from None
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _path_argument(name: str, value, what: str, optional: bool = False) -> str | None:
+    """``value`` as a file-system path (a str), or a one-line :class:`UserError` naming the argument ``name`` and
+    what is allowed: a str or an os.PathLike (pathlib.Path), ``None`` too when ``optional``."""
+    if value is None and optional:
+        return None
+    allowed = f"{what} as a str or an os.PathLike (e.g. pathlib.Path){', or None' if optional else ''}"
+    if not isinstance(value, (str, os.PathLike)):
+        hint = " (decode it first: os.fsdecode(...))" if isinstance(value, (bytes, bytearray)) else ""
+        raise UserError(f"{name}={_shown(value)} is invalid: must be {allowed}, got {type(value).__name__}{hint}")
+    text = os.fspath(value)
+    if not isinstance(text, str):
+        raise UserError(f"{name}={_shown(value)} is invalid: must be {allowed}; its os.fspath() is "
+                        f"{type(text).__name__} (decode it first: os.fsdecode(...))")
+    if not text:
+        raise UserError(f"{name}='' is invalid: must be {allowed}, not empty")
+    if "\0" in text:
+        raise UserError(f"{name}={_shown(text)} is invalid: a path cannot hold a NUL character")
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError as err:
+        raise UserError(f"{name}={_shown(text)} is invalid: {text[err.start]!r} at character {err.start} cannot be "
+                        "part of a file name on this system") from None
+    return text
+
+
+def _cache_folder(cache_dir) -> tuple[str, str | None]:
+    """(the folder models are built or downloaded into, the temporary folder to remove afterwards or None): see
+    :func:`load_run`'s ``cache_dir``."""
+    path = _path_argument("cache_dir", cache_dir, "a folder", optional=True)
+    if path is None:
+        temporary = tempfile.mkdtemp(prefix="rewarduq-load-run-")
+        return temporary, temporary
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"cache_dir={path} is not a folder: pass a folder to keep downloaded or built models in "
+                        "(created when missing), or leave cache_dir out (a temporary folder, removed afterwards)")
+    return path, None
 
 
 def fit_to_length(tokenizer, prompts: list, completions: list, max_length: int, truncate: bool) -> list:
@@ -227,21 +289,39 @@ def load_run(path: str | os.PathLike, *, device: str = "auto", dtype: str | None
     * ``max_length``: the longest conversation in tokens (default: the run's ``max_length``). A longer one is an
       error, unless ``truncation=True``: then its completion is cut to fit (an RL policy's runaway sample must not
       abort the training step).
-    * ``cache_dir`` (default: the run's ``paths.cache_dir``) holds downloaded or built models. Features of scored
-      texts are kept in memory, at most ``feature_memory_mb`` (least recently used rows leave first), never on disk.
+    * ``cache_dir``: the folder that keeps models this package builds or converts (the tiny test model, a GGUF file
+      dequantised), created when missing. Without it nothing is kept: they go into a temporary folder, removed when
+      the model's backbone is no longer used (at the latest when Python exits). Never the run's own
+      ``paths.cache_dir``: a run folder names a path of another machine or user, and reading a run writes nothing
+      there (``evaluate.py`` likewise uses its own ``paths.cache_dir``). Hub models are downloaded into the
+      Hugging Face cache (``HF_HOME``), as by ``from_pretrained``. Features of scored texts are kept in memory, at most
+      ``feature_memory_mb`` (least recently used rows leave first), never on disk.
+    * A wrong argument (``path`` not a str or os.PathLike, ``cache_dir`` a file, ...) is one :class:`UserError` line
+      naming it and what is allowed.
     * ``trust_remote_code``: a run whose model config says ``trust_remote_code: true`` is refused (one line) unless
       this is True: its backbone checkpoint would run code of its own, and a run folder is a file anyone can edit.
       The run folder itself never runs code: its method and dataset come from this package's registries.
     """
+    path = _path_argument("path", path, "a run folder")
+    backbone_path = _path_argument("backbone_path", backbone_path, "a checkpoint folder", optional=True)
     if not isinstance(truncation, bool):
         raise UserError(f"truncation={truncation!r} is invalid: must be True or False")
     if max_length is not None:
         check_positive(max_length, "max_length", integer=True)
     check_positive(feature_memory_mb, "feature_memory_mb", inclusive=True)
-    run = load_trained_method(path, device=device, cache_dir=cache_dir, progress=progress, max_length=max_length,
-                              dtype=dtype, batch_size=batch_size, backbone_path=backbone_path,
-                              feature_store=MemoryFeatures(int(feature_memory_mb * 2**20)),
-                              trust_remote_code=trust_remote_code)
+    cache_dir, temporary = _cache_folder(cache_dir)
+    try:
+        run = load_trained_method(path, device=device, cache_dir=cache_dir, progress=progress,
+                                  max_length=max_length, dtype=dtype, batch_size=batch_size,
+                                  backbone_path=backbone_path,
+                                  feature_store=MemoryFeatures(int(feature_memory_mb * 2**20)),
+                                  trust_remote_code=trust_remote_code)
+    except BaseException:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    if temporary is not None:  # the backbone reads its files lazily: removed once nothing uses it (or at exit)
+        weakref.finalize(run.backbone, shutil.rmtree, temporary, True)
     limit = int(max_length or run.config.max_length)
     return RewardModel(run.method, run.folder.root, run.config, tokenizer=run.backbone.tokenizer, max_length=limit,
                        truncation=truncation)

@@ -23,6 +23,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from rewarduq_exp.core.atomic_write import atomic_path
+from rewarduq_exp.core.inside_folder import make_folders
 from rewarduq_exp.metrics.calibration import CalibrationCurve, calibration_curves
 
 PRED_FILE = "calibration_pred.png"
@@ -65,7 +66,8 @@ def draw_reliability(
 
 
 def save_figure(fig: Figure, path: Path) -> None:
-    """Save ``fig`` atomically; the format (png, pdf, ...) follows the file suffix."""
+    """Save ``fig`` atomically; the format (png, pdf, ...) follows the file suffix. Inside a run, evaluation or
+    downstream folder the write is checked when it happens (never through a link; see core/atomic_write.py)."""
     # Readers (e.g. a dashboard polling the run dir) never see a half-written PNG.
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         fig.savefig(fh, format=path.suffix.lstrip(".") or "png", dpi=_DPI)
@@ -97,8 +99,7 @@ def plot_calibration_diagrams(
     ece = reported.get("ece", curves["pred"].ece())
     elce = reported.get("elce", curves["lower"].lower_error())
     euce = reported.get("euce", curves["upper"].upper_error())
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = make_folders(out_dir)  # inside a run folder: never through a link (core/inside_folder.py)
     paths = [out_dir / PRED_FILE, out_dir / BOUNDS_FILE]
 
     fig = _fixed_layout_figure((5.6, 4.8), title)
