@@ -2,8 +2,10 @@
 overoptimization", best-of-n part): does the proxy's pick get better or worse in gold reward as n grows, and does
 ranking by a conservative reward ``r - k u`` keep it from getting worse?
 
-For each prompt, ``n_max`` candidates are drawn once from the synthetic world's generator and scored once; the gold
-reward of "sample n, keep the proxy's best" is then computed for every n <= n_max at once with the unbiased
+For each prompt, ``n_max`` candidates are drawn once from the run's world and scored once: from the synthetic world's
+generator (gold: its true reward), or, for a run trained on VADER (``dataset=vader_pairs``, BoRP's
+``vader_ratings``), real held-out sentences (gold: the crowd's mean rating; :mod:`~rewarduq_exp.downstream.vader_gold`).
+The gold reward of "sample n, keep the proxy's best" is then computed for every n <= n_max at once with the unbiased
 estimator of Nakano et al. (2021, WebGPT appendix; the one Gao et al. use): with the candidates sorted by proxy
 score, the i-th smallest (1-based) is the best of a uniformly random n-subset with probability
 C(i-1, n-1) / C(n_max, n). One matrix product per selection rule, instead of drawing and scoring fresh candidates

@@ -2,15 +2,21 @@
 gold falls after its peak per shortcut strength, whether u rises on the candidates that exploit the shortcut, and
 whether the paper's selection statistics (RS_0.2, ECE, EBCE) predict who loses least downstream.
 
-Per run and split, ``task.prompts`` x ``task.n_max`` candidates are drawn from the run's own synthetic world and
-scored in one batched call; the features go through the disk feature cache, so runs of a sweep that share a backbone
-and probe (ENS-MLP, BAY-LIN) extract them once. Outputs in the task folder: ``curves.csv`` (gold vs n and KL for
-every run, split, selection rule and k, with the run's world settings and seed), ``summary.csv``
-(:func:`curve_summary` per run and split, the same settings and the run's own metrics), ``overoptimization.csv``
-(per method and strength: the fall after the peak against the seed spread), ``shortcut.csv`` and
-``shortcut_bins.csv`` (u and r against the candidates' shortcut features), ``correlation.csv`` (Spearman across runs
-of the downstream scalars with the runs' own eval metrics, with p-values), and the figures ``best_of_n.png``,
-``overoptimization.png``, ``shortcut.png``, ``selection_vs_loss.png``.
+Runs trained on the synthetic world (``dataset=synthetic``) or on VADER (``dataset=vader_pairs``, BoRP's
+``vader_ratings``) are accepted (:func:`~rewarduq_exp.downstream.world_runs.world_of`). Per run and split,
+``task.prompts`` x ``task.n_max`` candidates are drawn from the run's own world (synthetic: its generator, with
+its shortcut features; VADER: held-out sentences, the held-out splits eval and ood only, with their length in words
+as the feature) and scored in one batched call; the features go through the disk feature cache, so runs of a sweep
+that share a backbone and probe (ENS-MLP, BAY-LIN) extract them once.
+
+Outputs in the task folder: ``curves.csv`` (gold vs n and KL for every run, split, selection rule and k, with the
+run's world settings and seed), ``summary.csv`` (:func:`curve_summary` per run and split, the same settings and the
+run's own metrics), ``overoptimization.csv`` (per method and strength: the fall after the peak against the seed
+spread), ``shortcut.csv`` and ``shortcut_bins.csv`` (u and r against the candidates' features), ``correlation.csv``
+(Spearman across runs of the downstream scalars with the runs' own eval metrics, with p-values),
+``per_prompt.csv.gz`` (the per-prompt picks every interval was computed from), and the figures ``best_of_n.png``,
+``uncertainty_use.png``, ``shortcut.png``, ``overoptimization.png`` (when the runs span two strengths or more) and
+``selection_vs_loss.png`` / ``selection_vs_gold.png`` (when a correlation across runs is defined).
 """
 
 from __future__ import annotations

@@ -83,7 +83,9 @@ ANCHORS = ("l2", "mean_squared")
 
 
 def _mixed_flag(value, key: str, auto: bool) -> bool:
-    """``auto`` (the default) resolves to ``auto``: see ``EnsLoRA.__init__``."""
+    """A ``mixed_adapter_*`` setting as a bool: true/false as given, ``auto`` (the default) as the caller's ``auto``
+    (``EnsLoRA.__init__`` passes True for both settings: all members in one batched forward; in training ``auto``
+    may still fall back to one member per pass, see ``_training_batches``)."""
     if value == "auto":
         return auto
     if isinstance(value, bool):

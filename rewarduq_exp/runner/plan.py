@@ -13,9 +13,11 @@ scoring, and a time estimate at ``plan.tflops``. Parameter counts come from the 
   the body is counted in training too; with every feature in the cache (``plan.features_cached=true``) it is never
   loaded. The feature cache on disk: 2 x (train + eval pairs) rows x d x the backbone dtype's bytes.
 * ENS-LoRA: one frozen body + K adapters (LoRA on every Linear, float32) with gradients, AdamW states and the
-  anchor's initial copy, + K linear heads; activations of the training forward: all K members in one mixed batch
-  of K x 2 x batch_size rows (GPU default), or 2 x batch_size rows per member (CPU default, and always with
-  gradient checkpointing, which keeps each layer's input and recomputes one layer at a time).
+  anchor's initial copy, + K linear heads; activations of the training forward for a micro-batch of m pairs: K x 2
+  x m rows when all members run in one batched forward (``mixed_adapter_training=auto``, the default on every
+  device, or true), 2 x m rows when each member runs its own pass (false, or auto where K members of one pair do
+  not fit the device even checkpointed). m and activation checkpointing (which keeps each layer's input and
+  recomputes one layer at a time) are what the method's ``auto`` picks on the device's memory, or as set.
 * MCD-DPO: the causal LM in float32 (bf16 autocast on a bf16 backbone), its gradients and two AdamW states (the
   reference log-probs are pre-computed with the policy itself: no reference copy while training), activations of
   ``micro_batch_size`` pairs (2 x rows), and the completion log-probs (GPU: one checkpointed chunk of
