@@ -15,6 +15,7 @@ header implies), cheap enough to run over every run of a sweep before it is coun
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import struct
@@ -22,9 +23,11 @@ from pathlib import Path
 
 from rewarduq_exp.core.errors import UserError
 
-# A safetensors file starts with the header's length (8 bytes, little-endian), then the JSON header. Headers beyond
-# this are not safetensors files (the format itself caps them at 100 MB).
-_MAX_HEADER = 100 * 2**20
+# A safetensors file starts with the header's length (8 bytes, little-endian), then the JSON header. The format caps
+# headers at 100 MB; the largest this project writes (a training checkpoint of a 32B policy: ~2 000 tensors) is under
+# 1 MB, and parsing 100 MB of JSON would cost a gigabyte, so headers beyond 16 MiB are refused unread.
+MAX_SAFETENSORS_HEADER = 16 * 2**20
+_MAX_HEADER = MAX_SAFETENSORS_HEADER
 # Bounds of the JSON files of a run folder (method.json, metrics.json, status.json, adapter configs). The largest the
 # project writes are a few KB (a metrics.json with RewardBench's categories: 6 KB, nested 3 deep; a status.json with
 # a traceback: 3 KB); a run evaluated on a hundred datasets stays under 1 MB. Beyond these bounds a file was not
@@ -119,26 +122,46 @@ def safetensors_problem(path: str | os.PathLike) -> str | None:
             if len(head) < 8:
                 return f"{path} is truncated ({size} bytes, not a safetensors file)"
             (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER or 8 + n > size:
+            if n > _MAX_HEADER:
+                return (f"{path} is refused: its header declares {n} bytes, more than the {_MAX_HEADER} a "
+                        "safetensors file of a run may have (not read)")
+            if 8 + n > size:
                 return f"{path} is truncated or not a safetensors file (header of {n} bytes in a {size}-byte file)"
             header = json.loads(fh.read(n).decode("utf-8"))
     except FileNotFoundError:
         return f"{path} is missing"
     except OSError as err:
         return f"{path} cannot be read ({err.strerror or type(err).__name__})"
-    except ValueError:  # bad UTF-8 or JSON in the header
+    except (ValueError, RecursionError):  # bad UTF-8 or JSON in the header, or JSON nested beyond the parser
         return f"{path} is corrupt (its header is not valid JSON)"
     if not isinstance(header, dict):
         return f"{path} is corrupt (its header is not a JSON object)"
-    end = 0
+    from rewarduq_exp.core.payload_bounds import SAFETENSORS_DTYPES, human_bytes
+
+    ranges = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
                 and 0 <= offsets[0] <= offsets[1]):
             return f"{path} is corrupt (tensor {name!r} has no valid data_offsets)"
-        end = max(end, offsets[1])
+        shape, dtype = entry.get("shape"), entry.get("dtype")
+        if dtype not in SAFETENSORS_DTYPES or not (isinstance(shape, list) and len(shape) <= 64
+                                                   and all(type(d) is int and d >= 0 for d in shape)):
+            return f"{path} is corrupt (tensor {name!r} has no valid dtype and shape)"
+        # What the header declares is what the file holds: shape x dtype must be the tensor's byte range (checked
+        # before anything is allocated; safetensors checks it too, without naming the file).
+        declared = SAFETENSORS_DTYPES[dtype][1] * math.prod(shape)
+        if declared != offsets[1] - offsets[0]:
+            return (f"{path} is corrupt: tensor {name!r} declares shape {tuple(shape)} of {dtype} "
+                    f"({human_bytes(declared)}) but its data_offsets span {offsets[1] - offsets[0]} bytes")
+        ranges.append((offsets[0], offsets[1], name))
+    end = 0
+    for start, stop, name in sorted(ranges):
+        if start != end:  # the ranges tile the data: no gap, no overlap (safetensors refuses either)
+            return f"{path} is corrupt (tensor {name!r} overlaps another tensor or leaves a gap before it)"
+        end = stop
     expected = 8 + n + end
     if size != expected:
         state = "truncated" if size < expected else "corrupt (longer than its header says)"
@@ -153,10 +176,18 @@ def check_safetensors(path: str | os.PathLike) -> None:
         raise UserError(f"{problem}; the run folder is damaged: copy it again or retrain")
 
 
-def load_safetensors(path: str | os.PathLike, framework: str = "pt") -> dict:
+def load_safetensors(path: str | os.PathLike, framework: str = "pt", expected=None, optional=()) -> dict:
     """The tensors of a safetensors file (``framework``: ``pt`` for torch tensors, ``np`` for numpy arrays), after
-    :func:`check_safetensors`; a read error still left is reported in one line naming the file."""
+    :func:`check_safetensors`; a read error still left is reported in one line naming the file.
+
+    ``expected`` ({name: :class:`~rewarduq_exp.core.payload_bounds.Expected`}): the tensors the loader expects, with
+    the shapes the run's settings allow; the header is checked against them before any tensor is read
+    (:func:`~rewarduq_exp.core.payload_bounds.check_tensors`; ``optional`` ones may be absent)."""
     check_safetensors(path)
+    if expected is not None:
+        from rewarduq_exp.core.payload_bounds import check_tensors
+
+        check_tensors(path, expected, optional=optional)
     if framework == "np":
         from safetensors.numpy import load_file
     else:

@@ -134,6 +134,32 @@ def read_method_info(directory: Path, name: str | None = None) -> dict:
     return info
 
 
+def saved_size(info: dict, field: str, key: str, cap: int, directory) -> int | None:
+    """The whole number ``info[field][key]`` of a ``method.json`` (a size the saved arrays are bounded by: feature
+    dimension, training rows, labels), in 1..``cap``; None when it is not there (the caller falls back to ``cap``).
+    Anything else is one line naming the file and the field."""
+    block = info.get(field)
+    value = block.get(key) if isinstance(block, dict) else None
+    if value is None:
+        return None
+    if type(value) is not int or not 1 <= value <= cap:
+        raise UserError(one_line(f"{Path(directory) / 'method.json'}: field \"{field}.{key}\" is {value!r}, not a "
+                                 f"whole number in 1..{cap}; the run folder is damaged: copy it again or retrain"))
+    return value
+
+
+def feature_dim_bound(info: dict, directory):
+    """(feature dimension or :class:`~rewarduq_exp.core.payload_bounds.AtMost` bound, where it comes from) of a
+    saved frozen-backbone method: ``fit_summary.feature_dim`` of its ``method.json``, else at most
+    :data:`~rewarduq_exp.core.payload_bounds.MAX_FEATURE_DIM`."""
+    from rewarduq_exp.core.payload_bounds import MAX_FEATURE_DIM, AtMost
+
+    d = saved_size(info, "fit_summary", "feature_dim", MAX_FEATURE_DIM, directory)
+    if d is None:
+        return AtMost(MAX_FEATURE_DIM), f"no feature_dim in method.json: at most {MAX_FEATURE_DIM}"
+    return d, f"feature_dim={d} in method.json"
+
+
 # Constructor settings that change how a method runs, not what it learned or the numbers it gives (within float
 # tolerance); they are not saved in method.json and come from the caller when a saved method is rebuilt.
 # (micro_batch_size, which gives the same step whatever it is, stays saved: run folders written before it became
@@ -308,6 +334,22 @@ class LabelRankingMethod(Method):
     def load_fitted(self, arrays: dict[str, np.ndarray], values: dict) -> None:
         self.m = int(values["m"])
 
+    def expected_arrays(self, info: dict, directory) -> dict | None:
+        """{array: :class:`~rewarduq_exp.core.payload_bounds.Expected`} of the saved ``state.safetensors``, from the
+        hyperparameters and the fitted sizes in ``info`` (method.json); None: structural checks only."""
+        return None
+
+    def saved_labels(self, info: dict, directory) -> int:
+        """The number of labels ``fitted.m`` of a saved learner (at most
+        :data:`~rewarduq_exp.core.payload_bounds.MAX_LABELS`)."""
+        from rewarduq_exp.core.payload_bounds import MAX_LABELS
+
+        m = saved_size(info, "fitted", "m", MAX_LABELS, directory)
+        if m is None:
+            raise UserError(f"{Path(directory) / 'method.json'}: field \"fitted.m\" is missing; the run folder is "
+                            "damaged: copy it again or retrain")
+        return m
+
     def save(self, directory: str | os.PathLike) -> None:
         from safetensors.numpy import save_file
 
@@ -322,9 +364,11 @@ class LabelRankingMethod(Method):
         directory = Path(directory)
         info = read_method_info(directory, self.name)
         path = directory / "state.safetensors"
-        arrays = load_safetensors(path, framework="np")  # a missing or cut-short file: one line naming it
         fitted = info.get("fitted", {})
         fitted = nulls_to_nan(fitted) if isinstance(fitted, dict) else {}  # null: a NaN/inf scalar, written strictly
+        # A missing or cut-short file is one line naming it; the arrays' declared shapes are checked against the
+        # learner's settings and fitted sizes before any is read.
+        arrays = load_safetensors(path, framework="np", expected=self.expected_arrays(info, directory))
         try:
             self.load_fitted(arrays, fitted)
         except (KeyError, TypeError, ValueError) as err:  # a tensor or fitted value missing or of the wrong kind
@@ -374,6 +418,12 @@ class FeatureHeadMethod(RewardMethod):
 
     @abstractmethod
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def expected_state(self, feature_dim, why: str) -> dict | None:
+        """{tensor: :class:`~rewarduq_exp.core.payload_bounds.Expected`} of :meth:`state_tensors` for features of
+        ``feature_dim`` (an int, or an ``AtMost`` bound) and these hyperparameters; ``why`` says where the feature
+        dimension comes from. None: structural checks only."""
+        return None
 
     # ------------------------------------------------------------------ contract
     def _require_encoder(self):
@@ -462,7 +512,10 @@ class FeatureHeadMethod(RewardMethod):
         directory = Path(directory)
         info = read_method_info(directory, self.name)
         path = directory / "state.safetensors"
-        tensors = load_safetensors(path)  # a missing or cut-short file: one line naming it, not a SafetensorError
+        # A missing or cut-short file is one line naming it, not a SafetensorError; the tensors' declared shapes are
+        # checked against the hyperparameters and the feature dimension before any is read.
+        d, why = feature_dim_bound(info, directory)
+        tensors = load_safetensors(path, expected=self.expected_state(d, why))
         try:
             self.load_state_tensors({k: v.to(self.device) for k, v in tensors.items()})
         except (KeyError, RuntimeError, ValueError) as err:  # a tensor missing or of another shape

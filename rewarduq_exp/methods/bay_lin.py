@@ -130,6 +130,14 @@ class BayLin(FeatureHeadMethod):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"head.weight": self.head.weight, "precision": self.precision, "feature_mean": self.feature_mean}
 
+    def expected_state(self, feature_dim, why: str) -> dict:
+        """The MAP head (1, d), the posterior precision (d, d) and the feature mean (d,) for ``feature_dim`` = d."""
+        from rewarduq_exp.core.payload_bounds import Expected
+
+        d = feature_dim
+        return {"head.weight": Expected((1, d), "f", why), "precision": Expected((d, d), "f", why),
+                "feature_mean": Expected((d,), "f", why)}
+
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self._build(tensors["head.weight"].shape[1])
         self.head.load_state_dict({"weight": tensors["head.weight"]})

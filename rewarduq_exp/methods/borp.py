@@ -640,8 +640,10 @@ class BorpProbe:
         return save_arrays(path, meta, arrays)
 
     @classmethod
-    def load(cls, path: str | Path) -> BorpProbe:
-        meta, arrays = load_arrays(path, PROBE_KIND)
+    def load(cls, path: str | Path, sizes: SavedSizes | None = None) -> BorpProbe:
+        """A probe saved by :meth:`save`; ``sizes`` (the run's feature dimension and training rows) bound its arrays
+        before they are read (without: :mod:`~rewarduq_exp.core.payload_bounds`' constants)."""
+        meta, arrays = load_arrays(path, PROBE_KIND, sizes)
         try:
             probe = cls(**{**meta["config"], "score_range": tuple(meta["config"]["score_range"])})
             probe.heads_ = {int(k): LinearHead(centroid=arrays[f"head/{k}/centroid"], coef=arrays[f"head/{k}/coef"],
@@ -667,36 +669,98 @@ def save_arrays(path: str | Path, meta: dict, arrays: Mapping[str, np.ndarray]) 
     return path
 
 
-def load_arrays(path: str | Path, kind: str) -> tuple[dict, dict[str, np.ndarray]]:
+@dataclass(frozen=True)
+class SavedSizes:
+    """What a run's settings say of the arrays of its saved probe and ridges: the feature dimension and the training
+    rows (``method.json``'s fit summary); None where not known, then bounded by
+    :data:`~rewarduq_exp.core.payload_bounds.MAX_FEATURE_DIM` / :data:`~rewarduq_exp.core.payload_bounds.MAX_ROWS`.
+    ``source`` says where they come from (shown when a file is refused)."""
+
+    feature_dim: int | None = None
+    train_rows: int | None = None
+    source: str = ""
+
+
+# The length ridge's inputs: metrics.probe.length_covariates, (characters, words, tokens) and their log1p.
+LENGTH_FEATURES = 6
+
+
+def _expected_arrays(kind: str, meta: dict, sizes: SavedSizes) -> dict:
+    """{array: Expected} of a saved probe or ridge, from its meta (layers, extra features, inputs) and ``sizes``."""
+    import math
+
+    from rewarduq_exp.core.payload_bounds import MAX_FEATURE_DIM, MAX_ROWS, AtMost, Expected
+
+    d = sizes.feature_dim or AtMost(MAX_FEATURE_DIM)
+    why = sizes.source or f"no fit summary: at most {MAX_FEATURE_DIM} features, {MAX_ROWS} rows"
+    if kind == RIDGE_KIND:
+        if meta.get("inputs") == "length features":
+            return {"coef": Expected((LENGTH_FEATURES,), "f", "the length ridge's covariates")}
+        return {"coef": Expected((AtMost(d) if isinstance(d, int) else d,), "f", why)}
+    config = meta["config"]
+    layers = {int(config["final_layer"])}
+    if config.get("intermediate_layer") is not None:
+        layers.add(int(config["intermediate_layer"]))
+    heads = meta["heads"]
+    if not isinstance(heads, dict) or {int(k) for k in heads} != layers:
+        raise ValueError(f"heads {sorted(heads)} are not the layers {sorted(layers)} of its config")
+    rows = MAX_ROWS
+    if sizes.train_rows is not None:  # geometric resampling: each bin at most max_upsample x its size, >= 1 sample
+        rows = min(MAX_ROWS, math.ceil(float(config["max_upsample"])) * sizes.train_rows
+                   + int(config["resample_bins"]))
+    out = {"polarization/centroid": Expected((d,), "f", why), "train_rows": Expected((AtMost(rows),), "iu", why)}
+    for layer, head in heads.items():
+        extra = 2 if bool(head["extra_features"]) else 0
+        width = d + extra if isinstance(d, int) else AtMost(d.n + extra)
+        out[f"head/{layer}/centroid"] = Expected((d,), "f", why)
+        out[f"head/{layer}/coef"] = Expected((width,), "f", why)
+    return out
+
+
+def load_arrays(path: str | Path, kind: str, sizes: SavedSizes | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     """(meta, arrays) of a file written by :func:`save_arrays`, after checking its format, version and kind (a probe
-    file read as the ridge, or the reverse, is one line naming both, not a KeyError on a missing array)."""
+    file read as the ridge, or the reverse, is one line naming both, not a KeyError on a missing array).
+
+    Nothing is read before its declared shape is checked (:class:`~rewarduq_exp.core.payload_bounds.NpzArrays`):
+    first the meta (one JSON string, at most ``MAX_JSON_BYTES`` characters), then the arrays that meta and ``sizes``
+    (the run's settings) say the file holds, with their shapes; anything else is refused in one line."""
     import json
-    import zipfile
+
+    from rewarduq_exp.core.payload_bounds import Expected, NpzArrays
+    from rewarduq_exp.core.saved_files import MAX_JSON_BYTES
 
     what = SAVED_KINDS[kind]
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no saved {what} there")
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-        meta = json.loads(str(arrays.pop("meta"))) if "meta" in arrays else {}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile,
-            RecursionError) as err:  # cut short, not a zip, bad or deeply nested meta JSON
-        raise UserError(f"{path}: not a saved {what} ({(str(err).splitlines() or [type(err).__name__])[0]}); "
-                        "the file is damaged or of another kind") from None
-    if not isinstance(meta, dict):
-        raise UserError(f"{path}: not a saved {what} (its meta is not a JSON object)")
-    if meta.get("format") != SAVE_FORMAT:
-        raise UserError(f"{path}: not a saved {what}")
-    if meta.get("version") != SAVE_VERSION:
-        raise UserError(f"{path}: {what} format version {meta.get('version')}; this code reads version "
-                        f"{SAVE_VERSION}; retrain the run")
-    # Files from before the kind was stored: a probe is the one with heads.
-    found = meta.get("kind") or (PROBE_KIND if "heads" in meta else RIDGE_KIND)
-    if found != kind:
-        loader = {PROBE_KIND: "BorpProbe.load", RIDGE_KIND: "RidgeBaseline.load"}[found]
-        raise UserError(f"{path} holds a {SAVED_KINDS.get(found, found)}, not a {what}; read it with {loader}")
+    sizes = sizes or SavedSizes()
+    with NpzArrays(path, what) as npz:
+        if "meta" not in npz.declared:
+            raise UserError(f"{path}: not a saved {what}")
+        npz.check_one("meta", Expected((), "U", "a JSON string", max_itemsize=4 * MAX_JSON_BYTES))
+        try:
+            meta = json.loads(str(npz.read("meta")))
+        except (ValueError, RecursionError) as err:  # bad or deeply nested meta JSON
+            raise UserError(f"{path}: not a saved {what} ({(str(err).splitlines() or [type(err).__name__])[0]}); "
+                            "the file is damaged or of another kind") from None
+        if not isinstance(meta, dict):
+            raise UserError(f"{path}: not a saved {what} (its meta is not a JSON object)")
+        if meta.get("format") != SAVE_FORMAT:
+            raise UserError(f"{path}: not a saved {what}")
+        if meta.get("version") != SAVE_VERSION:
+            raise UserError(f"{path}: {what} format version {meta.get('version')}; this code reads version "
+                            f"{SAVE_VERSION}; retrain the run")
+        # Files from before the kind was stored: a probe is the one with heads.
+        found = meta.get("kind") or (PROBE_KIND if "heads" in meta else RIDGE_KIND)
+        if found != kind:
+            loader = {PROBE_KIND: "BorpProbe.load", RIDGE_KIND: "RidgeBaseline.load"}.get(found)
+            if loader is None:
+                raise UserError(f"{path}: not a saved {what} (kind {found!r})")
+            raise UserError(f"{path} holds a {SAVED_KINDS.get(found, found)}, not a {what}; read it with {loader}")
+        try:
+            expected = _expected_arrays(kind, meta, sizes)
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:  # a meta field missing/odd
+            raise UserError(f"{path}: not a complete saved {what} ({type(err).__name__}: {first_line(err)})") from None
+        npz.check(expected | {"meta": Expected((), "U", max_itemsize=4 * MAX_JSON_BYTES)})
+        arrays = {name: npz.read(name) for name in expected}
     return meta, arrays
 
 
@@ -768,8 +832,8 @@ class RidgeBaseline:
         return save_arrays(path, meta, {"coef": self.coef_})
 
     @classmethod
-    def load(cls, path: str | Path) -> RidgeBaseline:
-        meta, arrays = load_arrays(path, RIDGE_KIND)
+    def load(cls, path: str | Path, sizes: SavedSizes | None = None) -> RidgeBaseline:
+        meta, arrays = load_arrays(path, RIDGE_KIND, sizes)
         try:
             return cls(alphas=tuple(meta["alphas"]), score_range=tuple(meta["score_range"]), coef_=arrays["coef"],
                        intercept_=float(meta["intercept"]), alpha_=meta["alpha"],

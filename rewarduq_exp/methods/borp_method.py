@@ -22,7 +22,7 @@ import pandas as pd
 from rewarduq_exp.core.checks import check_choice
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.hashing import stable_hash
-from rewarduq_exp.methods.base import RewardMethod, Scores, read_method_info, write_method_info
+from rewarduq_exp.methods.base import RewardMethod, Scores, read_method_info, saved_size, write_method_info
 from rewarduq_exp.methods.borp import (
     BorpPrediction,
     BorpProbe,
@@ -30,6 +30,7 @@ from rewarduq_exp.methods.borp import (
     MeanPoolRidge,
     ProbeTemplate,
     RidgeBaseline,
+    SavedSizes,
     by_layer,
     mean_pooled_prefixes,
     render_heads,
@@ -332,13 +333,25 @@ class BorpMethod(RewardMethod):
             if self.encoder is not None else {}
         write_method_info(directory, self, **extra)
 
+    @staticmethod
+    def saved_sizes(info: dict, directory) -> SavedSizes:
+        """The bounds of the saved probe's and ridges' arrays: ``fit_summary.feature_dim`` and
+        ``fit_summary.train_responses`` of ``method.json`` (each capped; absent: the caps)."""
+        from rewarduq_exp.core.payload_bounds import MAX_FEATURE_DIM, MAX_ROWS
+
+        d = saved_size(info, "fit_summary", "feature_dim", MAX_FEATURE_DIM, directory)
+        n = saved_size(info, "fit_summary", "train_responses", MAX_ROWS, directory)
+        said = [f"{k}={v}" for k, v in (("feature_dim", d), ("train_responses", n)) if v is not None]
+        return SavedSizes(d, n, f"{', '.join(said)} in method.json" if said else "")
+
     def load(self, directory: str | os.PathLike) -> BorpMethod:
         directory = Path(directory)
         info = read_method_info(directory, self.name)
-        self.probe = BorpProbe.load(directory / PROBE_FILE)
+        sizes = self.saved_sizes(info, directory)
+        self.probe = BorpProbe.load(directory / PROBE_FILE, sizes)
         if (directory / RIDGE_FILE).exists():
-            self._ridge = MeanPoolRidge.load(directory / RIDGE_FILE)
+            self._ridge = MeanPoolRidge.load(directory / RIDGE_FILE, sizes)
         if (directory / LENGTH_RIDGE_FILE).exists():
-            self._length_ridge = RidgeBaseline.load(directory / LENGTH_RIDGE_FILE)
+            self._length_ridge = RidgeBaseline.load(directory / LENGTH_RIDGE_FILE, sizes)
         self.fit_summary = info.get("fit_summary", {})
         return self

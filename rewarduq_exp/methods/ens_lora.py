@@ -60,7 +60,8 @@ from torch import nn
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.atomic_write import atomic_dir, atomic_path
 from rewarduq_exp.core.checks import check_positive
-from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.errors import UserError, first_line, one_line
+from rewarduq_exp.core.payload_bounds import MAX_FEATURE_DIM, AtMost, Expected, check_tensors, declared_tensors
 from rewarduq_exp.core.progress import progress
 from rewarduq_exp.core.saved_files import check_safetensors, load_safetensors, read_json_object
 from rewarduq_exp.data.contract import render_all, render_prompt_heads
@@ -559,6 +560,69 @@ class EnsLoRA(RewardMethod):
         extra = {"backbone": self._backbone().identity()} if self.encoder is not None else {}
         write_method_info(directory, self, members=self.member_names, **extra)
 
+    # adapter_config.json fields that a saved ENS-LoRA adapter leaves empty (null, false, {} or []): each makes PEFT
+    # allocate or do more than the LoRA of the hyperparameters (per-module ranks, copies of whole modules, repeated
+    # layers, DoRA magnitudes, trainable tokens, initialisations from the base's weights, an imported module).
+    ADAPTER_FIELDS_UNSET = ("rank_pattern", "alpha_pattern", "modules_to_save", "layer_replication",
+                            "megatron_config", "trainable_token_indices", "target_parameters", "auto_mapping",
+                            "use_dora", "use_qalora", "use_bdlora", "loftq_config", "eva_config", "corda_config",
+                            "arrow_config", "lora_ga_config", "kasa_config", "monteclora_config", "velora_config",
+                            "alora_invocation_tokens", "layers_to_transform", "layers_pattern", "fan_in_fan_out")
+
+    def _check_adapter_config(self, config: dict, path: Path) -> None:
+        """Refuse (one line naming the file and the field) an adapter config that is not the LoRA of these
+        hyperparameters, before PEFT reads it."""
+        fix = "refused before PEFT reads it; the run folder is damaged: copy it again or retrain"
+
+        def refuse(field: str, value, why: str):
+            raise UserError(one_line(f"{path}: field \"{field}\" is {value!r}; {why}; {fix}"))
+
+        if config.get("peft_type") != "LORA":
+            refuse("peft_type", config.get("peft_type"), "an ENS-LoRA adapter is LORA")
+        rank = config.get("r")
+        if type(rank) is not int or rank != self.lora_rank:
+            refuse("r", rank, f"method.json says lora_rank={self.lora_rank}")
+        alpha = config.get("lora_alpha")
+        if type(alpha) not in (int, float) or float(alpha) != self.lora_alpha:
+            refuse("lora_alpha", alpha, f"method.json says lora_alpha={self.lora_alpha:g}")
+        dropout = config.get("lora_dropout", 0.0)
+        if type(dropout) not in (int, float) or not 0 <= dropout < 1:
+            refuse("lora_dropout", dropout, "must be a number in [0, 1)")
+        if config.get("bias", "none") != "none":
+            refuse("bias", config.get("bias"), "an ENS-LoRA adapter has no bias")
+        if type(config.get("init_lora_weights", True)) is not bool:
+            refuse("init_lora_weights", config.get("init_lora_weights"), "must be true or false")
+        targets = config.get("target_modules")
+        if not (isinstance(targets, str) or (isinstance(targets, list) and targets
+                                             and all(isinstance(t, str) for t in targets))):
+            refuse("target_modules", targets, "must be a module name or a list of them")
+        for field in self.ADAPTER_FIELDS_UNSET:
+            if config.get(field) not in (None, False, {}, []):
+                refuse(field, config.get(field), "a saved ENS-LoRA adapter never sets it")
+
+    def _expected_adapter(self, base, declared: dict) -> dict:
+        """{tensor: Expected} of one member's ``adapter_model.safetensors``: for every LoRA module the file names,
+        ``lora_A`` (r, in_features) and ``lora_B`` (out_features, r) of the base's Linear at that path (a name that is
+        not a Linear of the base is left out, so the file is refused for holding it)."""
+        from rewarduq_exp.models.multi_lora import PEFT_PREFIX
+
+        expected = {}
+        for key in declared:
+            if not key.startswith(PEFT_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
+                continue
+            path = key[len(PEFT_PREFIX):-len(".lora_A.weight")]
+            try:
+                module = base.get_submodule(path)
+            except AttributeError:
+                continue
+            if not isinstance(module, nn.Linear):
+                continue
+            why = f"lora_rank={self.lora_rank} and the Linear {path} of model '{self._backbone().name}'"
+            r = self.lora_rank
+            expected[f"{PEFT_PREFIX}{path}.lora_A.weight"] = Expected((r, module.in_features), "f", why)
+            expected[f"{PEFT_PREFIX}{path}.lora_B.weight"] = Expected((module.out_features, r), "f", why)
+        return expected
+
     def load(self, directory: str | os.PathLike) -> EnsLoRA:
         from peft import PeftModel
 
@@ -574,22 +638,43 @@ class EnsLoRA(RewardMethod):
         if saved_bb is not None and saved_bb != self._backbone().name:
             raise UserError(f"{directory} was trained on backbone '{saved_bb}', not model={self._backbone().name}")
         # Every file PEFT reads is checked first: a missing or cut-short adapter is one line naming it, before the
-        # base model is loaded, and PEFT never falls back to the hub or to a pickled adapter_model.bin.
+        # base model is loaded, and PEFT never falls back to the hub or to a pickled adapter_model.bin. An adapter
+        # config must describe the LoRA of these hyperparameters (rank, alpha) and nothing PEFT would act on beyond
+        # it (other ranks per module, extra modules, imports): PEFT allocates what the config says.
         adapters = directory / "adapters"
         for name in members:
-            read_json_object(adapters / name / "adapter_config.json", f"adapter of member {name}")
+            config_path = adapters / name / "adapter_config.json"
+            self._check_adapter_config(read_json_object(config_path, f"adapter of member {name}"), config_path)
             check_safetensors(adapters / name / "adapter_model.safetensors")
-        heads = load_safetensors(directory / "heads.safetensors")
-        if "weight" not in heads:
-            raise UserError(f"{directory / 'heads.safetensors'} holds no 'weight' tensor; the run folder is damaged: "
-                            "copy it again or retrain")
+        heads_path = directory / "heads.safetensors"
+        heads = load_safetensors(heads_path, expected={"weight": Expected(
+            (self.num_members, AtMost(MAX_FEATURE_DIM)), "f", f"num_members={self.num_members}, at most "
+            f"{MAX_FEATURE_DIM} features")})
         base, _ = self._load_base(with_score_head=False)  # the trained heads replace any pretrained one
+        hidden = int(base.config.hidden_size)
+        if heads["weight"].shape[1] != hidden:
+            raise UserError(one_line(f"{heads_path}: tensor 'weight' has shape {tuple(heads['weight'].shape)}, but "
+                                     f"model '{self._backbone().name}' has hidden size {hidden}; the run folder is "
+                                     "damaged or was trained on another backbone"))
+        for name in members:  # each LoRA tensor's shape, from the rank and the base's Linear it belongs to
+            weights = adapters / name / "adapter_model.safetensors"
+            check_tensors(weights, self._expected_adapter(base, declared_tensors(weights)))
         # Local folders only, loaded as safetensors: nothing is executed. PEFT reads its own format (run folders of
         # either implementation), then the weights move into the stacked module.
-        with quiet_peft():
-            peft_model = PeftModel.from_pretrained(base, str(adapters / members[0]), adapter_name=members[0])
-        for name in members[1:]:
-            peft_model.load_adapter(str(adapters / name), adapter_name=name)
+        peft_model = None
+        for name in members:
+            try:
+                if peft_model is None:
+                    with quiet_peft():
+                        peft_model = PeftModel.from_pretrained(base, str(adapters / name), adapter_name=name)
+                else:
+                    peft_model.load_adapter(str(adapters / name), adapter_name=name)
+            except ValueError as err:  # PEFT's NoMatchingPeftModuleError is a ValueError (its message: older PEFT)
+                if "not found in the base model" not in str(err):
+                    raise
+                raise UserError(one_line(f"{adapters / name / 'adapter_config.json'}: field \"target_modules\" "
+                                         f"names no layer of model '{self._backbone().name}' ({first_line(err)}); "
+                                         "the run folder is damaged or was trained on another backbone")) from None
         self.model = from_peft(peft_model, members).to(self.device)
         self.head = nn.Parameter(heads["weight"].to(self.device), requires_grad=False)
         self.head_init_used = info.get("hyperparameters", {}).get("head_init_used")

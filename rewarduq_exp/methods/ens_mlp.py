@@ -143,6 +143,22 @@ class EnsMLP(FeatureHeadMethod):
         state.update({f"initial.{i}": p for i, p in enumerate(self.initial)})
         return state
 
+    def expected_state(self, feature_dim, why: str) -> dict:
+        """The tensors of :meth:`state_tensors`: per layer a (K, fan_in, fan_out) weight stack and a (K, hidden)
+        bias stack, and the anchor's copy of each parameter (``initial.i``, in ``parameters()`` order: weights, then
+        biases), for K = num_heads, the hidden width and depth of the hyperparameters and ``feature_dim``."""
+        from rewarduq_exp.core.payload_bounds import Expected
+
+        k, h = self.num_heads, self.hidden_dim
+        why = f"num_heads={k}, hidden_dim={h}, num_hidden_layers={self.num_hidden_layers}, {why}"
+        dims = [feature_dim] + [h] * self.num_hidden_layers + [1]
+        shapes = [(k, a, b) for a, b in zip(dims[:-1], dims[1:])]
+        biases = [(k, h)] * self.num_hidden_layers
+        out = {f"heads.weights.{i}": shape for i, shape in enumerate(shapes)}
+        out |= {f"heads.biases.{i}": shape for i, shape in enumerate(biases)}
+        out |= {f"initial.{i}": shape for i, shape in enumerate(shapes + biases)}
+        return {name: Expected(shape, "f", why) for name, shape in out.items()}
+
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         feature_dim = tensors["heads.weights.0"].shape[1]
         num_heads = tensors["heads.weights.0"].shape[0]

@@ -40,7 +40,7 @@ from torch import nn
 from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.core.checks import check_choice, check_positive
 from rewarduq_exp.core.errors import UserError, first_line
-from rewarduq_exp.methods.base import LabelRankingMethod, TrainingSchedule, run_training
+from rewarduq_exp.methods.base import LabelRankingMethod, TrainingSchedule, run_training, saved_size
 from rewarduq_exp.ranking.categorical import RankCategorical
 from rewarduq_exp.ranking.mallows import Mallows, expected_distance
 from rewarduq_exp.ranking.pairwise import PairwiseOnly
@@ -154,6 +154,29 @@ class _NetLearner(LabelRankingMethod):
         return {**super().fitted_values(), "in_features": int(self.net[0].in_features),
                 "out_features": int(self.net[-1].out_features)}
 
+    def _max_outputs(self, info: dict, directory) -> int:
+        """The most outputs the saved net may have (PL: the m labels; RC: its classes)."""
+        return self.saved_labels(info, directory)
+
+    def expected_arrays(self, info: dict, directory) -> dict:
+        """The MLP's weights and biases, ``net.<2i>.weight`` (out, in) / ``net.<2i>.bias`` (out,), for the widths
+        ``[in_features, *hidden, out_features]``: the hidden widths of the hyperparameters, the input and output
+        sizes of method.json's fitted values (bounded)."""
+        from rewarduq_exp.core.payload_bounds import MAX_FEATURE_DIM, Expected
+
+        d = saved_size(info, "fitted", "in_features", MAX_FEATURE_DIM, directory)
+        out = saved_size(info, "fitted", "out_features", self._max_outputs(info, directory), directory)
+        if d is None or out is None:
+            raise UserError(f"{Path(directory) / 'method.json'}: field \"fitted\" lacks in_features or "
+                            "out_features; the run folder is damaged: copy it again or retrain")
+        why = f"hidden={list(self.hidden)} and in_features={d}, out_features={out} in method.json"
+        widths = [d, *self.hidden, out]
+        arrays = {}
+        for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
+            arrays[f"net.{2 * i}.weight"] = Expected((fan_out, fan_in), "f", why)
+            arrays[f"net.{2 * i}.bias"] = Expected((fan_out,), "f", why)
+        return arrays
+
     def load_fitted(self, arrays, values) -> None:
         super().load_fitted(arrays, values)
         self._build_net(int(values["in_features"]), int(values["out_features"]))
@@ -258,6 +281,23 @@ class RankClassifierNet(_NetLearner):
     def fitted_values(self) -> dict:
         return {**super().fitted_values(), "temperature": self.temperature, "unseen_mass": self.unseen_mass_}
 
+    def _max_outputs(self, info: dict, directory) -> int:
+        """The distinct training rankings: at most the training rows (and m!)."""
+        from rewarduq_exp.core.payload_bounds import MAX_ROWS
+
+        m = self.saved_labels(info, directory)
+        rows = saved_size(info, "fit_summary", "train_rows", MAX_ROWS, directory) or MAX_ROWS
+        return min(rows, math.factorial(m)) if m < 20 else rows
+
+    def expected_arrays(self, info: dict, directory) -> dict:
+        from rewarduq_exp.core.payload_bounds import Expected
+
+        arrays = super().expected_arrays(info, directory)
+        classes = arrays[f"net.{2 * len(self.hidden)}.bias"].shape[0]   # the output layer's width
+        m = self.saved_labels(info, directory)
+        arrays["classes"] = Expected((classes, m), "iu", f"out_features={classes}, m={m} in method.json")
+        return arrays
+
     def load_fitted(self, arrays, values) -> None:
         super().load_fitted(arrays, values)
         self.classes = arrays["classes"]
@@ -358,6 +398,13 @@ class MallowsLearner(LabelRankingMethod):
     def fitted_values(self) -> dict:
         return {**super().fitted_values(), "theta": self.theta, "mean_distance": self.mean_distance_}
 
+    def expected_arrays(self, info: dict, directory) -> dict:
+        """The center ranking: one entry per label (``fitted.m`` of method.json)."""
+        from rewarduq_exp.core.payload_bounds import Expected
+
+        m = self.saved_labels(info, directory)
+        return {"center": Expected((m,), "iu", f"m={m} in method.json")}
+
     def load_fitted(self, arrays, values) -> None:
         super().load_fitted(arrays, values)
         self.center, self.theta, self.mean_distance_ = arrays["center"], float(values["theta"]), values["mean_distance"]
@@ -448,16 +495,42 @@ class RPCLearner(LabelRankingMethod):
         super().load_fitted(arrays, values)
         self.pairs = arrays["pairs"]
 
+    def expected_arrays(self, info: dict, directory) -> dict:
+        """The item pairs a < b: m (m - 1) / 2 rows of two labels (``fitted.m`` of method.json)."""
+        from rewarduq_exp.core.payload_bounds import Expected
+
+        m = self.saved_labels(info, directory)
+        return {"pairs": Expected((m * (m - 1) // 2, 2), "iu", f"m={m} in method.json")}
+
+    def models_file_bound(self, info: dict, directory) -> tuple[int, str]:
+        """(bytes, where the bound comes from) of ``pairs.skops``, unpacked: per pair, ``cv`` calibrated trees of at
+        most 2 n - 1 nodes each for n training rows (a node: 64 bytes of tree plus 16 of class values), plus 64 KiB
+        of per-object bookkeeping, plus 1 MiB."""
+        from rewarduq_exp.core.payload_bounds import MAX_ROWS
+
+        m = self.saved_labels(info, directory)
+        rows = saved_size(info, "fit_summary", "train_rows", MAX_ROWS, directory) or MAX_ROWS
+        pairs = m * (m - 1) // 2
+        bound = pairs * max(1, self.cv) * (2 * rows * 80 + (64 << 10)) + (1 << 20)
+        return bound, f"m={m}, train_rows={rows} in method.json, cv={self.cv}"
+
     def load(self, directory) -> RPCLearner:
         import skops.io
 
+        from rewarduq_exp.core.payload_bounds import check_zip_total
+        from rewarduq_exp.core.saved_files import read_bounded
+        from rewarduq_exp.methods.base import read_method_info
+
         super().load(directory)
         path = Path(directory) / RPC_MODELS_FILE
+        bound, why = self.models_file_bound(read_method_info(directory, self.name), directory)
+        if not path.exists():
+            raise UserError(f"{path} is missing; the run folder is damaged: copy it again or retrain")
+        # The file, and what its zip members unpack to, are bounded by the run's settings before skops reads it.
+        data = read_bounded(path, bound, f"{path} (an RPC model file of {why})")
+        check_zip_total(data, path, bound, why)
         try:
-            data = path.read_bytes()
             untrusted = sorted(set(skops.io.get_untrusted_types(data=data)) - set(RPC_TRUSTED_TYPES))
-        except FileNotFoundError:
-            raise UserError(f"{path} is missing; the run folder is damaged: copy it again or retrain") from None
         except Exception as err:  # noqa: BLE001 (cut short, not a skops zip: skops' errors do not name the file)
             raise _damaged_models_file(path, err) from None
         if untrusted:

@@ -10,12 +10,13 @@ back, its config's flag counts only if the caller allowed it (``load_run(..., tr
 from __future__ import annotations
 
 import json
+import pickle
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
-from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.errors import UserError, first_line, one_line
 from rewarduq_exp.core.hub_access import hub_reachable, offline_hint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -137,6 +138,14 @@ class Backbone:
         hf_logging.disable_progress_bar()  # our own bars say what is happening; HF's per-shard bars are noise
         try:
             return fn()
+        except ValueError as err:  # transformers' refusal of a checkpoint's own code (trust_remote_code off)
+            if "contains custom code which must be executed" not in str(err):
+                raise
+            raise UserError(self._remote_code_refusal(what)) from None
+        except pickle.UnpicklingError as err:  # torch.load's weights-only refusal of a pickle that names code
+            if "Weights only load failed" not in str(err):
+                raise
+            raise UserError(self._pickle_refusal(what, err)) from None
         except OSError as err:
             raise UserError(
                 f"could not load the {what} of model '{self.name}' from '{self.source}' "
@@ -144,6 +153,50 @@ class Backbone:
                 f"(huggingface-cli download {self.source}) or point model.path at a local checkpoint, or use "
                 f"model=tiny-qwen3"
             ) from None
+
+    def _remote_code_refusal(self, what: str) -> str:
+        """One line for a checkpoint whose config asks to run its own code: the file with the ``auto_map`` (and the
+        classes it names), that nothing of it ran, and how to allow it."""
+        from rewarduq_exp.core.saved_files import read_json_object
+
+        where, names = f"the checkpoint {self.source}", ""
+        folder = Path(self.source)
+        if folder.is_dir():
+            where = f"a file of {folder}"
+            for name in ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json"):
+                try:
+                    auto_map = read_json_object(folder / name).get("auto_map")
+                except UserError:  # missing, or not JSON: transformers found the auto_map elsewhere
+                    continue
+                if auto_map:
+                    values = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+                    flat = {str(v) for value in values for v in (value if isinstance(value, list) else [value])}
+                    where, names = str(folder / name), ", ".join(sorted(flat))[:200]
+                    break
+        return one_line(
+            f"{where} asks to run its own code (auto_map{': ' + names if names else ''}) to load the {what} of model "
+            f"'{self.name}'; nothing of it was run. Allow it only if you trust that checkpoint: "
+            "model.trust_remote_code=true (for a run folder: a config that says so, loaded with "
+            "trust_remote_code=true)")
+
+    def _pickle_refusal(self, what: str, err: Exception) -> str:
+        """One line for a pickled checkpoint (``*.bin``) that torch.load's weights-only mode refused: it names code to
+        run on load (a global such as ``posix.system``), so nothing of it was loaded."""
+        import re
+
+        text = str(err)
+        named = re.search(r"unsupported GLOBAL (\S+)", text)
+        other = re.search(r"^\s*(Unsupported .*)$", text, re.MULTILINE)
+        detail = (f"GLOBAL {named.group(1)}" if named else other.group(1).strip()[:120] if other
+                  else first_line(text, 120))
+        folder = Path(self.source)
+        bins = sorted(folder.glob("*.bin")) if folder.is_dir() else []
+        where = str(bins[0]) if len(bins) == 1 else (f"a pickled checkpoint file (*.bin) in {folder}" if bins
+                                                      else f"a pickled checkpoint file of {self.source}")
+        return one_line(
+            f"{where} would run code when loaded ({detail}): torch.load's weights-only mode refused it and nothing of "
+            f"it was run, so the {what} of model '{self.name}' cannot be loaded; use a checkpoint saved as "
+            "safetensors (model.safetensors), or convert this one on a machine where you trust it")
 
     @cached_property
     def tokenizer(self):

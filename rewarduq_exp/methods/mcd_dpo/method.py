@@ -31,6 +31,7 @@ from rewarduq_exp.core.atomic_write import atomic_path
 from rewarduq_exp.core.checks import check_max_grad_norm, check_positive
 from rewarduq_exp.core.distributed import is_main, rank, world_size
 from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.payload_bounds import Expected, check_tensors
 from rewarduq_exp.core.progress import progress
 from rewarduq_exp.core.saved_files import check_safetensors
 from rewarduq_exp.methods.base import (
@@ -545,6 +546,11 @@ class McdDpo(RewardMethod):
         path = directory / WEIGHTS_FILE
         check_safetensors(path)  # a missing or cut-short file: one line naming it, before the base model loads
         policy = load_causal_lm(self.backbone, dtype=self._train_dtype())
+        # Every tensor the file declares must be one of the policy's, of its shape, before any is read (a tied
+        # weight is saved once, so any may be absent here; load_model then names what is missing).
+        why = f"the parameters of model '{self.backbone.name}'"
+        state = policy.state_dict()
+        check_tensors(path, {k: Expected(tuple(v.shape), "f", why) for k, v in state.items()}, optional=state)
         try:
             load_model(policy, str(path), device="cpu")
         except Exception as err:  # noqa: BLE001 (SafetensorError, or tensors of another model: neither names the file)
