@@ -116,6 +116,29 @@ def test_a_link_made_during_train_is_refused_at_the_write(case, trained, shared_
     assert "traceback" not in status
 
 
+def test_status_json_made_a_link_during_train_is_never_written_through(trained, shared_cache, tmp_path,
+                                                                       monkeypatch):
+    """The run's last write (its completed status) is refused: the run fails with that one line, which train.log
+    keeps (status.json cannot: it is the link), and the file the link points to is left as it was."""
+    cwd, _ = trained
+    run_dir = tmp_path / "run"
+    outside = outside_folder(tmp_path)
+    before = snapshot(outside)
+    original = train_run.add_earlier_training
+
+    def then_link(*args, **kwargs):
+        link(run_dir / "status.json", outside / "keep.txt")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(train_run, "add_earlier_training", then_link)
+    proc = run("train.py", [*TRAIN, *NO_FIGURES, f"hydra.run.dir={run_dir}"], cwd, shared_cache, check=False)
+    line = one_error_line(proc)
+    assert line.startswith(f"{run_dir / 'status.json'} is a symbolic link (to {outside / 'keep.txt'}); "
+                           f"{LINK_MESSAGE}: replace it by a real file"), line
+    assert snapshot(outside) == before and os.readlink(run_dir / "status.json") == str(outside / "keep.txt")
+    assert line in (run_dir / "train.log").read_text()
+
+
 def test_a_link_made_while_evaluate_scores_is_refused(trained, shared_cache, tmp_path, monkeypatch):
     """evaluate.py writes into a staging folder of the run and swaps in at the end: a link made at ``figures/``
     while it scores is refused there, and neither the run nor the link's target changes."""

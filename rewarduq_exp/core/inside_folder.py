@@ -138,7 +138,7 @@ def guard_writes(root: str | os.PathLike) -> None:
     """Check every later atomic write below ``root`` (:mod:`rewarduq_exp.core.atomic_write`) when it happens:
     :func:`check_writes_inside` calls it, so every folder checked before the work is also guarded during it."""
     root = Path(root)
-    forms = {Path.cwd().joinpath(root).parts}   # lexical, as the writers build their paths from it
+    forms = {_absolute(root).parts}   # lexical, as the writers build their paths from it
     with contextlib.suppress(OSError, RuntimeError):
         forms.add(root.resolve().parts)
     with _GUARDED_LOCK:
@@ -147,13 +147,20 @@ def guard_writes(root: str | os.PathLike) -> None:
 
 def guarded_root(path: str | os.PathLike) -> tuple[Path, tuple[str, ...]] | None:
     """(the innermost guarded folder that holds ``path``, the parts of ``path`` below it), or None."""
-    parts = Path.cwd().joinpath(path).parts
+    parts = _absolute(Path(path)).parts
     with _GUARDED_LOCK:
         holders = [root for root in _GUARDED if len(parts) > len(root) and parts[:len(root)] == root]
     if not holders:
         return None
     root = max(holders, key=len)
     return Path(*root), parts[len(root):]
+
+
+def _absolute(path: Path) -> Path:
+    """``path`` made absolute without resolving anything (``..`` stays: the kernel, not this, decides where it
+    goes); a relative path is taken from the working directory, so a relative folder guarded before a ``chdir`` is
+    not recognised after it (Hydra's ``chdir`` is off in every config here)."""
+    return path if path.is_absolute() else Path.cwd() / path
 
 
 @dataclass

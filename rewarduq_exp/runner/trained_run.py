@@ -138,8 +138,10 @@ def load_trained_method(run_dir, *, device: str, cache_dir=None, progress: bool,
     """Rebuild the run's method from ``model/method.json`` (the method and hyperparameters it was trained with) and
     load what ``save`` wrote beside it. The backbone comes from the run's model config (hub id, local path or the tiny
     builder; ``backbone_path`` points at a checkpoint that moved, ``dtype`` overrides the run's) through ``cache_dir``
-    (default: the run's own); a config with ``model.trust_remote_code: true`` is refused unless
-    ``trust_remote_code=True``. Feature-head methods keep the features of what they score in ``feature_store``
+    (default: the run's own ``paths.cache_dir``, which only ``downstream.py`` with ``paths.cache_dir: null`` asks for;
+    ``evaluate.py`` passes its own config's, and ``load_run`` its argument or a temporary folder, so that reading a
+    run folder writes nothing where its config points); a config with ``model.trust_remote_code: true`` is refused
+    unless ``trust_remote_code=True``. Feature-head methods keep the features of what they score in ``feature_store``
     (default: the disk cache under ``cache_dir``; the Python API passes a bounded in-memory store). ``batch_size``
     sets the sequences per forward pass when scoring. The config and ``method.json`` are checked before any model
     is touched."""

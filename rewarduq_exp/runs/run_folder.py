@@ -16,12 +16,15 @@ another config (unless ``force``). That is why Hydra does not write ``.hydra/`` 
 (``hydra.output_subdir: null``): :meth:`write_config` does it once the folder is ours.
 
 Every write stays inside the folder (:mod:`rewarduq_exp.core.inside_folder`): before a run claims it, and before
-``evaluate.py`` writes or swaps anything in, a link or a non-folder where the results go is refused in one line.
+``evaluate.py`` writes or swaps anything in, a link or a non-folder where the results go is refused in one line; and
+at every write (:mod:`rewarduq_exp.core.atomic_write`), so a link made while the run is under way is refused too,
+and the run fails with that line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -54,6 +57,8 @@ from rewarduq_exp.runs.run_owner import (
     owner_alive,
     this_owner,
 )
+
+log = logging.getLogger(__name__)
 
 CLAIM_STALE_S = 30.0
 # What a run writes, relative to its folder. TREES are rewritten inside (a save, a re-run's figures, the training
@@ -219,7 +224,10 @@ class RunFolder:
             if self._status is None or self._status.get("state") != RUNNING:
                 return
             self._status["heartbeat_at"] = now_iso()
-            write_json(self.status_path, self._status)
+            try:
+                write_json(self.status_path, self._status)
+            except UserError:
+                pass  # status.json made a link meanwhile: refused, never written through; the final status says it
 
     def _end(self, status: dict) -> None:
         """Write the final status; the heartbeat stops first, so it can never write ``running`` over it."""
@@ -228,7 +236,12 @@ class RunFolder:
             self._heartbeat = None
         with self._lock:
             self._status = status
-            write_json(self.status_path, status)
+            try:
+                write_json(self.status_path, status)
+            except UserError as err:  # status.json made a link meanwhile (refused, never written through)
+                if status.get("state") == COMPLETED:
+                    raise             # the run fails with that line (and this ends here again, without raising)
+                log.error("%s: not updated (state %s): %s", self.status_path, status.get("state"), one_line(err))
 
     def write_config(self, task_cfg, hydra_cfg, overrides) -> None:
         """``.hydra/config.yaml``, ``hydra.yaml`` and ``overrides.yaml``, as Hydra writes them, once the folder is
