@@ -21,7 +21,7 @@ from test_cli import NO_FIGURES, run
 
 from rewarduq_exp.core.atomic_write import atomic_dir, atomic_path, write_atomic
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.core.inside_folder import check_writes_inside, make_folders
+from rewarduq_exp.core.inside_folder import check_writes_inside, make_folders, replace_inside
 from rewarduq_exp.runner import evaluation, train_run
 
 TRAIN = ["method=ens_mlp", "progress=false", "dataset.n_train=120", "dataset.n_eval=40", "dataset.n_ood=40",
@@ -283,3 +283,22 @@ def test_results_still_land_in_a_run_folder_reached_through_a_link(tmp_path):
         parquet(tmp)
     write_atomic(run_dir / "status.json", "{}")
     assert (real / "predictions" / "eval.parquet").is_file() and (real / "status.json").read_text() == "{}"
+
+
+def test_a_swap_into_the_run_is_checked_at_the_rename(tmp_path):
+    """replace_inside: what a writer finished elsewhere in its folder (evaluate.py's staging folder) is renamed in
+    through the checked folders, and not through a link made there meanwhile."""
+    run_dir = guarded_run(tmp_path)
+    outside = outside_folder(tmp_path)
+    before = snapshot(outside)
+    staged = run_dir / ".staging" / "predictions" / "eval.parquet"
+    with atomic_path(staged) as tmp:
+        parquet(tmp)
+    replace_inside(staged, run_dir / "predictions" / "eval.parquet")
+    assert (run_dir / "predictions" / "eval.parquet").is_file() and not staged.exists()
+    with atomic_path(staged) as tmp:
+        parquet(tmp)
+    link(run_dir / "predictions", outside)
+    with pytest.raises(UserError, match=f"^{run_dir / 'predictions'} is a symbolic link"):
+        replace_inside(staged, run_dir / "predictions" / "eval.parquet")
+    assert staged.is_file() and snapshot(outside) == before
