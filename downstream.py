@@ -4,10 +4,15 @@ human ratings of the VADER sentences): ``python downstream.py task=best_of_n run
 
 import sys
 
-import hydra
+from rewarduq_exp.core import job_signals
 
-from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.runner.cli import check_group_choices, check_setting_keys, fail, register_resolvers
+if __name__ == "__main__":
+    job_signals.guard_startup()   # Ctrl-C while the imports below run: one line, not a traceback
+
+import hydra  # noqa: E402
+
+from rewarduq_exp.core.errors import UserError  # noqa: E402
+from rewarduq_exp.runner.cli import check_group_choices, check_setting_keys, fail, register_resolvers  # noqa: E402
 
 register_resolvers()
 
@@ -20,13 +25,22 @@ def main(cfg):
 
     from rewarduq_exp.downstream.tasks import run_task  # heavy imports after Hydra has parsed the command line
 
+    out = Path(HydraConfig.get().runtime.output_dir)
     try:
-        run_task(cfg, Path(HydraConfig.get().runtime.output_dir))
+        run_task(cfg, out)
     except UserError as err:
         fail(str(err), err.exit_code)
+    except job_signals.TrainingInterrupted as err:
+        # the task writes its results at the end (each file atomically): what is there is complete, the rest missing
+        err.message = err.message or f"the {cfg.task.name} task stopped before it finished; {out} lacks its results"
+        raise
 
 
-if __name__ == "__main__":
+def cli() -> None:
     check_group_choices(sys.argv[1:], groups=("task",))
     check_setting_keys(sys.argv[1:], "downstream")
     main()
+
+
+if __name__ == "__main__":
+    job_signals.entry_point(cli, "stopped before the task started; nothing was written")

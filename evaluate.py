@@ -2,9 +2,14 @@
 
 import sys
 
-import hydra
+from rewarduq_exp.core import job_signals
 
-from rewarduq_exp.runner.cli import check_group_choices, check_setting_keys, register_resolvers
+if __name__ == "__main__":
+    job_signals.guard_startup()   # Ctrl-C while the imports below run: one line, not a traceback
+
+import hydra  # noqa: E402
+
+from rewarduq_exp.runner.cli import check_group_choices, check_setting_keys, register_resolvers  # noqa: E402
 
 register_resolvers()
 
@@ -31,8 +36,14 @@ def _dataset_as_plain_key(args: list[str]) -> list[str]:
     return [plain(a) for a in args]
 
 
-if __name__ == "__main__":
+def cli() -> None:
     sys.argv[1:] = _dataset_as_plain_key(sys.argv[1:])
     check_group_choices(sys.argv[1:], groups=("metric",))
     check_setting_keys(sys.argv[1:], "evaluate")
     main()
+
+
+if __name__ == "__main__":
+    # A signal while it scores: one line, exit 128 + the signal; the staged results are removed and the run folder
+    # is as it was (rewarduq_exp/runner/evaluate_run.py).
+    job_signals.entry_point(cli, "nothing of this evaluation was kept")

@@ -4,12 +4,17 @@ import os
 import sys
 from pathlib import Path
 
-import hydra
+from rewarduq_exp.core import job_signals
 
-from rewarduq_exp.core.distributed import launcher_overrides
-from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.runner.cli import check_group_choices, check_setting_keys, fail, register_resolvers
-from rewarduq_exp.runs import sweep_outcome
+if __name__ == "__main__":
+    job_signals.guard_startup()   # Ctrl-C while the imports below run: one line, not a traceback
+
+import hydra  # noqa: E402
+
+from rewarduq_exp.core.distributed import launcher_overrides  # noqa: E402
+from rewarduq_exp.core.errors import UserError  # noqa: E402
+from rewarduq_exp.runner.cli import check_group_choices, check_setting_keys, fail, register_resolvers  # noqa: E402
+from rewarduq_exp.runs import sweep_outcome  # noqa: E402
 
 register_resolvers()
 
@@ -33,7 +38,7 @@ def let_sweep_jobs_import_this_repo() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, paths)])
 
 
-if __name__ == "__main__":
+def cli() -> None:
     let_sweep_jobs_import_this_repo()
     check_group_choices(sys.argv[1:])
     from rewarduq_exp.runner import plan
@@ -58,3 +63,16 @@ if __name__ == "__main__":
         print(summary, flush=True)
     if any_failed:
         sys.exit(1)
+
+
+def interrupted_outside_a_run() -> str:
+    """The one line's message for a signal that no run of this process recorded (while Hydra composes, between the
+    runs of a sweep, while a launcher waits for its jobs, which record their own interruption)."""
+    if any(a in ("-m", "--multirun") or a.startswith("--multirun") for a in sys.argv[1:]):
+        return ("the sweep stopped; run the same command again to go on (completed runs are skipped, interrupted ones "
+                "resume)")
+    return "stopped before the run started; nothing was trained"
+
+
+if __name__ == "__main__":
+    job_signals.entry_point(cli, interrupted_outside_a_run)

@@ -17,9 +17,10 @@ is read (no pickle). A finished phase keeps its final state (a job killed while 
 run deletes the whole folder when it completes.
 
 When a phase is saved: every ``checkpoint.every_steps`` optimizer steps, every ``checkpoint.every_minutes`` minutes,
-and at the next step boundary after the process is signalled (``SIGTERM``: preemption, ``scancel``, ``kill``;
-``SIGUSR1`` / ``SIGUSR2``: Slurm's warning before the time limit, see :mod:`rewarduq_exp.core.job_signals`). A
-resumed phase takes every value back, so the rest of the run computes exactly what an uninterrupted one would.
+and at the next step boundary after the process is signalled (``SIGINT``: Ctrl-C; ``SIGTERM``: preemption,
+``scancel``, ``kill``; ``SIGUSR1`` / ``SIGUSR2``: Slurm's warning before the time limit, see
+:mod:`rewarduq_exp.core.job_signals`). A resumed phase takes every value back, so the rest of the run computes
+exactly what an uninterrupted one would.
 
 Only the training loops of an active run checkpoint (``train.py`` activates a :class:`TrainingCheckpoints` for its
 folder): the Python API's ``method.fit`` keeps no state on disk.
@@ -44,6 +45,7 @@ import torch
 from rewarduq_exp.core.atomic_write import atomic_path
 from rewarduq_exp.core.distributed import rank, world_size
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.job_signals import deferred
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -79,6 +81,7 @@ class TrainingCheckpoints:
         self.every_s = float(every_minutes) * 60 if every_minutes else None
         self._phases = 0
         self.resumed: list[str] = []   # what this attempt took from a checkpoint (reported in status.json)
+        self.last_saved: str | None = None   # what this attempt saved last ("step 37 of 190 of <phase>"), if anything
         # Training seconds of earlier attempts in the phases this one resumed, up to their last save (work after it
         # was lost and is done again, so it is counted once, in this attempt).
         self.earlier_seconds = 0.0
@@ -138,15 +141,19 @@ class Phase:
         return bool(every_s and world_size() == 1 and time.monotonic() - self._last_save >= every_s)
 
     def save(self, tensors: dict[str, torch.Tensor], meta: dict) -> float:
-        """Write this phase's state atomically; returns the seconds it took."""
+        """Write this phase's state atomically; returns the seconds it took. A stop signal (a second Ctrl-C) that
+        arrives meanwhile waits until the file is in place (:func:`rewarduq_exp.core.job_signals.deferred`)."""
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
         header = {"format": FORMAT, "config_hash": self.owner.config_hash, "phase": self.name,
                   "seconds": round(self._earlier_s + time.monotonic() - self._begun, 3), **meta}
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-        with atomic_path(self.path) as tmp:
-            save_file(tensors, str(tmp), metadata={"state": json.dumps(header)})
+        with deferred():
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+            with atomic_path(self.path) as tmp:
+                save_file(tensors, str(tmp), metadata={"state": json.dumps(header)})
+            self.owner.last_saved = (f"step {header.get('step')} of {header.get('total')} of {self.name}"
+                                     + (" (training done)" if header.get("done") else ""))
         self._last_save = time.monotonic()
         return time.perf_counter() - t0
 

@@ -8,7 +8,8 @@ the shards' key lists (read once per process and shard) and computes only the te
 
 Shards are written to a temporary name and renamed, under a file lock named after the set of missing texts, so
 that 27 sweep jobs asking for the same features compute them once: the first takes the lock and extracts, the others
-wait on the lock and then find every text in the finished shard. A reader never sees a half-written shard, and a
+wait on the lock (saying so in one log line, with the holder's pid and host: :mod:`rewarduq_exp.core.file_locks`)
+and then find every text in the finished shard. A reader never sees a half-written shard, and a
 killed writer leaves only a stray temp file (ignored) and a lock the system releases with the process.
 
 Under a multi-process run (torchrun / accelerate) the processes of ONE run share the missing rows instead: each
@@ -31,11 +32,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from filelock import FileLock
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rewarduq_exp.core import distributed
+from rewarduq_exp.core import distributed, file_locks
 from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
 from rewarduq_exp.core.hashing import stable_hash
 
@@ -148,7 +148,7 @@ class FeatureCache:
             write_atomic(folder / "meta.json", json.dumps(meta, indent=1, default=str))
         lock_name = hashlib.sha256(b"".join(keys[i] for i in missing)).hexdigest()[:24]
         if distributed.world_size() == 1:
-            with FileLock(str(folder / f"{lock_name}.lock")):
+            with file_locks.held(folder / f"{lock_name}.lock", "backbone features another process is computing"):
                 shards.refresh()  # another job may have stored them while we waited for the lock
                 missing = self._first_missing(keys, shards)
                 if len(missing):
@@ -200,7 +200,7 @@ class FeatureCache:
         if cached is not None:
             return cached, True
         self.root.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.path(key)) + ".lock"):
+        with file_locks.held(str(self.path(key)) + ".lock", f"the cache entry {key} another process is computing"):
             cached = self.get(key)  # another process may have finished it while we waited for the lock
             if cached is not None:
                 return cached, True

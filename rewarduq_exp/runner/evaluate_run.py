@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -27,6 +28,8 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from rewarduq_exp.core import job_signals
+from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.core.checks import check_integer
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.foreign_config import MACHINE_PATHS
@@ -42,6 +45,7 @@ from rewarduq_exp.runner.summary import summary_table
 from rewarduq_exp.runner.trained_run import load_trained_method, read_run_config
 from rewarduq_exp.runner.validation import check_cache_dir, check_eval_kind, method_task, validate_metric_config
 from rewarduq_exp.runs.run_folder import RunFolder, write_json
+from rewarduq_exp.runs.run_owner import gone_on_this_host, this_owner
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -121,25 +125,75 @@ def evaluate_run_folder(cfg) -> dict:
         with folder.metrics_lock():
             folder.check_evaluation_writes(list(blocks))
             write_json(staging.metrics_path, folder.merged_metrics(blocks))
-            swap_in(staging, folder, list(blocks))
+            # A signal (Ctrl-C, SIGTERM) from here on waits for the renames: never half an evaluation swapped in.
+            with job_signals.deferred(f"the evaluation had finished: its results are in {folder.root}"):
+                swap_in(staging, folder, list(blocks))
+                remove_staging(staging.root)
     print(f"evaluated {folder.root}\n{summary_table(blocks)}", flush=True)
     return blocks
+
+
+STAGING_PREFIX = ".evaluate-"
+STAGING_OWNER = "owner.json"   # the evaluate.py process that stages there: host, pid, its start time
 
 
 @contextlib.contextmanager
 def staged_results(folder: RunFolder):
     """A hidden folder inside the run folder (same filesystem: the swap is a rename) laid out as a run folder, removed
-    afterwards whatever happened."""
-    staging = folder.root / f".evaluate-{uuid.uuid4().hex[:12]}"
+    afterwards whatever happened (an error, a signal). It records its owner process (``owner.json``), so that one
+    left by a process that could not remove it (``kill -9``, a lost node) is removed by the next evaluation of the
+    run on the same host (:func:`remove_dead_staging`)."""
+    remove_dead_staging(folder.root)
+    staging = folder.root / f"{STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
     try:
         os.mkdir(staging)  # a fresh real folder (never an existing name, nor a link someone left there)
     except PermissionError as err:
         raise UserError(f"run folder {folder.root} is not writable ({err.strerror}): evaluate.py adds its results "
                         "there; copy the run folder somewhere writable and evaluate the copy") from None
     try:
+        write_atomic(staging / STAGING_OWNER, json.dumps(this_owner()))
         yield RunFolder(staging)
+    except job_signals.TrainingInterrupted as err:
+        err.message = err.message or f"nothing of this evaluation was kept: {folder.root} is as it was"
+        raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_staging(staging)
+
+
+def remove_staging(staging: Path) -> None:
+    """Remove a staging folder, its owner record last: a removal cut short (a second Ctrl-C) leaves a folder that
+    still names its (then dead) owner."""
+    if not staging.is_dir() or staging.is_symlink():
+        return
+    for child in staging.iterdir():
+        if child.name != STAGING_OWNER:
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+    (staging / STAGING_OWNER).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        staging.rmdir()
+
+
+def remove_dead_staging(root: Path) -> None:
+    """Remove the staging folders of evaluations whose process is provably gone: its ``owner.json`` names this host
+    and a pid that no longer runs (or now belongs to a process started at another time). Any other one is kept: a
+    live owner's, another host's (a shared filesystem: its process cannot be checked from here), one without an
+    owner record."""
+    for path in sorted(root.glob(f"{STAGING_PREFIX}*")):
+        if not path.is_dir() or path.is_symlink():
+            continue
+        try:
+            owner = read_json_object(path / STAGING_OWNER, "a staging folder's owner")
+        except UserError:
+            owner = None
+        if owner is None:
+            log.info("kept %s: it names no owner process (left by an older evaluate.py?); delete it if no "
+                     "evaluate.py is running on this run folder", path)
+        elif gone_on_this_host(owner):
+            log.info("removing %s: left by evaluate.py (pid %s on this host), which is gone", path, owner.get("pid"))
+            remove_staging(path)
 
 
 def swap_in(staging: RunFolder, folder: RunFolder, names: list[str]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def train(cfg: DictConfig) -> dict | None:
     log_file = _log_to_file(out / "train.log") if folder.writer else None
     log.info("threads: %d (%s)", threads["threads"], threads["threads_reason"])
     checkpoints = None
-    job_signals.install()
+    owns_signals = job_signals.install()   # False under train.py's entry point, which listens already
     try:
         if folder.writer:
             hydra_cfg = HydraConfig.instance().cfg
@@ -84,13 +85,18 @@ def train(cfg: DictConfig) -> dict | None:
         checkpoints = _checkpoints(cfg, out, chash)
         with training_checkpoint.activate(checkpoints):
             return _run(cfg, out, folder, checkpoints)
-    except job_signals.TrainingInterrupted as err:
+    except (job_signals.TrainingInterrupted, KeyboardInterrupt) as caught:
+        # KeyboardInterrupt: Ctrl-C while a library had put Python's own SIGINT handler back
+        err = (caught if isinstance(caught, job_signals.TrainingInterrupted)
+               else job_signals.TrainingInterrupted(signal.SIGINT, "(KeyboardInterrupt)"))
         saved = checkpoints is not None and checkpoints.exists()
         message = (f"interrupted by {err.signal_name} {err.where}; "
                    + (f"training state saved in {checkpoints.directory}: launch the same command again to resume"
                       if saved else "no training state saved yet: launching the same command again starts it over"))
         log.warning("%s", message)
-        folder.interrupt(message)
+        err.message = interrupted_line(err, checkpoints, in_multirun())
+        with job_signals.deferred():   # a second Ctrl-C waits for status.json, then leaves at once
+            folder.interrupt(message)
         job_signals.leave(err)
     except UserError as err:
         folder.fail(err, with_traceback=False)
@@ -105,10 +111,31 @@ def train(cfg: DictConfig) -> dict | None:
             return None
         raise
     finally:
-        job_signals.uninstall()
+        if owns_signals:
+            job_signals.uninstall()
         if log_file is not None:
             logging.getLogger().removeHandler(log_file)
             log_file.close()
+
+
+def interrupted_line(err: job_signals.TrainingInterrupted, checkpoints: TrainingCheckpoints | None,
+                     sweep: bool = False) -> str:
+    """What the one line on stderr says was kept of an interrupted run, and what the same command will do."""
+    again = "run the same command again to resume" + (" the sweep" if sweep else "")
+    last = checkpoints.last_saved if checkpoints is not None else None
+    kept = checkpoints is not None and checkpoints.exists()
+    if err.forced:
+        head = "stopped in the middle of a training step, without saving it; "
+        if last and kept:
+            return head + f"the training state saved at {last} is kept; {again}"
+        if kept:
+            return head + f"the training state saved earlier is kept; {again}"
+        return head + "no training state was saved: the same command starts the run over"
+    if last and kept:
+        return f"training state saved at {last}; {again}"
+    if kept:
+        return f"the training state saved by an earlier attempt is kept in {checkpoints.directory}; {again}"
+    return "no training state was saved yet: the same command starts the run over"
 
 
 def _checkpoints(cfg: DictConfig, out: Path, chash: str | None) -> TrainingCheckpoints | None:
@@ -227,11 +254,12 @@ class RewardModelTask:
         max_length = int(cfg.max_length)
         count = TokenCounter(tokenizer, self.backbone.identity(), Path(cfg.paths.cache_dir) / "token_lengths")
         train_frame, train_report = load_split(loader, loader.train_split, f"{cfg.dataset.name}_{loader.train_split}",
-                                               tokenizer, max_length, count)
+                                               tokenizer, max_length, count, training=True,
+                                               batch_size=cfg.method.get("batch_size"))
         eval_frames, reports = {}, [train_report]
         for es in self.eval_sets:
             eval_frames[es.name], report = load_split(self.eval_loaders[es.name], es.split, es.name, tokenizer,
-                                                      max_length, count)
+                                                      max_length, count, n_bins=cfg.metric.n_bins)
             reports.append(report)
         if folder.writer:
             write_json(self.out / "data_summary.json", [vars(r) | {"dropped": r.dropped} for r in reports])

@@ -34,6 +34,7 @@ from pathlib import Path
 import pandas as pd
 from filelock import FileLock
 
+from rewarduq_exp.core import file_locks
 from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.inside_folder import check_writes_inside
@@ -142,9 +143,11 @@ class RunFolder:
     def metrics_lock(self):
         """Held while ``metrics.json`` is read, merged and replaced, so two ``evaluate.py`` runs finishing together
         on one run folder both land. The lock file must be a plain file of the folder: ``FileLock`` opens it for
-        writing and would follow a link out of the folder (or fail on a folder)."""
+        writing and would follow a link out of the folder (or fail on a folder). Waiting for another process that
+        holds it is said in one log line, with the holder (:mod:`rewarduq_exp.core.file_locks`)."""
         check_writes_inside(self.root, files=(METRICS_LOCK,))
-        with FileLock(str(self.root / METRICS_LOCK)):
+        path = self.root / METRICS_LOCK
+        with file_locks.held(path, f"the metrics of {self.root}", lock=FileLock(str(path))):
             yield
 
     def merged_metrics(self, blocks: dict[str, dict]) -> dict:

@@ -113,6 +113,28 @@ def owner_alive(status: dict) -> bool:
     return age is None or age < STALE_BEATS * every
 
 
+def gone_on_this_host(owner: dict) -> bool:
+    """Whether the process an owner record (:func:`this_owner`'s fields) names has provably ended: it ran on this host
+    and no process with its pid exists now, or the one that does started at another time (a recycled pid). False
+    whenever that cannot be proved: another host, a record without a pid, a process this user may not inspect, this
+    very process."""
+    import psutil
+
+    pid = owner.get("pid")
+    if owner.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        started = psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return True
+    except (psutil.Error, OSError):
+        return False
+    recorded = owner.get("pid_started")
+    return isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and abs(started - recorded) >= 1.0
+
+
 def effective_state(status: dict, ended_launch: str | None = None) -> str | None:
     """``status["state"]``, except that a ``running`` run whose owner is gone is ``interrupted``: its process is dead,
     or it was started by launch ``ended_launch``, whose jobs have all ended."""
