@@ -124,3 +124,78 @@ def test_memory_check_reads_gpu_mem_gb_or_a_known_gpu():
         check_plans([(["a=1"], plan)], {"gpu_mem_gb": 24, "gpus_per_node": 1})
     with pytest.raises(UserError, match=r"hydra.launcher.gpu=tpu is not a GPU this launcher knows"):
         check_plans([(["a=1"], plan)], {"gpu": "tpu", "gpus_per_node": 1})
+
+
+# ---------------------------------------------------------------------------------------------- sweep parsing
+def sweep_config(params: dict):
+    """A composed config's ``hydra.sweeper.params``, as a ``conf/sweep/*.yaml`` sets it."""
+    return OmegaConf.create({"hydra": {"sweeper": {"params": params}}})
+
+
+SWEEPS = [   # (value, the values Hydra's basic sweeper runs): the same in hydra.sweeper.params and on the command line
+    ("range(0,3)", ["0", "1", "2"]),
+    ("choice(a,b)", ["a", "b"]),
+    ("a,b,c", ["a", "b", "c"]),
+    ("1e-3, 1e-2", ["0.001", "0.01"]),
+    ("'x,y'", ["'x,y'"]),                         # quoted: one value holding a comma
+    ("choice('x,y',z)", ["x\\,y", "z"]),          # as Hydra passes it on: the comma escaped
+]
+
+
+@pytest.mark.parametrize("value, expected", SWEEPS, ids=[v for v, _ in SWEEPS])
+@pytest.mark.parametrize("where", ["sweep config", "command line"])
+def test_sweep_values_are_parsed_as_hydra_parses_them(value, expected, where):
+    """``hydra.sweeper.params`` values were split on commas: ``range(0,3)``, ``choice(...)`` and quoted commas
+    broke. Both sources now go through Hydra's override parser, as its sweeper does."""
+    from rewarduq_exp.runner.plan import sweep_points
+
+    if where == "sweep config":
+        points = sweep_points(sweep_config({"seed": value}), [])
+    else:
+        points = sweep_points(sweep_config({}), [f"seed={value}"])
+    assert points == [[f"seed={v}"] for v in expected]
+
+
+def test_command_line_replaces_a_sweep_configs_key_and_the_grid_is_the_product():
+    from rewarduq_exp.runner.plan import sweep_points
+
+    cfg = sweep_config({"seed": "range(0,2)", "method.learning_rate": "1e-3,1e-2"})
+    assert sweep_points(cfg, ["method.learning_rate=0.5", "method.beta=choice(1,2)"]) == [
+        [f"seed={s}", "method.learning_rate=0.5", f"method.beta={b}"] for s in (0, 1) for b in (1, 2)]
+
+
+def test_a_shipped_sweep_config_with_range_choice_and_glob_on_the_command_line():
+    """``sweep=bay_lin`` (a 3 x 3 grid in its params) with its learning rate fixed on the command line, x
+    ``seed=range(0,2)``; ``method=glob(...)`` lists the group's options through Hydra's config loader. Each point
+    composes to the values it names."""
+    from rewarduq_exp.runner.plan import compose_points
+
+    points = compose_points(["sweep=bay_lin", "model=qwen3-0.6b", "method.learning_rate=0.5", "seed=range(0,2)"])
+    assert {(c.method.learning_rate, c.method.reg_lambda, c.seed) for _, c in points} == {
+        (0.5, lam, s) for lam in (1e-3, 1e-2, 1e-1) for s in (0, 1)} and len(points) == 6
+    globbed = compose_points(["method=glob([ens_m*,bay_*])", "model=qwen3-0.6b"])
+    assert sorted(p[0] for p, _ in globbed) == ["method=bay_lin", "method=ens_mlp"]
+
+
+def test_plan_of_a_range_sweep_through_train_py(tmp_path):
+    proc = run_entry_point(ROOT / "train.py", ["-m", "method=ens_mlp", "model=qwen3-0.6b", "dataset=ultrafeedback",
+                                               "seed=range(0,3)", "method.beta=choice(1.0,2.0)", "plan=true",
+                                               f"paths.output_root={tmp_path}/out"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "sweep: 6 points planned" in proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("seed=interval(0,1)", "error: seed=interval(0,1) is invalid: interval(...) is sampled by optimising sweepers"),
+    ("method=glob(zzz*)", "error: method=glob(zzz*) matches no method; allowed: bay_lin, "),
+    ("seed=glob(*)", "error: seed=glob(*) is invalid: glob(...) picks among the options of a config group"),
+    ("seed=range(3,3)", "error: seed=range(3,3) gives no value to run"),
+])
+def test_a_sweep_that_gives_no_grid_is_one_line(tmp_path, arg, message):
+    proc = run_entry_point(ROOT / "train.py", ["-m", "model=qwen3-0.6b", arg, "plan=true",
+                                               f"paths.output_root={tmp_path}/out"], tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
+    assert not (tmp_path / "out").exists()

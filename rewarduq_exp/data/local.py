@@ -54,6 +54,17 @@ OPTIONAL = ("prompt", "id", "weight", "subset")
 MAX_ROW_DEPTH = 63
 
 
+def _check_regular(path: Path, key: str) -> None:
+    """A one-line :class:`UserError` when ``path`` exists and is no regular file. A stat only: a named pipe must
+    never be opened (that blocks until a writer comes)."""
+    try:
+        if path.is_file() or not path.exists():
+            return
+    except OSError:  # a name too long and the like: the reader reports it
+        return
+    raise UserError(f"{key}={path}: not a regular file ({_file_kind(path)}); give a data file")
+
+
 def _file_kind(path: Path) -> str:
     mode = os.stat(path).st_mode
     if stat.S_ISFIFO(mode):
@@ -158,6 +169,9 @@ class LocalPreferenceFile:
         self.columns = {c: c for c in TEXT + OPTIONAL} | dict(columns or {})
         self.train_split = train_split
         self.eval_splits = tuple(eval_splits)
+        for key, given in (("dataset.path", path), ("dataset.eval_path", eval_path)):  # a stat: before any model
+            if given:
+                _check_regular(Path(given), key)
 
     def load(self, split: str, max_chars: int | None = None):
         """The split's file as a contract frame. ``max_chars``: rows whose contents have more characters than this
@@ -212,8 +226,7 @@ class LocalPreferenceFile:
         path = Path(path)
         if not path.exists():
             raise UserError(f"{key}={path}: file not found")
-        if not path.is_file():  # stat only: a named pipe must not be opened (it blocks until a writer comes)
-            raise UserError(f"{key}={path}: not a regular file ({_file_kind(path)}); give a data file")
+        _check_regular(path, key)
         fmt = file_builder(str(path), what=f"{key}={path}")
         problem = no_rows(str(path))
         if problem:

@@ -113,8 +113,9 @@ def score_candidates(model: RewardModel, candidates) -> tuple[np.ndarray, np.nda
 
 def knn_uncertainty(model: RewardModel, world, candidates, k: int, memo: dict) -> np.ndarray | None:
     """The k-NN distance of every candidate to the run's training completions in its frozen feature space, (P, N);
-    None for methods without frozen features (the fine-tuned ones), which have no feature space apart from
-    their adapted model. ``memo`` keeps the distances of a backbone, probe, training set and candidates: the seeds
+    None for methods that are no head on the encoder's frozen features (``FeatureHeadMethod``): the fine-tuned
+    ones, which have no feature space apart from their adapted model, and BoRP, whose probe reads the layers of its
+    own rating template. ``memo`` keeps the distances of a backbone, probe, training set and candidates: the seeds
     and label strengths of one world share them (their texts are the same), so a sweep computes them once."""
     encoder = getattr(model.method, "encoder", None)
     if not isinstance(model.method, FeatureHeadMethod) or encoder is None:

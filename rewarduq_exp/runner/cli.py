@@ -1,4 +1,4 @@
-"""Entry-point plumbing shared by ``train.py`` and ``evaluate.py``.
+"""Entry-point plumbing shared by ``train.py``, ``evaluate.py`` and ``downstream.py``.
 
 * Config-group names given on the command line are checked before Hydra starts, so an unknown
   ``method=``/``model=``/``dataset=`` gets one line naming the allowed values instead of Hydra's multi-line report.
@@ -51,6 +51,8 @@ def unique_run_dir(base: str, *, _root_=None) -> str:
     """``${unique_run_dir:<base>}``: a single run's folder, ``<base>-<config hash>``, created here with an exclusive
     ``mkdir`` (``-2``, ``-3``, ... when that name is taken), so two runs started in the same second, on one machine
     or on two nodes of a shared filesystem, never share a folder. Hydra resolves ``hydra.run.dir`` once per run.
+    The one exception: an interrupted run of the very same config that saved a checkpoint is resumed in its own
+    folder (:func:`interrupted_run_with_checkpoint`; ``force=true`` starts a new one).
 
     A folder that cannot be created (a read-only ``paths.output_root``) is one line and exit 2, before Hydra tries.
     """
