@@ -130,8 +130,9 @@ def check_all(path, member: str, declared: Mapping[str, Declared], expected: Map
     unexpected = [name for name in declared if name not in expected]
     if unexpected:
         name = unexpected[0]
-        raise UserError(one_line(f"{path}: holds a {member} {name!r} ({declared[name].text()}) that a saved model "
-                                 f"of these settings never has; refused before reading it; {fix}"))
+        article = "an" if member[0] in "aeiou" else "a"
+        raise UserError(one_line(f"{path}: holds {article} {member} {name!r} ({declared[name].text()}) that a saved "
+                                 f"model of these settings never has; refused before reading it; {fix}"))
     missing = [name for name in expected if name not in declared and name not in optional]
     if missing:
         raise UserError(one_line(f"{path}: holds no {member} {missing[0]!r}; {fix}"))
@@ -227,7 +228,7 @@ class NpzArrays:
                     raise UserError(one_line(f"{self.path}: array {key!r} has no valid .npy header ({first}); "
                                              f"{self.fix}")) from None
             if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "fiubU":
-                raise UserError(one_line(f"{self.path}: array {key!r} has dtype {dtype.str!r}, not plain numbers or "
+                raise UserError(one_line(f"{self.path}: array {key!r} has dtype {dtype.name!r}, not plain numbers or "
                                          "text (Python objects would need a pickle, which is never loaded); "
                                          f"{self.fix}"))
             item = Declared(tuple(int(d) for d in shape), dtype.name, dtype.kind, int(dtype.itemsize))
