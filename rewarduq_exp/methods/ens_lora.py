@@ -563,8 +563,9 @@ class EnsLoRA(RewardMethod):
     # adapter_config.json fields that a saved ENS-LoRA adapter leaves empty (null, false, {} or []): each makes PEFT
     # allocate or do more than the LoRA of the hyperparameters (per-module ranks, copies of whole modules, repeated
     # layers, DoRA magnitudes, trainable tokens, initialisations from the base's weights, an imported module).
+    # (auto_mapping, which PEFT's own save_pretrained writes, is read by AutoPeftModel only, never by PeftModel.)
     ADAPTER_FIELDS_UNSET = ("rank_pattern", "alpha_pattern", "modules_to_save", "layer_replication",
-                            "megatron_config", "trainable_token_indices", "target_parameters", "auto_mapping",
+                            "megatron_config", "trainable_token_indices", "target_parameters",
                             "use_dora", "use_qalora", "use_bdlora", "loftq_config", "eva_config", "corda_config",
                             "arrow_config", "lora_ga_config", "kasa_config", "monteclora_config", "velora_config",
                             "alora_invocation_tokens", "layers_to_transform", "layers_pattern", "fan_in_fan_out")
