@@ -286,3 +286,24 @@ def test_ctrl_c_while_leaving_exits_at_once(tmp_path):
     proc.join(timeout=60)
     assert proc.exitcode == 130
     assert (tmp_path / "stderr").read_text() == "interrupted (SIGINT): stopped at once (Ctrl-C twice)\n"
+
+
+def test_the_waiting_line_names_the_holder_here_or_on_another_host(tmp_path):
+    from rewarduq_exp.core import file_locks
+
+    lock_path = tmp_path / "features.lock"
+    with FileLock(str(lock_path)):   # held by this process: the kernel says so
+        assert file_locks.holder(lock_path).startswith(f"pid {os.getpid()} on this host ({socket.gethostname()})")
+    # Held by a process on another node of a shared filesystem: only its record beside the lock can say who.
+    (tmp_path / "features.lock.holder").write_text(json.dumps({"pid": 4242, "host": "node7",
+                                                                "since": "2026-01-01T10:00:00+0000"}))
+    assert file_locks.holder(lock_path) == ("pid 4242 on host node7, since 2026-01-01T10:00:00+0000 (its record "
+                                            "features.lock.holder)")
+    # A record of this host whose process is gone is not believed.
+    (tmp_path / "features.lock.holder").write_text(json.dumps({"pid": 4242, "host": socket.gethostname(),
+                                                                "pid_started": 1.0}))
+    assert file_locks.holder(lock_path) == "another process (not on this host, or not visible from here)"
+    # Taken through held(), the record is there while the lock is held and gone after.
+    with file_locks.held(lock_path, "the test"):
+        assert json.loads((tmp_path / "features.lock.holder").read_text())["pid"] == os.getpid()
+    assert not (tmp_path / "features.lock.holder").exists()
