@@ -201,6 +201,7 @@ class FilterReport:
     unsplittable: int = 0  # dropped earlier, when the source's rows did not split into prompt + replies
     unit: str = "pairs"    # what a row is: pairs, prompts (K-wise) or responses (pointwise)
     not_tokenised: int = 0  # of the dropped: too long in characters for max_length tokens, never tokenised
+    identical_dropped: int = 0  # after the filter: training pairs whose chosen equals rejected (data/degenerate.py)
 
     @property
     def dropped(self) -> int:
@@ -215,6 +216,8 @@ class FilterReport:
             extra += "; dropped per subset: " + ", ".join(f"{k}={v}" for k, v in self.dropped_by_subset.items())
         if self.unsplittable:
             extra += f"; {self.unsplittable} unsplittable rows dropped while loading"
+        if self.identical_dropped:
+            extra += f"; {self.identical_dropped} pairs with chosen identical to rejected dropped from training"
         counted = f" (token lengths {pct})" if pct else ""
         return (f"{self.dataset}: {self.after}/{self.before} {self.unit} kept, {self.dropped} dropped by the "
                 f"max_length={self.max_length} filter{counted}{extra}")

@@ -10,12 +10,17 @@ import inspect
 import logging
 
 from rewarduq_exp.data.contract import data_kind, filter_by_length, validate_preferences
+from rewarduq_exp.data.degenerate import check_split
 from rewarduq_exp.models.token_counter import token_lower_bound
 
 log = logging.getLogger("rewarduq_exp")
 
 
-def load_split(loader, split: str, name: str, tokenizer, max_length: int, count=None):
+def load_split(loader, split: str, name: str, tokenizer, max_length: int, count=None, *, training: bool = False,
+               batch_size=None, n_bins=None):
+    """The split as a contract frame, length-filtered, and checked for data that trains or scores nothing
+    (:func:`rewarduq_exp.data.degenerate.check_split`: ``training`` for the split a method trains on, with the
+    method's ``batch_size``; ``n_bins``: the metric's calibration bins, for an eval split)."""
     bound = token_lower_bound(tokenizer)
     max_chars = bound.content_char_limit(max_length) if bound is not None else None
     if max_chars is not None and "max_chars" in inspect.signature(loader.load).parameters:
@@ -28,6 +33,8 @@ def load_split(loader, split: str, name: str, tokenizer, max_length: int, count=
     frame, report = filter_by_length(frame, tokenizer, max_length, name, count, bound,
                                      dropped_before_loading=frame.attrs.get("dropped_too_long", ()))
     report.unsplittable = unsplittable
+    frame, report.identical_dropped = check_split(frame, name, training=training, batch_size=batch_size,
+                                                  n_bins=n_bins)
     log.info(report.line())
     return frame, report
 
