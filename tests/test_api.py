@@ -50,18 +50,17 @@ def model(run_cwd):
     return r.load_run(run_cwd / "outputs" / "runs" / "bay_lin", progress=False)
 
 
-def readme_section_code(heading: str) -> list[str]:
+def docs_page_code(page: str) -> list[str]:
+    """The ```python blocks of docs/<page>."""
     from conftest import ROOT
 
-    text = (ROOT / "README.md").read_text()
-    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return re.findall(r"```python\n(.*?)```", (ROOT / "docs" / page).read_text(), flags=re.S)
 
 
-def test_readme_python_api_runs_as_written(run_cwd, monkeypatch, capsys):
-    (code,) = readme_section_code("Python API")
+def test_the_documented_python_api_runs_as_written(run_cwd, monkeypatch, capsys):
+    (code,) = docs_page_code("api.md")
     monkeypatch.chdir(run_cwd)
-    exec(compile(code, "README.md (Python API)", "exec"), {})
+    exec(compile(code, "docs/api.md", "exec"), {})
     out = capsys.readouterr().out
     assert "uncertainty" in out and "p_chosen" in out
     assert any(line.split(" ")[0] in ("Blue.", "Seven.", "Red.") for line in out.splitlines())  # best_of_n's pick

@@ -16,7 +16,13 @@ from rewarduq_exp.runner.cli import bad_setting_value, register_resolvers, unkno
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-DOCS = [ROOT / "README.md", ROOT / "slurm" / "README.md"]
+# The README, every page of docs/ and the Slurm guide: everything a user copies commands from.
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "slurm" / "README.md"]
+
+
+def name(doc: Path) -> str:
+    """A document as the tests name it: its path in the repository (README.md, docs/data.md, slurm/README.md)."""
+    return doc.relative_to(ROOT).as_posix()
 
 
 def options(group: str) -> list[str]:
@@ -31,7 +37,7 @@ def _check(cfg, model, method, dataset):
     assert cfg.model.name == model and cfg.dataset.name == dataset.rsplit("/", 1)[-1]
     cls = get_class(cfg.method._target_)
     assert LEARNERS[method] is cls if cls.task == "label_ranking" else cls.name == method
-    assert "keep_dtype_on_cpu" in cfg.model  # documented in README (the bf16 path on a CPU)
+    assert "keep_dtype_on_cpu" in cfg.model  # documented in docs/real-model.md (the bf16 path on a CPU)
 
 
 def test_every_model_method_pair_and_every_dataset_compose():
@@ -67,13 +73,13 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
         text = doc.read_text().replace("\\\n", " ")  # shell line continuations
         for line in text.splitlines():
             if line.lstrip().startswith("$ "):
-                continue  # a shell transcript of bad input, shown on purpose (README, Errors)
+                continue  # a shell transcript of bad input, shown on purpose (docs/errors.md)
             for match in re.finditer(r"python (train|evaluate)\.py([^`#\n]*)", line):
                 try:
                     args = shlex.split(match.group(2))
                 except ValueError:
                     continue
-                out.append((f"{doc.name}: {match.group(0).strip()}", match.group(1), args))
+                out.append((f"{name(doc)}: {match.group(0).strip()}", match.group(1), args))
     return out
 
 
@@ -107,7 +113,7 @@ def test_documented_overrides_name_real_settings(where, script, args):
         args = [a for a in args if not a.startswith("dataset=")]
     problem = unknown_setting(args, "train" if script == "train" else "evaluate")
     assert problem is None, f"{where}: {problem}"
-    # and every value is of its setting's kind (the check that refuses progress=maybe does not refuse the README)
+    # and every value is of its setting's kind (the check that refuses progress=maybe does not refuse the docs)
     problem = bad_setting_value(args, "train" if script == "train" else "evaluate")
     assert problem is None, f"{where}: {problem}"
 
@@ -120,7 +126,7 @@ def documented_keys() -> list[tuple[str, str]]:
             for token in span.split():
                 match = re.fullmatch(r"\[?([a-z_]+(?:\.[a-z_0-9]+)+)=\S*", token)
                 if match and not match.group(1).startswith("hydra."):
-                    out.add((doc.name, match.group(1)))
+                    out.add((name(doc), match.group(1)))
     return sorted(out)
 
 
@@ -137,4 +143,6 @@ def test_documented_keys_exist_in_some_option_of_their_group(where, key):
 
 
 def test_keys_mentioned_in_prose_are_found():
-    assert ("README.md", "model.keep_dtype_on_cpu") in KEYS and ("README.md", "method.center_features") in KEYS
+    assert ("docs/real-model.md", "model.keep_dtype_on_cpu") in KEYS
+    assert ("docs/methods.md", "method.center_features") in KEYS
+    assert {where for where, _ in KEYS} >= {"README.md", "docs/data.md", "docs/borp.md", "slurm/README.md"}

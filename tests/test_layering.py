@@ -1,4 +1,4 @@
-"""Imports flow one way through the package's layers (README, "Package layout"): a module imports only from lower
+"""Imports flow one way through the package's layers (docs/layout.md): a module imports only from lower
 layers or from its own subpackage, so e.g. data never imports models and no method imports the runner."""
 
 import ast

@@ -1,5 +1,6 @@
-"""The README's Errors section shows what the commands print today: every command there that needs no file of its own
-(no ``<placeholder>``, no data file, no read-only folder) is run, and its one line must be the README's line."""
+"""The error transcript of docs/errors.md shows what the commands print today: every command there that needs no
+file of its own (no ``<placeholder>``, no data file, no read-only folder) is run, and its one line must be the page's
+line."""
 
 import re
 
@@ -7,11 +8,13 @@ import pytest
 from conftest import ROOT
 from test_cli import run
 
+ERRORS_PAGE = ROOT / "docs" / "errors.md"
+
 
 def _transcript() -> list[tuple[str, str]]:
-    """(command arguments, error line) of the README's Errors block."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("\n## Errors\n"):]
+    """(command arguments, error line) of the transcript block under the page's "Bad input" heading."""
+    text = ERRORS_PAGE.read_text()
+    section = text[text.index("\n## Bad input"):]
     block = section[section.index("```\n") + 4:]
     block = block[:block.index("```")]
     lines = block.splitlines()
@@ -27,7 +30,7 @@ def test_the_errors_section_shows_commands_that_run_here():
 
 
 @pytest.mark.parametrize("args,line", SELF_CONTAINED, ids=[a for a, _ in SELF_CONTAINED])
-def test_an_error_of_the_readme_is_what_the_command_prints(tmp_path, shared_cache, args, line):
+def test_an_error_of_the_docs_is_what_the_command_prints(tmp_path, shared_cache, args, line):
     proc = run("train.py", [*args.split(), f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, shared_cache, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == line
