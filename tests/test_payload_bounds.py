@@ -331,8 +331,8 @@ def test_label_ranking_files_are_bounded_by_their_fitted_sizes(tmp_path):
     folder = tmp_path / "rpc_bomb"
     RPCLearner(seed=0).fit(X, ranks).save(folder)
     with zipfile.ZipFile(folder / "pairs.skops", "a", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
-        npy_member(zf, "bomb", (64 * MIB // 8,), "<f8")
-    with pytest.raises(UserError, match=r"pairs.skops: its members unpack to 6\d\.\d MiB, more than the .* this run's "
+        npy_member(zf, "bomb", (8 * MIB // 8,), "<f8")
+    with pytest.raises(UserError, match=r"pairs.skops: its members unpack to \d+\.\d MiB, more than the .* this run's "
                                         r"settings allow \(m=4, train_rows=40 in method.json, cv=2\)"):
         load_method(folder)
 
@@ -495,3 +495,23 @@ def test_a_hostile_adapter_is_refused_before_peft_reads_it(case, lora_folder, ti
     assert re.search(pattern, message), message
     assert not marker.exists()
     assert snapshot(copy) == before
+
+
+def test_a_policy_file_is_bounded_by_the_models_own_parameters(tiny_backbone, tmp_path):
+    """MCD-DPO's policy.safetensors: every tensor it declares must be a parameter of the backbone, of its shape."""
+    from rewarduq_exp.methods.base import load_method
+    from rewarduq_exp.methods.mcd_dpo.method import WEIGHTS_FILE, McdDpo
+
+    method = McdDpo(encoder=_Encoder(tiny_backbone), device="cpu", show_progress=False)
+    method._ensure_policy()
+    folder = tmp_path / "model"
+    method.save(folder)
+    enlarge(folder / WEIGHTS_FILE, "lm_head.weight", (11_060, 256))   # 10 x the vocabulary (tied: saved once)
+    before = snapshot(folder)
+    with pytest.raises(UserError) as error:
+        load_method(folder, encoder=_Encoder(tiny_backbone), device="cpu", show_progress=False)
+    assert str(error.value) == (
+        f"{folder / WEIGHTS_FILE}: tensor 'lm_head.weight' declares shape (11060, 256) of F32 (10.8 MiB); "
+        "this run's settings allow shape (1106, 256) of float (the parameters of model 'tiny-qwen3'); refused before "
+        "reading it; the run folder is damaged: copy it again or retrain")
+    assert snapshot(folder) == before

@@ -31,6 +31,7 @@ import os
 import stat
 import struct
 import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,13 @@ def _zip_entry_count(fh, size: int) -> int | None:
     return entries
 
 
+# What zipfile raises on a damaged archive: cut short or not a zip (BadZipFile, EOFError, struct.error), a bad CRC
+# (BadZipFile), data that does not inflate (zlib.error), an unknown compression (NotImplementedError), an encrypted
+# member (RuntimeError).
+_ZIP_ERRORS = (ValueError, OSError, EOFError, zipfile.BadZipFile, NotImplementedError, struct.error, zlib.error,
+               RuntimeError)
+
+
 class NpzArrays:
     """An ``.npz`` opened for bounded reading (a context manager): :attr:`declared` holds every member's declared
     shape and dtype (the zip directory and the ``.npy`` headers only); :meth:`check` compares them with what the
@@ -189,7 +197,7 @@ class NpzArrays:
         except UserError:
             self.close()
             raise
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile, NotImplementedError, struct.error) as err:
+        except _ZIP_ERRORS as err:
             self.close()
             raise self._not_saved(err) from None
 
@@ -223,7 +231,7 @@ class NpzArrays:
                     else:
                         raise ValueError(f".npy format version {version[0]}.{version[1]}")
                     offset = fh.tell()
-                except (ValueError, EOFError, SyntaxError, TypeError, OSError) as err:
+                except (ValueError, EOFError, SyntaxError, TypeError, OSError, zlib.error) as err:
                     first = (str(err).splitlines() or [type(err).__name__])[0][:200]
                     raise UserError(one_line(f"{self.path}: array {key!r} has no valid .npy header ({first}); "
                                              f"{self.fix}")) from None
@@ -259,7 +267,7 @@ class NpzArrays:
         try:
             with self._zip.open(name + ".npy") as fh:
                 return npy.read_array(fh, allow_pickle=False, max_header_size=MAX_NPY_HEADER)
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:  # cut short, a bad CRC
+        except _ZIP_ERRORS as err:  # cut short, a bad CRC, deflated data that does not inflate
             raise self._not_saved(err) from None
 
     def close(self) -> None:
@@ -287,7 +295,7 @@ def check_zip_total(data: bytes, path, limit: int, why: str, fix: str = DAMAGED)
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as zf:
             total = sum(info.file_size for info in zf.infolist())
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error):
+    except _ZIP_ERRORS:
         return
     if total > limit:
         raise UserError(one_line(f"{path}: its members unpack to {human_bytes(total)}, more than the "
