@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.setting_bounds import MAX_BINS, REAL_VALUED, check_bound, integer_kind_problem
 
 
 def check_positive(value, key: str, *, integer: bool = False, minimum: float = 0.0, inclusive: bool = False):
@@ -83,11 +84,18 @@ def check_like_default(key: str, value, default, shown: str | None = None):
     elif isinstance(default, (int, float)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UserError(f"{key}={shown} is invalid: must be a number (its default is {default})")
+        # An integer default makes an integer setting (probe.layer=-1.5 ran as -1 while the config said -1.5), except
+        # the few that take any number (minutes, epochs: setting_bounds.REAL_VALUED); 2.0 is refused too (why:
+        # rewarduq_exp/core/setting_bounds.py)
+        if (isinstance(default, int) and value is not None and key not in REAL_VALUED
+                and (problem := integer_kind_problem(key, value, default, shown))):
+            raise UserError(problem)
     elif isinstance(default, (DictConfig, dict)) and not isinstance(value, (DictConfig, dict)) and value is not None:
         first = next(iter(default.keys()), "<key>")
         raise UserError(f"{key}={shown} is invalid: {key} is a group of settings ({', '.join(map(str, default))}), "
                         f"not one value; set them one by one, e.g. {key}.{first}=<value>")
-    return value
+    # the bounds of the settings that size an allocation (bins, K, batches, max_length, ...), whatever the default
+    return check_bound(key, value, shown)
 
 
 def check_max_grad_norm(value, key: str = "method.max_grad_norm") -> float | None:
@@ -120,7 +128,8 @@ def check_choice(name: str, value, allowed: Sequence[str]) -> str:
 
 
 def check_n_bins(n_bins: object) -> int:
-    """``n_bins`` as an int, unless it is not an integer >= 1."""
-    if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 1:
-        raise UserError(f"n_bins must be an integer >= 1, got {n_bins!r}")
+    """``n_bins`` as an int, unless it is not an integer in [1, :data:`MAX_BINS`] (beyond it the bins' arrays grow
+    without any pair to fill them: 1e9 bins took 18.7 GB)."""
+    if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or not 1 <= n_bins <= MAX_BINS:
+        raise UserError(f"n_bins must be an integer in [1, {MAX_BINS}], got {n_bins!r}")
     return int(n_bins)

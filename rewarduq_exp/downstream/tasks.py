@@ -6,6 +6,7 @@ from pathlib import Path
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.inside_folder import check_writes_inside
+from rewarduq_exp.core.setting_bounds import check_config_bounds
 
 TASKS = ("best_of_n", "active_learning")
 # What each task writes into its folder (a fresh one per call, unless hydra.run.dir names an existing one).
@@ -18,6 +19,7 @@ OUTPUTS = {"best_of_n": ("curves.csv", "summary.csv", "overoptimization.csv", "s
 
 def run_task(cfg, out_dir: Path) -> dict:
     name = str(cfg.task.name)
+    check_config_bounds(cfg, prefixes=("task.",))   # candidates, draws, pool sizes: before any model or data
     if name in OUTPUTS:  # before any work: nothing is written through a link out of the task folder
         check_writes_inside(out_dir, files=OUTPUTS[name])
     if name == "best_of_n":

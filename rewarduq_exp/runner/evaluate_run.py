@@ -43,7 +43,13 @@ from rewarduq_exp.runner.data_loading import load_split, quiet_datasets_unless
 from rewarduq_exp.runner.evaluation import diagrams, evaluate_method, evaluate_pointwise, score_predictions
 from rewarduq_exp.runner.summary import summary_table
 from rewarduq_exp.runner.trained_run import load_trained_method, read_run_config
-from rewarduq_exp.runner.validation import check_cache_dir, check_eval_kind, method_task, validate_metric_config
+from rewarduq_exp.runner.validation import (
+    check_cache_dir,
+    check_eval_kind,
+    check_max_length,
+    method_task,
+    validate_metric_config,
+)
 from rewarduq_exp.runs.run_folder import RunFolder, write_json
 from rewarduq_exp.runs.run_owner import gone_on_this_host, this_owner
 
@@ -107,6 +113,7 @@ def evaluate_run_folder(cfg) -> dict:
         check_eval_kind(name, loader, task)
     if cfg.max_length is not None:
         max_length = check_integer("max_length", cfg.max_length, minimum=1)
+        check_max_length(max_length, run_cfg.model, cfg.paths.cache_dir)   # the backbone's context window
     else:
         max_length = check_integer(f"{folder.root}/.hydra/config.yaml: max_length", run_cfg.max_length, minimum=1)
     run = load_trained_method(cfg.run, device=cfg.device, cache_dir=cfg.paths.cache_dir, progress=bool(cfg.progress),
@@ -116,7 +123,8 @@ def evaluate_run_folder(cfg) -> dict:
     blocks = {}
     with staged_results(folder) as staging:
         for es in eval_sets:
-            frame, _ = load_split(eval_loaders[es.name], es.split, es.name, backbone.tokenizer, max_length, count)
+            frame, _ = load_split(eval_loaders[es.name], es.split, es.name, backbone.tokenizer, max_length, count,
+                                  n_bins=cfg.metric.n_bins)
             evaluate = evaluate_pointwise if data_kind(frame) == "pointwise" else evaluate_method
             blocks[es.name], _ = evaluate(method, frame, es.name, staging, cfg.metric)
         # Every step that can fail comes before the first rename: the lock (a link or a folder there is refused),

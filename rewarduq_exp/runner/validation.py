@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rewarduq_exp.core.checks import check_integer, check_seed, is_seed
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.setting_bounds import check_config_bounds
 from rewarduq_exp.metrics import check_alphas, check_n_bins
 from rewarduq_exp.metrics.kwise import check_tie_rule
 from rewarduq_exp.metrics.reward_bench import check_scoring
@@ -27,6 +28,7 @@ def require_complete(cfg: DictConfig) -> None:
 
 
 def validate_metric_config(metric_cfg) -> None:
+    check_config_bounds(metric_cfg, prefixes=("metric.",), at="metric")   # the bins (and the ranking metrics' sizes)
     try:
         check_n_bins(metric_cfg.n_bins)
     except UserError:
@@ -40,12 +42,105 @@ def validate_metric_config(metric_cfg) -> None:
 
 
 def validate_run_config(cfg: DictConfig) -> None:
-    """Checks of a training run's config that need no data, model or method."""
+    """Checks of a training run's config that need no data, model or method: every size within its bounds
+    (:mod:`rewarduq_exp.core.setting_bounds`), also when it comes from a config file, and the sizes that depend on
+    the backbone or the device checked against them (:func:`check_model_limits`), before anything is allocated."""
     check_seeds(cfg)
+    check_config_bounds(cfg)
     check_integer("max_length", cfg.max_length, minimum=1)
     validate_metric_config(cfg.metric)
     check_cache_dir(cfg.paths.cache_dir)
     check_device_per_rank(str(cfg.get("device", "auto")))
+    if dataset_task(cfg.dataset) != "label_ranking":   # label rankers read no backbone
+        check_model_limits(cfg)
+
+
+# ------------------------------------------------------------------------------------------ limits of the backbone
+def model_shape(model_cfg, cache_dir) -> dict | None:
+    """The backbone's ``config.json`` fields where they are known without downloading anything: a shipped shape
+    file, the tiny model's build settings, a local checkpoint (:func:`rewarduq_exp.models.shapes.shape_config`) or a
+    copy already in the Hugging Face cache; None when none is."""
+    from rewarduq_exp.models.shapes import shape_config
+
+    try:
+        return shape_config(model_cfg, cache_dir)
+    except UserError:
+        pass
+    except Exception:  # noqa: BLE001 (an unreadable shape file: the run's own loading reports it)
+        return None
+    hub_id = model_cfg.get("hub_id")
+    if not hub_id:
+        return None
+    try:
+        import json
+
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(str(hub_id), "config.json", revision=model_cfg.get("revision") or None)
+        return json.loads(Path(found).read_text()) if isinstance(found, str) else None
+    except Exception:  # noqa: BLE001 (no cache, no copy: the limit is not known, the static bound still holds)
+        return None
+
+
+def check_max_length(max_length: int, model_cfg, cache_dir, key: str = "max_length") -> int:
+    """``max_length`` no longer than the backbone's context window (``max_position_embeddings``), where it is known
+    without downloading: pairs up to ``max_length`` tokens are kept and scored, and positions beyond the window are
+    ones the model was never trained on."""
+    window = (model_shape(model_cfg, cache_dir) or {}).get("max_position_embeddings")
+    if isinstance(window, int) and not isinstance(window, bool) and max_length > window:
+        raise UserError(f"{key}={max_length} is too large for model '{model_cfg.get('name')}': at most {window} "
+                        f"tokens, its context window (max_position_embeddings); pairs up to max_length tokens are "
+                        f"kept and scored whole; set {key}<={window}")
+    return max_length
+
+
+def check_model_limits(cfg: DictConfig) -> None:
+    """What the backbone bounds: ``max_length`` (its context window), ``probe.layer`` / ``probe.intermediate_layer``
+    (its depth), and the memory of ENS-MLP's K heads against what the planner takes the device's memory to be."""
+    shape = model_shape(cfg.model, cfg.paths.cache_dir) or {}
+    check_max_length(int(cfg.max_length), cfg.model, cfg.paths.cache_dir)
+    layers = shape.get("num_hidden_layers")
+    probe = cfg.get("probe") or {}
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        for key in ("layer", "intermediate_layer"):
+            value = probe.get(key)
+            if not isinstance(value, int) or isinstance(value, bool):
+                continue   # null / none: chosen from the depth; anything else: refused by the bounds already
+            # hidden_states has layers + 1 entries (0: the embeddings); the feature probes also read -1 (after the
+            # final norm), BoRP's contrastive probe any index of hidden_states
+            low = -(layers + 1) if probe.get("kind") == "borp_contrastive" else -1
+            if not low <= value <= layers:
+                allowed = f"{low}..{layers}" if low < -1 else f"-1 (the last, after the final norm) or 0..{layers}"
+                raise UserError(f"probe.{key}={value} is out of range for model '{cfg.model.get('name')}' "
+                                f"({layers} layer{'s' if layers != 1 else ''}): allowed {allowed}")
+    check_head_memory(cfg, shape)
+
+
+def check_head_memory(cfg: DictConfig, shape: dict) -> None:
+    """ENS-MLP holds K MLP heads with their gradients, two AdamW states and the anchor's copy (5 x 4 bytes a
+    parameter, as the planner counts them): K x hidden_dim x num_hidden_layers, each bounded alone, must also fit
+    together in the memory the planner takes the device to have (``plan.device_memory_gib``, else an H100's on a
+    GPU, the host's available memory on a CPU)."""
+    from rewarduq_exp.methods.registry import method_name_of_target
+
+    m = cfg.method
+    if method_name_of_target(m.get("_target_")) != "ens_mlp":
+        return
+    d = shape.get("hidden_size") or cfg.model.get("hidden_size")
+    k, h, nh = m.get("num_heads"), m.get("hidden_dim"), m.get("num_hidden_layers")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (d, k, h, nh)):
+        return   # refused by the method's own checks
+    per_head = d * h + (nh - 1) * h * h + h + nh * h
+    need = 5 * k * per_head * 4 + (k * per_head * 4 if (m.get("reg_lambda") or 0) > 0 else 0)
+    from rewarduq_exp.models.backbone import resolve_device
+    from rewarduq_exp.runner.plan import GIB, device_memory
+
+    have = device_memory(cfg, resolve_device(str(cfg.get("device", "auto"))).type)
+    if need > have:
+        raise UserError(f"method.num_heads={k} x method.hidden_dim={h} x method.num_hidden_layers={nh} is too large: "
+                        f"the ENS-MLP heads on {d}-dim features need {need / GIB:.1f} GiB (weights, gradients, "
+                        f"AdamW states, anchor copy), more than the device's {have / GIB:.1f} GiB (as the planner "
+                        "takes it: plan.device_memory_gib); lower one of them")
 
 
 def check_seeds(node: DictConfig, prefix: str = "") -> None:
