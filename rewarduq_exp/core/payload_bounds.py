@@ -81,9 +81,6 @@ class Expected:
     why: str = ""
     max_itemsize: int = 8
 
-    def max_elements(self) -> int:
-        return math.prod(d.n if isinstance(d, AtMost) else int(d) for d in self.shape)
-
     def text(self) -> str:
         dims = ", ".join(str(d) for d in self.shape)
         kinds = "/".join(dict.fromkeys(_KIND_WORDS.get(k, k) for k in self.kinds))
@@ -143,18 +140,35 @@ def check_all(path, member: str, declared: Mapping[str, Declared], expected: Map
 
 
 # ---------------------------------------------------------------------------------------------------- .npz
-def _zip_entry_count(fh, size: int) -> int | None:
-    """The number of entries the zip's end-of-central-directory record declares (read before ``zipfile`` builds an
-    object per entry), or None where the record is not found (``zipfile`` then says what is wrong)."""
+def _zip_directory(fh, size: int) -> tuple[int, int] | None:
+    """(entries, bytes) of the zip's central directory, as its end-of-central-directory record declares them (the
+    zip64 record where there is one, as ``zipfile`` reads it), read before ``zipfile`` builds an object per entry;
+    None where no record is found (``zipfile`` then says what is wrong)."""
     tail = min(size, 22 + 0xFFFF)
     fh.seek(size - tail)
     data = fh.read(tail)
+    fh.seek(0)
     at = data.rfind(b"PK\x05\x06")
     if at < 0 or at + 22 > len(data):
         return None
-    entries = struct.unpack("<H", data[at + 10:at + 12])[0]
-    fh.seek(0)
-    return entries
+    entries, cd_size = struct.unpack("<HL", data[at + 10:at + 16])
+    base = size - tail + at
+    if base >= 20 + 56:   # a zip64 locator right before the record: zipfile takes the zip64 record's values
+        fh.seek(base - 20 - 56)
+        record = fh.read(56 + 20)
+        fh.seek(0)
+        if record[56:60] == b"PK\x06\x07" and record[:4] == b"PK\x06\x06":
+            entries, cd_size = struct.unpack("<QQ", record[32:48])
+    return entries, cd_size
+
+
+def _check_directory(fh, size: int, path, most: int, what: str, fix: str) -> None:
+    """Refuse a zip whose directory declares more than ``most`` members, or more than 1 KiB of directory per member
+    (a member's entry: 46 bytes, its name and a few extra fields)."""
+    found = _zip_directory(fh, size)
+    if found is not None and (found[0] > most or found[1] > most * 1024):
+        raise UserError(one_line(f"{path}: its zip directory declares {found[0]} members in {human_bytes(found[1])}, "
+                                 f"more than the {most} a {what} may have; refused before reading it; {fix}"))
 
 
 # What zipfile raises on a damaged archive: cut short or not a zip (BadZipFile, EOFError, struct.error), a bad CRC
@@ -187,11 +201,7 @@ class NpzArrays:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise UserError(f"{self.path}: not a saved {what} (not a regular file)")
-            entries = _zip_entry_count(self._fh, info.st_size)
-            if entries is not None and entries > MAX_NPZ_MEMBERS:
-                raise UserError(one_line(f"{self.path}: its zip directory declares {entries} members, more than "
-                                         f"the {MAX_NPZ_MEMBERS} a saved {what} may have; refused before reading "
-                                         f"it; {fix}"))
+            _check_directory(self._fh, info.st_size, self.path, MAX_NPZ_MEMBERS, f"saved {what}", fix)
             self._zip = zipfile.ZipFile(self._fh)
             self.declared = self._headers()
         except UserError:
@@ -239,6 +249,9 @@ class NpzArrays:
                 raise UserError(one_line(f"{self.path}: array {key!r} has dtype {dtype.name!r}, not plain numbers or "
                                          "text (Python objects would need a pickle, which is never loaded); "
                                          f"{self.fix}"))
+            if any(d < 0 for d in shape):
+                raise UserError(one_line(f"{self.path}: array {key!r} declares shape {tuple(shape)}, with a "
+                                         f"negative dimension; {self.fix}"))
             item = Declared(tuple(int(d) for d in shape), dtype.name, dtype.kind, int(dtype.itemsize))
             if offset + item.nbytes != info.file_size:
                 raise UserError(one_line(f"{self.path}: array {key!r} declares {item.text()}, but its member holds "
@@ -288,10 +301,7 @@ def check_zip_total(data: bytes, path, limit: int, why: str, fix: str = DAMAGED)
     is left to its reader."""
     import io
 
-    entries = _zip_entry_count(io.BytesIO(data), len(data))
-    if entries is not None and entries > 64 * MAX_NPZ_MEMBERS:
-        raise UserError(one_line(f"{path}: its zip directory declares {entries} members, more than the "
-                                 f"{64 * MAX_NPZ_MEMBERS} allowed; refused before reading it; {fix}"))
+    _check_directory(io.BytesIO(data), len(data), path, 64 * MAX_NPZ_MEMBERS, "file of this kind", fix)
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as zf:
             total = sum(info.file_size for info in zf.infolist())
