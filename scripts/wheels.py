@@ -5,7 +5,7 @@
     python scripts/wheels.py --python-version 3.12 --platform manylinux_2_28_aarch64 --out wheels
 
 Run where pip reaches the package index; carry the folder to the node (it is small: the heavy packages stay out) and
-install it there beside the node's own packages (README, "An offline GPU node"). The steps:
+install it there beside the node's own packages (docs/gpu-and-slurm.md, "An offline GPU node"). The steps:
 
 1. The requirements: pyproject.toml's dependencies and the extras asked for (default ``dev``: the check of a node
    runs the tests), without ruff (lint is a developer's job).

@@ -40,7 +40,7 @@ from rewarduq_exp.methods.score_judge import JUDGE_SCALE, JUDGE_SCORINGS, ScoreO
 
 PROBE_KIND = "borp_contrastive"
 RUBRIC = "{rubric}"
-# Why there is no SGLang backend (README, BoRP): its public API returns only the final layer's hidden state, after
+# Why there is no SGLang backend (docs/borp.md): its public API returns only the final layer's hidden state, after
 # the final norm (eq. 3 needs an intermediate layer too), and it pins its own torch/transformers/CUDA stack, so it
 # cannot share this environment; nothing could be run or checked without a GPU.
 SGLANG_NOT_BUILT = ("probe.backend=sglang is not available: SGLang's engine returns only the final layer's hidden "
