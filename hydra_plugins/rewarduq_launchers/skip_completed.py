@@ -221,7 +221,15 @@ class SkipCompletedBasicLauncher(SkipCompleted, BasicLauncher):
 
 
 class SkipCompletedLocalLauncher(SkipCompleted, LocalLauncher):
-    pass
+    """submitit's local executor: each job under a controller process of its own, on this machine."""
+
+    def __init__(self, **params) -> None:
+        super().__init__(**params)
+        # Ctrl-C in a terminal reaches the whole process group: the jobs, which save their training state and leave
+        # with one line, and submitit's controllers, which would die on it with a traceback each. The controllers
+        # start with SIGINT ignored (a shell's `trap '' INT` is inherited by what it starts); they end when their
+        # job ends. The jobs install their own SIGINT handler, so they still stop on it.
+        self.params["setup"] = ["trap '' INT", *(self.params.get("setup") or [])]
 
 
 class SkipCompletedSlurmLauncher(SkipCompleted, SlurmLauncher):
