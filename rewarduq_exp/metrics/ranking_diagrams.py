@@ -12,6 +12,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from rewarduq_exp.core.inside_folder import make_folders
 from rewarduq_exp.metrics.calibration import CalibrationCurve
 from rewarduq_exp.metrics.diagrams import draw_reliability, save_figure
 
@@ -36,7 +37,7 @@ def plot_top1_reliability(probs, labels, path: Path, *, n_bins: int = 10, title:
     was; ``ece`` (when given) is printed as reported in the metrics, else the curve's own."""
     curve = binary_curve(probs, labels, n_bins)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(path.parent)  # never through a link made at figures/ during the run
     fig = Figure(figsize=(5.6, 4.8))
     FigureCanvasAgg(fig)
     try:
@@ -74,7 +75,7 @@ def plot_ece_by_k(per_fold: list[dict], path: Path, *, title: str = "") -> Path:
     """Two panels (rank-wise ECE, full-rank kernel ECE), each with sub-k and top-k curves over k."""
     series = ece_by_k(per_fold)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(path.parent)  # never through a link made at figures/ during the run
     fig = Figure(figsize=(10.0, 4.2))
     FigureCanvasAgg(fig)
     try:

@@ -33,7 +33,7 @@ from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.core.checks import check_integer
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.foreign_config import MACHINE_PATHS
-from rewarduq_exp.core.inside_folder import check_writes_inside
+from rewarduq_exp.core.inside_folder import check_writes_inside, make_folders, open_parent, replace_inside
 from rewarduq_exp.core.saved_files import read_json_object
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.data.registry import build_loader, resolve_eval_sets, with_options
@@ -208,18 +208,22 @@ def swap_in(staging: RunFolder, folder: RunFolder, names: list[str]) -> None:
     """Move each dataset's staged predictions file and diagrams folder, then the staged metrics.json, over the run's
     own: a file by one rename, a folder by renaming the old one aside first. metrics.json comes last: it is what
     selection and tables read, so it never names an evaluation whose files are not in place."""
+    # Every rename goes through folders reached without following a link and checked right before it
+    # (replace_inside): a link made at predictions/ or figures/ while the evaluation ran is refused there.
     for name in names:
         staged = staging.predictions_path(name)
         if staged.exists():
-            folder.predictions_path(name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staged, folder.predictions_path(name))
+            make_folders(folder.predictions_path(name).parent)
+            replace_inside(staged, folder.predictions_path(name))
         staged_figures, figures = staging.figures_dir(name), folder.figures_dir(name)
         if staged_figures.exists():
-            figures.parent.mkdir(parents=True, exist_ok=True)
+            make_folders(figures.parent)
             old = figures.parent / f".{figures.name}.{uuid.uuid4().hex[:12]}.old"
             if figures.exists():
-                os.replace(figures, old)
-            os.replace(staged_figures, figures)
-            shutil.rmtree(old, ignore_errors=True)
+                replace_inside(figures, old, "folder")
+            replace_inside(staged_figures, figures, "folder")
+            with open_parent(old, create=False) as parent:
+                if parent.lstat(old.name) is not None:
+                    parent.remove_tree(old.name)
     if staging.metrics_path.exists():
-        os.replace(staging.metrics_path, folder.metrics_path)
+        replace_inside(staging.metrics_path, folder.metrics_path)
