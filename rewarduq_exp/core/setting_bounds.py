@@ -158,7 +158,8 @@ BOUNDS: dict[str, Bound] = {
     # ---- checkpoints
     "checkpoint.every_steps": Bound(1, None, "steps", allow=(None,)),
     # ---- downstream tasks (conf/task/*.yaml)
-    "task.prompts": Bound(2, 100_000, "prompts", "each prompt's candidates are generated and scored"),
+    "task.prompts": Bound(1, 100_000, "prompts", "each prompt's candidates are generated and scored"),  # >= 2: the
+    # task's own check, which says why (k is chosen on some prompts and reported on the others)
     "task.n_max": Bound(1, TOKENS, "candidates", "every candidate of every prompt is generated and scored; "
                         "task.prompts x task.n_max is bounded as well"),
     "task.knn": Bound(1, 10_000, "neighbours", "the k-NN distance sorts this many training features per candidate"),
