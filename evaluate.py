@@ -1,4 +1,5 @@
-"""Evaluate a trained run on a dataset, or re-score a predictions file: ``python evaluate.py ...`` (see docs/evaluate.md)."""
+"""Evaluate a trained run on a dataset, or re-score a predictions file: ``python evaluate.py ...``
+(see docs/evaluate.md)."""
 
 import sys
 

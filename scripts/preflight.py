@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"missing: {line}")
     if problems.lines:
         print(f"preflight: {len(problems.lines)} package(s) missing for {sys.executable}; on an offline node bring "
-              f"them as wheels (make wheels, docs/gpu-and-slurm.md: offline GPU node), elsewhere pip install them", file=sys.stderr)
+              f"them as wheels (make wheels, docs/gpu-and-slurm.md: offline GPU node), elsewhere pip install them",
+              file=sys.stderr)
         return 2
     return 0
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from test_cli import NO_FIGURES, run
+from test_result_writes import outside_folder, snapshot
 
 from rewarduq_exp.core.atomic_write import atomic_dir, atomic_path, write_atomic
 from rewarduq_exp.core.errors import UserError
@@ -28,30 +29,6 @@ TRAIN = ["method=ens_mlp", "progress=false", "dataset.n_train=120", "dataset.n_e
          "method.num_epochs=1", "method.num_heads=2", "eval_datasets=[synthetic_eval]"]
 DATASET = "synthetic_eval"
 LINK_MESSAGE = "results are written only inside their folder, never through a link"
-
-
-def snapshot(folder: Path) -> dict:
-    """Every entry below ``folder`` (links not followed): a link by its target, a file by its bytes and mtime."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(folder):
-        for name in [*dirnames, *filenames]:
-            path = Path(dirpath) / name
-            key = str(path.relative_to(folder))
-            if path.is_symlink():
-                out[key] = ("link", os.readlink(path))
-            elif path.is_dir():
-                out[key] = ("folder",)
-            else:
-                out[key] = ("file", path.read_bytes(), path.stat().st_mtime_ns)
-    return out
-
-
-def outside_folder(tmp_path: Path) -> Path:
-    outside = tmp_path / "outside"
-    (outside / "sub").mkdir(parents=True)
-    (outside / "keep.txt").write_text("someone else's file")
-    (outside / "sub" / "keep.bin").write_bytes(b"\0\1\2")
-    return outside
 
 
 def link(path: Path, target: Path) -> None:

@@ -15,8 +15,9 @@ reward ± beta * u with beta = 0.5.
 is an ablation that evaluates ``u`` at ``z - mean(z_train)``. The Bradley-Terry likelihood sees only differences, so
 the shared offset that all features of a backbone carry (|z| = 11.3 vs |z - mean| = 3.2 on the tiny model) is
 constrained by the prior alone and adds nearly the same large amount of "uncertainty" to every response; centring
-removes it and leaves the data-dependent part (docs/methods.md, BAY-LIN, shows the effect). The offset changes no margin, so
-rewards and all accuracy metrics (win rate) are identical either way; only u, the bounds and the confidence metrics
+removes it and leaves the data-dependent part (docs/methods.md, BAY-LIN, shows the effect). The offset changes no
+margin, so rewards and all accuracy metrics (win rate) are identical either way; only u, the bounds and the confidence
+metrics
 change.
 
 H always covers all training pairs. (The reference code, under several processes, kept rank 0's shard only; here
