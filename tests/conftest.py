@@ -73,6 +73,11 @@ def pytest_runtest_teardown(item, nextitem):
 # --durations), so that the short files fill in at the end and the two workers finish together; in alphabetical order
 # one worker idled for the last ~35 s of the run.
 LONGEST_FIRST = ["test_borp_run.py",         # ~60
+                 "test_interrupts.py",       # ~50 (subprocesses signalled mid-run)
+                 "test_degenerate_data.py",  # ~45
+                 "test_remaining_tracebacks.py",  # ~40
+                 "test_setting_bounds.py",   # ~35
+                 "test_write_time_links.py",  # ~30
                  "test_label_ranking_run.py",  # ~45
                  "test_cli.py",              # ~40
                  "test_plain_install.py",    # ~30

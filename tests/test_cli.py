@@ -142,19 +142,21 @@ def test_multirun_and_relaunch_skips_completed(tmp_path, shared_cache):
 
 
 def test_failed_run_in_sweep_is_recorded_and_others_complete(tmp_path, shared_cache):
-    args = ["method.num_heads=1,3", *SMALL, *NO_FIGURES]
+    # reg_lambda=-1 passes the command line's kind check (a number) and fails the run's own validation (>= 0); a
+    # bounded size such as num_heads=1 is refused before the sweep starts (tests/test_setting_bounds.py)
+    args = ["method.reg_lambda=-1,0.1", *SMALL, *NO_FIGURES]
     proc = run("train.py", args, tmp_path, shared_cache, flags=["-m"], check=False)
     sweep = tmp_path / "outputs" / "multirun" / "default"
-    failed_dir, ok_dir = (next(sweep.glob(f"*method.num_heads={k}[,-]*")) for k in (1, 3))
+    failed_dir, ok_dir = (next(sweep.glob(f"*method.reg_lambda={k}[,-]*")) for k in ("-1", "0.1"))
     failed = json.loads((failed_dir / "status.json").read_text())
-    assert failed["state"] == "failed" and "method.num_heads=1 is invalid" in failed["error"]
+    assert failed["state"] == "failed" and "method.reg_lambda=-1 is invalid" in failed["error"]
     assert failed["stage"] == "validation"  # invalid settings, not a crash of training
     assert not (failed_dir / "metrics.json").exists()
     assert json.loads((ok_dir / "status.json").read_text())["state"] == "completed"
     # The sweep went on, then says what failed, where, and fails the command.
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "sweep: 2 jobs: 1 completed, 0 skipped (already completed with the same config), 1 failed" in proc.stdout
-    assert f"failed: {failed_dir}" in proc.stdout and "method.num_heads=1 is invalid" in proc.stdout
+    assert f"failed: {failed_dir}" in proc.stdout and "method.reg_lambda=-1 is invalid" in proc.stdout
     # Launched again: the completed run is skipped without running, the invalid one fails again.
     again = run("train.py", args, tmp_path, shared_cache, flags=["-m"], check=False)
     assert again.returncode == 1 and "1 skipped" in again.stdout and "0 completed" in again.stdout

@@ -17,8 +17,7 @@ the shared offset that all features of a backbone carry (|z| = 11.3 vs |z - mean
 constrained by the prior alone and adds nearly the same large amount of "uncertainty" to every response; centring
 removes it and leaves the data-dependent part (docs/methods.md, BAY-LIN, shows the effect). The offset changes no
 margin, so rewards and all accuracy metrics (win rate) are identical either way; only u, the bounds and the confidence
-metrics
-change.
+metrics change.
 
 H always covers all training pairs. (The reference code, under several processes, kept rank 0's shard only; here
 rank 0 fits on all cached features and broadcasts the head and H, see FeatureHeadMethod.fit.)
