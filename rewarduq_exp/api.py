@@ -52,6 +52,11 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free logistic
 
 
+def _check_raw(raw) -> None:
+    if not isinstance(raw, (bool, np.bool_)):
+        raise UserError(f"raw={raw!r} is invalid: must be True (the model's own scores) or False (recalibrated)")
+
+
 def _is_one_conversation(value) -> bool:
     """A single prompt or completion: a string or one list of {role, content} messages."""
     return isinstance(value, str) or (isinstance(value, (list, tuple)) and len(value) > 0
@@ -158,8 +163,10 @@ class RewardModel:
     """A trained uncertainty-aware reward model (any of the four methods), as rebuilt from its run folder."""
 
     def __init__(self, method, run_dir, config, tokenizer=None, max_length: int | None = None,
-                 truncation: bool = False):
+                 truncation: bool = False, calibration=None):
         self.method = method
+        # The run's recalibration (calibration.json), applied to every score unless raw=True; None: raw only.
+        self.calibration = calibration
         self.run_dir = run_dir
         self.config = config
         self.tokenizer = tokenizer
@@ -174,10 +181,17 @@ class RewardModel:
     def beta(self) -> float:
         return float(self.method.beta)
 
-    def __repr__(self) -> str:
-        return f"RewardModel({self.name} on {self.config.model.name}, beta={self.beta:g}, run={self.run_dir})"
+    @property
+    def recalibrated(self) -> bool:
+        """Whether scores are recalibrated by default (the run has a calibration.json and it was not turned off)."""
+        return self.calibration is not None
 
-    def _scores(self, prompts, completions) -> Scores:
+    def __repr__(self) -> str:
+        state = "recalibrated" if self.recalibrated else "raw"
+        return (f"RewardModel({self.name} on {self.config.model.name}, beta={self.beta:g}, {state}, "
+                f"run={self.run_dir})")
+
+    def _scores(self, prompts, completions, raw: bool = False) -> Scores:
         prompts, completions = _messages(prompts, "user", "prompts"), _messages(completions, "assistant",
                                                                                  "completions")
         if len(prompts) != len(completions):
@@ -186,55 +200,66 @@ class RewardModel:
             return Scores(np.empty(0), np.empty(0), np.empty(0))
         if self.tokenizer is not None and self.max_length:
             completions = fit_to_length(self.tokenizer, prompts, completions, self.max_length, self.truncation)
-        return self.method.score(prompts, completions)
+        scores = self.method.score(prompts, completions)
+        _check_raw(raw)
+        return scores if raw or self.calibration is None else self.calibration.apply(scores)
 
-    def score(self, prompts, completions) -> pd.DataFrame:
+    def score(self, prompts, completions, raw: bool = False) -> pd.DataFrame:
         """One row per (prompt, completion): ``reward``, ``lower``, ``upper`` and ``uncertainty`` (u, with bounds
         reward +- beta u). Prompts and completions are strings, lists of chat messages, or messages whose content is
-        a list of ``{"type": "text", "text": ...}`` parts (OpenAI style)."""
-        s = self._scores(prompts, completions)
+        a list of ``{"type": "text", "text": ...}`` parts (OpenAI style).
+
+        Recalibrated when the run has a ``calibration.json`` (reward / T, bounds reward / T +- beta s u / T: the
+        temperature and interval scale fitted on its calibration split; orderings, hence best-of-n picks by reward,
+        are unchanged); ``raw=True`` gives the model's own scores."""
+        s = self._scores(prompts, completions, raw)
         return pd.DataFrame({"reward": s.reward, "lower": s.lower, "upper": s.upper,
                              "uncertainty": (s.upper - s.reward) / check_positive(self.beta, "method.beta")})
 
-    def score_pairs(self, prompts, chosen, rejected) -> pd.DataFrame:
+    def score_pairs(self, prompts, chosen, rejected, raw: bool = False) -> pd.DataFrame:
         """P(chosen > rejected) = sigmoid(r_c - r_r) per pair, with the interval the bounds give:
-        [sigmoid(lower_c - upper_r), sigmoid(upper_c - lower_r)] (the bound probabilities of the paper's ELCE/EUCE)."""
+        [sigmoid(lower_c - upper_r), sigmoid(upper_c - lower_r)] (the bound probabilities of the paper's ELCE/EUCE).
+        Recalibrated scores (see :meth:`score`) give the temperature-scaled probabilities, mapped once more by the
+        run's isotonic map where its calibration split supported one; ``raw=True``: the model's own."""
         prompts = _messages(prompts, "user", "prompts")
-        c = self.score(prompts, chosen)
-        r = self.score(prompts, rejected)
+        c = self.score(prompts, chosen, raw)
+        r = self.score(prompts, rejected, raw)
+        mapped = (lambda p: p) if raw or self.calibration is None else self.calibration.probability
         return pd.DataFrame({
-            "p_chosen": _sigmoid((c.reward - r.reward).to_numpy()),
-            "p_lower": _sigmoid((c.lower - r.upper).to_numpy()),
-            "p_upper": _sigmoid((c.upper - r.lower).to_numpy()),
+            "p_chosen": mapped(_sigmoid((c.reward - r.reward).to_numpy())),
+            "p_lower": mapped(_sigmoid((c.lower - r.upper).to_numpy())),
+            "p_upper": mapped(_sigmoid((c.upper - r.lower).to_numpy())),
             "margin": (c.reward - r.reward).to_numpy(),
         })
 
-    def reward(self, prompts, completions, kind: str = "conservative", k: float = 1.0) -> np.ndarray:
+    def reward(self, prompts, completions, kind: str = "conservative", k: float = 1.0,
+               raw: bool = False) -> np.ndarray:
         """``conservative``: reward - k u; ``optimistic``: reward + k u; ``mean``: the reward itself. ``k`` is in units
-        of u: ``k = beta`` gives the lower (upper) bound of the run's intervals."""
+        of u: ``k = beta`` gives the lower (upper) bound of the run's intervals (recalibrated ones unless ``raw``)."""
         k = check_reward_kind(kind, k)
-        table = self.score(prompts, completions)
+        table = self.score(prompts, completions, raw)
         return (table.reward + SIGN[kind] * k * table.uncertainty).to_numpy()
 
-    def best_of_n(self, prompts, candidates, k: float = 1.0, kind: str = "conservative"):
+    def best_of_n(self, prompts, candidates, k: float = 1.0, kind: str = "conservative", raw: bool = False):
         """The candidate with the highest ``kind`` reward (default conservative: reward - k u, a sample the model is
         sure is good beats one it merely guesses is better), with its score and interval.
 
         One prompt (a string or a list of messages) and its candidates give one dict; a list of prompts and a list
         of candidate lists (``best_of_n(prompts, candidates_per_prompt)``, any number per prompt) give one dict per
-        prompt, all candidates scored in one batched call."""
+        prompt, all candidates scored in one batched call. Recalibrated scores (unless ``raw``): reward / T - k s u / T
+        ranks as reward - k s u, so k = 1 uses the interval scale s fitted on the run's calibration split."""
         k = check_reward_kind(kind, k)
         if _is_one_conversation(prompts):
-            return self._best_of_n_batch([prompts], [candidates], k, kind)[0]
+            return self._best_of_n_batch([prompts], [candidates], k, kind, raw)[0]
         if prompts is None or isinstance(prompts, dict):
             raise UserError("best_of_n needs a prompt (a string or a list of messages) or a list of prompts")
         prompts, candidates = list(prompts), list(candidates)
         if len(prompts) != len(candidates):
             raise UserError(f"best_of_n: {len(prompts)} prompts but {len(candidates)} candidate lists (one list of "
                             "candidates per prompt)")
-        return self._best_of_n_batch(prompts, candidates, k, kind)
+        return self._best_of_n_batch(prompts, candidates, k, kind, raw)
 
-    def _best_of_n_batch(self, prompts: list, candidates: list, k: float, kind: str) -> list[dict]:
+    def _best_of_n_batch(self, prompts: list, candidates: list, k: float, kind: str, raw: bool = False) -> list[dict]:
         groups = []
         for i, group in enumerate(candidates):
             if _is_one_conversation(group) or group is None:
@@ -245,7 +270,7 @@ class RewardModel:
             groups.append(group)
         sizes = np.array([len(g) for g in groups])
         flat_prompts = [p for p, n in zip(prompts, sizes) for _ in range(n)]
-        table = self.score(flat_prompts, [c for g in groups for c in g])
+        table = self.score(flat_prompts, [c for g in groups for c in g], raw)
         value = (table.reward + SIGN[kind] * k * table.uncertainty).to_numpy()
         out, start = [], 0
         for group, n in zip(groups, sizes):
@@ -278,7 +303,8 @@ class TRLRewardFunction:
 def load_run(path: str | os.PathLike, *, device: str = "auto", dtype: str | None = None,
              batch_size: int | None = None, max_length: int | None = None, truncation: bool = False,
              backbone_path: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None,
-             feature_memory_mb: float = 256, progress: bool = True, trust_remote_code: bool = False) -> RewardModel:
+             feature_memory_mb: float = 256, progress: bool = True, trust_remote_code: bool = False,
+             recalibrated: bool = True) -> RewardModel:
     """A completed run folder (``outputs/runs/<run>`` or a multirun job folder) as a :class:`RewardModel`.
 
     The method is rebuilt from the run's config and ``model/``; the backbone is loaded from the run's model config
@@ -298,11 +324,16 @@ def load_run(path: str | os.PathLike, *, device: str = "auto", dtype: str | None
       ``feature_memory_mb`` (least recently used rows leave first), never on disk.
     * A wrong argument (``path`` not a str or os.PathLike, ``cache_dir`` a file, ...) is one :class:`UserError` line
       naming it and what is allowed.
+    * ``recalibrated``: apply the run's ``calibration.json`` (fitted on its calibration split after training) to every
+      score by default; each scoring call takes ``raw=True`` for the model's own scores. A run without one (trained
+      before recalibration existed, or with ``recalibrate.enabled=false``) scores raw, and one log line says so.
     * ``trust_remote_code``: a run whose model config says ``trust_remote_code: true`` is refused (one line) unless
       this is True: its backbone checkpoint would run code of its own, and a run folder is a file anyone can edit.
       The run folder itself never runs code: its method and dataset come from this package's registries.
     """
     path = _path_argument("path", path, "a run folder")
+    if not isinstance(recalibrated, bool):
+        raise UserError(f"recalibrated={recalibrated!r} is invalid: must be True or False")
     backbone_path = _path_argument("backbone_path", backbone_path, "a checkpoint folder", optional=True)
     if not isinstance(truncation, bool):
         raise UserError(f"truncation={truncation!r} is invalid: must be True or False")
@@ -323,5 +354,8 @@ def load_run(path: str | os.PathLike, *, device: str = "auto", dtype: str | None
     if temporary is not None:  # the backbone reads its files lazily: removed once nothing uses it (or at exit)
         weakref.finalize(run.backbone, shutil.rmtree, temporary, True)
     limit = int(max_length or run.config.max_length)
+    from rewarduq_exp.recalibration import read_calibration
+
+    calibration = read_calibration(run.folder.root) if recalibrated else None
     return RewardModel(run.method, run.folder.root, run.config, tokenizer=run.backbone.tokenizer, max_length=limit,
-                       truncation=truncation)
+                       truncation=truncation, calibration=calibration)

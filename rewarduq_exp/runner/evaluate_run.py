@@ -119,6 +119,7 @@ def evaluate_run_folder(cfg) -> dict:
     run = load_trained_method(cfg.run, device=cfg.device, cache_dir=cfg.paths.cache_dir, progress=bool(cfg.progress),
                               max_length=max_length, trust_remote_code=cfg.get("trust_remote_code", False))
     folder, method, backbone = run.folder, run.method, run.backbone
+    calibration = run_calibration(folder.root, cfg)
     count = TokenCounter(backbone.tokenizer, backbone.identity(), Path(cfg.paths.cache_dir) / "token_lengths")
     blocks = {}
     with staged_results(folder) as staging:
@@ -126,7 +127,10 @@ def evaluate_run_folder(cfg) -> dict:
             frame, _ = load_split(eval_loaders[es.name], es.split, es.name, backbone.tokenizer, max_length, count,
                                   n_bins=cfg.metric.n_bins)
             evaluate = evaluate_pointwise if data_kind(frame) == "pointwise" else evaluate_method
-            blocks[es.name], _ = evaluate(method, frame, es.name, staging, cfg.metric)
+            if calibration is not None and calibration.fitted_on.get("split") == es.name:
+                raise UserError(f"{es.name} is the split this run's recalibration was fitted on: its recalibrated "
+                                "metrics would be fitted on what they report; pass recalibrated=false")
+            blocks[es.name], _ = evaluate(method, frame, es.name, staging, cfg.metric, calibration)
         # Every step that can fail comes before the first rename: the lock (a link or a folder there is refused),
         # the checks (a link made while the datasets were scored), reading and merging metrics.json. What is left
         # are renames within one filesystem.
@@ -139,6 +143,22 @@ def evaluate_run_folder(cfg) -> dict:
                 remove_staging(staging.root)
     print(f"evaluated {folder.root}\n{summary_table(blocks)}", flush=True)
     return blocks
+
+
+def run_calibration(run_dir, cfg):
+    """The run's recalibration as evaluate.py applies it (``recalibrated``, ``recalibrate_interval``), or None: a run
+    without calibration.json (one line says so) or ``recalibrated=false``."""
+    from rewarduq_exp.recalibration import read_calibration
+
+    if not isinstance(cfg.get("recalibrated", True), bool):
+        raise UserError(f"recalibrated={cfg.get('recalibrated')!r} is invalid: must be true or false")
+    if not cfg.get("recalibrated", True):
+        return None
+    calibration = read_calibration(run_dir)
+    interval = cfg.get("recalibrate_interval")
+    if calibration is not None and interval is not None:
+        calibration = calibration.with_interval(str(interval))
+    return calibration
 
 
 STAGING_PREFIX = ".evaluate-"

@@ -113,6 +113,16 @@ def _score_rows(method, data: pd.DataFrame) -> pd.DataFrame:
     return predictions_frame(data, chosen, rejected)
 
 
+def calibration_predictions(method, data: pd.DataFrame) -> pd.DataFrame:
+    """The table a recalibration is fitted on: the predictions table of a pairwise calibration split, or for rated
+    responses their ratings (``score``) beside the method's ``prediction``, ``lower`` and ``upper``."""
+    if data_kind(data) != "pointwise":
+        return score_method(method, data)
+    scores = method.score(list(data["prompt"]), list(data["response"]))
+    return pd.DataFrame({"id": data["id"].astype(str).to_numpy(), "score": data["score"].to_numpy(dtype=float),
+                         "prediction": scores.reward, "lower": scores.lower, "upper": scores.upper})
+
+
 def completion_chars(completions) -> np.ndarray:
     """Characters of each completion's message contents (a completion is a list of messages)."""
     return np.array([sum(len(str(m["content"])) for m in c) for c in completions], dtype=float)
@@ -137,16 +147,30 @@ def longer_wins_metrics(data: pd.DataFrame, predictions: pd.DataFrame, metric_cf
     return {"baseline/longer_wins/win_rate": rate}
 
 
-def evaluate_method(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg) -> tuple[dict, list]:
+def evaluate_method(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg,
+                    calibration=None) -> tuple[dict, list]:
     """Score ``data`` with ``method``; write predictions and diagrams into ``folder``; return (metrics, figures).
-    Pairwise sets also get the win rate of "the longer completion wins" (:func:`longer_wins_metrics`)."""
+    Pairwise sets also get the win rate of "the longer completion wins" (:func:`longer_wins_metrics`). With the run's
+    ``calibration`` (:class:`~rewarduq_exp.recalibration.Calibration`) every metric is also reported after it as
+    ``recal/<metric>``, and the diagrams are drawn again in ``figures/<name>/recalibrated/``; the predictions file
+    keeps the raw scores."""
     predictions = score_method(method, data)
     folder.write_predictions(name, predictions)
     metrics = score_predictions(predictions, metric_cfg)
     metrics.update(longer_wins_metrics(data, predictions, metric_cfg))
+    if calibration is not None:
+        from rewarduq_exp.recalibration import recalibrated_metrics
+
+        metrics.update(recalibrated_metrics(predictions, calibration, metric_cfg))
     # Diagrams are files of the run folder: only its writer (rank 0 under torchrun) draws them.
-    figures = (diagrams(predictions, folder.figures_dir(name), metric_cfg, title=name, metrics=metrics)
-               if getattr(folder, "writer", True) else [])
+    figures = []
+    if getattr(folder, "writer", True):
+        figures = diagrams(predictions, folder.figures_dir(name), metric_cfg, title=name, metrics=metrics)
+        if calibration is not None and figures:
+            after = {k.removeprefix("recal/"): v for k, v in metrics.items() if k.startswith("recal/")}
+            figures += diagrams(calibration.apply_predictions(predictions), folder.figures_dir(name) / "recalibrated",
+                                metric_cfg, title=f"{name}, recalibrated (T={calibration.temperature:.3g}, "
+                                f"s={calibration.scale:.3g})", metrics=after)
     return metrics, figures
 
 
@@ -177,7 +201,8 @@ def baseline_metrics(name: str, baseline: str, y: np.ndarray, values, score_rang
     return {f"probe/baseline/{baseline}/{k.removeprefix('probe/')}": v for k, v in found.items()}
 
 
-def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg) -> tuple[dict, list]:
+def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg,
+                       calibration=None) -> tuple[dict, list]:
     """A pointwise eval set (rated responses) for a pointwise method (BoRP): its scores against the ratings
     (``probe/...``: Krippendorff's alpha, Pearson, Spearman, RMSE, RMSE by uncertainty bins; for a method that
     counts response lengths also ``probe/partial_pearson_given_length`` and ``probe/pearson_with_log_length``), the
@@ -205,6 +230,10 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
     predictions = pd.DataFrame({"id": data["id"].astype(str).to_numpy(), "subset": data["subset"].to_numpy(),
                                 "score": y, "prediction": scores.reward, "lower": scores.lower,
                                 "upper": scores.upper, "u": u})
+    if calibration is not None:   # the intervals' coverage of the ratings before and after the conformal scale
+        from rewarduq_exp.recalibration import recalibrated_pointwise_metrics
+
+        metrics.update(recalibrated_pointwise_metrics(y, scores.reward, scores.lower, scores.upper, calibration))
     if RATER_STD in data.columns:  # human disagreement per response (e.g. vader_ratings): does u track it?
         predictions[RATER_STD] = data[RATER_STD].to_numpy(dtype=float)
         metrics["probe/u_rater_std_spearman"] = spearman(u, predictions[RATER_STD].to_numpy())

@@ -35,10 +35,18 @@ COLUMNS = (
     ("probe/rmse", "rmse"),
     ("probe/u_abs_error_spearman", "rho(u,|err|)"),
     ("probe/u_rater_std_spearman", "rho(u,rater_sd)"),
+    ("probe/coverage", "interval_cov"),
     ("probe/baseline/score_judge/alpha_interval", "alpha_judge"),
     ("probe/baseline/mean_pool_ridge/alpha_interval", "alpha_ridge"),
     ("probe/baseline/length_ridge/alpha_interval", "alpha_len"),
 )
+
+
+# Rows of recalibrated metrics (``recal/<metric>``, rewarduq_exp/recalibration) are printed under their dataset's row.
+RECAL = "recal/"
+RECALIBRATED_ROW = "recalibrated"
+# Columns recalibration cannot change and that have no recal/ key of their own (counts, baselines).
+SAME_AFTER = ("n_pairs", "baseline/longer_wins/win_rate")
 
 
 def _fmt(value) -> str:
@@ -57,7 +65,12 @@ def summary_table(blocks: dict[str, dict]) -> str:
         return "(no datasets evaluated)"
     keys = [(k, t) for k, t in COLUMNS if any(k in m for m in blocks.values())]
     header = ["dataset"] + [t for _, t in keys]
-    rows = [[name] + [_fmt(m.get(k)) for k, _ in keys] for name, m in blocks.items()]
+    rows = []
+    for name, m in blocks.items():
+        rows.append([name] + [_fmt(m.get(k)) for k, _ in keys])
+        if any(k.startswith(RECAL) for k in m):   # the same metrics after the run's recalibration, under it
+            rows.append([f"  {RECALIBRATED_ROW}"] + [_fmt(m.get(RECAL + k, m.get(k) if k in SAME_AFTER else None))
+                                                     for k, _ in keys])
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
 
     def line(r):

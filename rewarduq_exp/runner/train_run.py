@@ -34,7 +34,7 @@ from rewarduq_exp.models.features import FeatureEncoder
 from rewarduq_exp.models.token_counter import TokenCounter
 from rewarduq_exp.runner.cli import in_multirun, report_user_error
 from rewarduq_exp.runner.data_loading import load_split, quiet_datasets_unless
-from rewarduq_exp.runner.evaluation import evaluate_method, evaluate_pointwise
+from rewarduq_exp.runner.evaluation import calibration_predictions, evaluate_method, evaluate_pointwise
 from rewarduq_exp.runner.loggers import NullLogger, make_logger
 from rewarduq_exp.runner.run_output import RunOutput
 from rewarduq_exp.runner.summary import summary_table
@@ -221,6 +221,20 @@ def add_earlier_training(fit_summary: dict) -> None:
         fit_summary["seconds_training"] += earlier
 
 
+def check_not_evaluated(cal_frame, eval_frames: dict, cal_name: str) -> None:
+    """Refuse a calibration split that shares a row (by ``id``) with an evaluated set: recalibrated metrics fitted on
+    the rows they are reported on would be optimistic."""
+    ids = set(cal_frame["id"].astype(str))
+    for name, frame in eval_frames.items():
+        if "id" not in frame.columns:
+            continue
+        shared = ids.intersection(frame["id"].astype(str))
+        if shared:
+            raise UserError(f"the calibration split {cal_name} shares {len(shared)} row(s) with the eval set {name} "
+                            f"(e.g. id {sorted(shared)[0]!r}): recalibration must not be fitted on what it is "
+                            "reported on; evaluate another split, or pass recalibrate.enabled=false")
+
+
 class RewardModelTask:
     """Reward models and probes (RewardUQ's methods, BoRP): a backbone, training data, eval sets.
 
@@ -246,6 +260,9 @@ class RewardModelTask:
         self.eval_loaders = {es.name: self.loader if es.config is cfg.dataset else build_loader(es.config)
                              for es in self.eval_sets}
         check_data_kinds(self.loader, self.eval_loaders, self.method.task)
+        from rewarduq_exp.recalibration import recalibrate_settings
+
+        self.recalibrate = recalibrate_settings(cfg.get("recalibrate"))
 
     def run(self) -> RunOutput:
         cfg, folder, method, loader = self.cfg, self.folder, self.method, self.loader
@@ -261,6 +278,7 @@ class RewardModelTask:
             eval_frames[es.name], report = load_split(self.eval_loaders[es.name], es.split, es.name, tokenizer,
                                                       max_length, count, n_bins=cfg.metric.n_bins)
             reports.append(report)
+        cal_frame = self._calibration_split(tokenizer, max_length, count, eval_frames, reports)
         if folder.writer:
             write_json(self.out / "data_summary.json", [vars(r) | {"dropped": r.dropped} for r in reports])
 
@@ -276,12 +294,25 @@ class RewardModelTask:
             method.save(folder.model_dir)
             write_json(self.out / "train_history.json", method.history)
 
+        calibration = None
+        if cal_frame is not None:
+            from rewarduq_exp.recalibration import fit_calibration, save_calibration
+
+            cal_name = f"{cfg.dataset.name}_{loader.cal_split}"
+            calibration = fit_calibration(calibration_predictions(method, cal_frame), self.recalibrate, cal_name,
+                                          n_bins=int(cfg.metric.n_bins))
+            if folder.writer:
+                save_calibration(self.out, calibration)
+            log.info("recalibration fitted on %s (%d rows): temperature %.4g, interval scale %.4g (%s), conformal "
+                     "scale %.4g", cal_name, len(cal_frame), calibration.temperature, calibration.scale,
+                     calibration.interval, calibration.scales.get("conformal", float("nan")))
+
         blocks, figures = {}, {}
         # Under torchrun / accelerate every process takes part in scoring (evaluation.score_method splits the rows);
         # only rank 0 writes predictions and diagrams.
         for name, frame in eval_frames.items():
             evaluate = evaluate_pointwise if data_kind(frame) == "pointwise" else evaluate_method
-            blocks[name], figures[name] = evaluate(method, frame, name, folder, cfg.metric)
+            blocks[name], figures[name] = evaluate(method, frame, name, folder, cfg.metric, calibration)
         info = {"fit": fit_summary, "token_count_cache": count.stats}
         if distributed.world_size() > 1:
             info["world_size"] = distributed.world_size()
@@ -293,6 +324,10 @@ class RewardModelTask:
             info["device_memory"] = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(self.backbone.device),
                                      "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.backbone.device),
                                      "device": torch.cuda.get_device_name(self.backbone.device)}
+        if calibration is not None:
+            info["recalibration"] = {"split": calibration.fitted_on.get("split"), "n": calibration.fitted_on.get("n"),
+                                     "temperature": calibration.temperature, "scale": calibration.scale,
+                                     "interval": calibration.interval}
         result = RunOutput(blocks, info, figures=figures, history=method.history)
         widths = {name: m["bound_width"] for name, m in blocks.items() if m.get("bound_width") is not None}
         if len(widths) > 1:
@@ -305,3 +340,20 @@ class RewardModelTask:
             result.notes.append(f"backbone forward passes: {stats['backbone_forward_passes']} "
                                 f"(feature cache: {stats['cache_hits']} hits, {stats['cache_misses']} misses)")
         return result
+
+    def _calibration_split(self, tokenizer, max_length: int, count, eval_frames: dict, reports: list):
+        """The training dataset's calibration split (its report appended to ``reports``), or None with one line
+        saying why there is no recalibration."""
+        cfg, loader = self.cfg, self.loader
+        if not self.recalibrate["enabled"]:
+            return None
+        split = getattr(loader, "cal_split", None)
+        if split is None:
+            log.info("no recalibration: dataset '%s' has no calibration split (raw metrics only)", cfg.dataset.name)
+            return None
+        name = f"{cfg.dataset.name}_{split}"
+        frame, report = load_split(loader, split, name, tokenizer, max_length, count)
+        reports.append(report)
+        check_not_evaluated(frame, eval_frames, name)
+        return frame
+

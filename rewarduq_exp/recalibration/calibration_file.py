@@ -1,0 +1,192 @@
+"""``<run>/calibration.json``: a run's recalibration (fitted on its calibration split after training) and how every
+reader applies it to scores.
+
+Applied per response, so the API, evaluation and downstream tasks all see the same recalibrated
+``(reward, lower, upper)``:
+
+    reward' = reward / T,  lower' = (reward - s (reward - lower)) / T,  upper' = (reward + s (upper - reward)) / T
+
+(T: temperature, s: the interval scale; bounds r +- beta s u on the temperature's scale). T > 0 and one affine map
+per response keep every ordering of rewards, so no win rate changes. An isotonic map, where fitted, acts on pair
+probabilities only (``probability``): it is not a function of one response's score. Rated responses (BoRP) get no
+temperature (a regression has no probability to scale): only s.
+
+The file is strict JSON, written atomically; read back with bounds (a run folder is a file anyone can hand you):
+every number finite and in its range, the knots of an isotonic map sorted and in [0, 1].
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.saved_files import read_json_object
+from rewarduq_exp.methods.base import Scores
+from rewarduq_exp.recalibration.probability import LOG_T_BOUNDS, IsotonicMap
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_FILE = "calibration.json"
+FORMAT = 1
+INTERVALS = ("ebce", "conformal", "none")
+PROBABILITY_MAPS = ("temperature", "isotonic")
+# Largest interval scale a file may hold: the fitted grid ends at 1e3; a conformal threshold can be larger, but a
+# scale beyond this makes every interval cover everything and is refused as damage.
+MAX_SCALE = 1e9
+MAX_KNOTS = 200_000
+
+
+@dataclass
+class Calibration:
+    """A fitted recalibration. ``kind``: ``pairs`` (reward models) or ``pointwise`` (rated responses)."""
+
+    kind: str
+    temperature: float = 1.0
+    isotonic: IsotonicMap | None = None
+    scales: dict = field(default_factory=dict)   # criterion -> s (ebce, conformal)
+    interval: str = "ebce"                       # which of ``scales`` the bounds use (none: s = 1)
+    conformal: dict = field(default_factory=dict)
+    fitted_on: dict = field(default_factory=dict)
+    details: dict = field(default_factory=dict)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.interval == "none" else float(self.scales[self.interval])
+
+    @property
+    def probability_map(self) -> str:
+        return "isotonic" if self.isotonic is not None else "temperature"
+
+    def with_interval(self, interval: str) -> Calibration:
+        """The same calibration with the bounds of another criterion (``recalibrate.interval`` of evaluate.py)."""
+        if interval not in INTERVALS or (interval != "none" and interval not in self.scales):
+            allowed = [k for k in INTERVALS if k == "none" or k in self.scales]
+            raise UserError(f"recalibrate.interval={interval!r} is invalid for this run: allowed values are "
+                            f"{', '.join(allowed)}")
+        return Calibration(**{**self.__dict__, "interval": interval})
+
+    # ------------------------------------------------------------------ applying
+    def apply_arrays(self, reward, lower, upper) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        r, lo, hi = (np.asarray(a, dtype=float) for a in (reward, lower, upper))
+        s, t = self.scale, self.temperature
+        return r / t, (r - s * (r - lo)) / t, (r + s * (hi - r)) / t
+
+    def apply(self, scores: Scores) -> Scores:
+        return Scores(*self.apply_arrays(scores.reward, scores.lower, scores.upper))
+
+    def probability(self, p):
+        """Pair probabilities already on the temperature's scale, through the isotonic map where one was fitted."""
+        return self.isotonic(p) if self.isotonic is not None else np.asarray(p, dtype=float)
+
+    def apply_predictions(self, predictions: pd.DataFrame) -> pd.DataFrame:
+        """A predictions table (pairwise, K-wise or rated responses) with its scores recalibrated."""
+        out = predictions.copy()
+        if "chosen_reward" in out.columns:
+            for side in ("chosen", "rejected"):
+                cols = [f"{side}_{c}" for c in ("reward", "lower", "upper")]
+                r, lo, hi = self.apply_arrays(*(out[c].to_numpy(dtype=float) for c in cols))
+                out[cols[0]], out[cols[1]], out[cols[2]] = r, lo, hi
+        elif "rewards" in out.columns:
+            lowers = out["lowers"] if "lowers" in out.columns else out["rewards"]
+            uppers = out["uppers"] if "uppers" in out.columns else out["rewards"]
+            rows = [self.apply_arrays(r, lo, hi) for r, lo, hi in zip(out["rewards"], lowers, uppers)]
+            out["rewards"], out["lowers"], out["uppers"] = ([list(row[i]) for row in rows] for i in range(3))
+        elif "prediction" in out.columns:
+            r, lo, hi = self.apply_arrays(out["prediction"], out["lower"], out["upper"])
+            out["prediction"], out["lower"], out["upper"] = r, lo, hi
+            if "u" in out.columns:
+                out["u"] = out["u"].to_numpy(dtype=float) * self.scale
+        else:
+            raise UserError("recalibration: a predictions table needs chosen_/rejected_ columns, rewards lists or "
+                            "prediction/lower/upper")
+        return out
+
+    # ------------------------------------------------------------------ the file
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "kind": self.kind, "interval": self.interval, "scale": self.scale,
+                "probability": {"map": self.probability_map, "temperature": self.temperature,
+                                "isotonic": None if self.isotonic is None else
+                                {"x": self.isotonic.x.tolist(), "y": self.isotonic.y.tolist()}},
+                "scales": dict(self.scales), "conformal": dict(self.conformal), "fitted_on": dict(self.fitted_on),
+                "details": dict(self.details)}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> Calibration:
+        def bad(what: str) -> UserError:
+            return UserError(f"{where} is refused: {what}")
+
+        if data.get("format") != FORMAT:
+            raise bad(f"format {data.get('format')!r} is not {FORMAT} (written by another version)")
+        kind = data.get("kind")
+        if kind not in ("pairs", "pointwise"):
+            raise bad(f"kind {kind!r} is not pairs or pointwise")
+        prob = data.get("probability")
+        if not isinstance(prob, dict):
+            raise bad("probability is not an object")
+        t = _number(prob.get("temperature"))
+        if t is None or not math.exp(LOG_T_BOUNDS[0]) * 0.999 <= t <= math.exp(LOG_T_BOUNDS[1]) * 1.001:
+            raise bad(f"probability.temperature {prob.get('temperature')!r} is not a number in [1e-3, 1e3]")
+        isotonic = None
+        if prob.get("isotonic") is not None:
+            knots = prob["isotonic"]
+            x, y = (np.asarray(knots.get(k) if isinstance(knots, dict) else None, dtype=object) for k in "xy")
+            try:
+                x, y = x.astype(float), y.astype(float)
+            except (TypeError, ValueError):
+                raise bad("probability.isotonic knots are not lists of numbers") from None
+            if (x.ndim != 1 or x.shape != y.shape or not 1 <= len(x) <= MAX_KNOTS or not np.isfinite(x).all()
+                    or not np.isfinite(y).all() or (x < 0).any() or (x > 1).any() or (y < 0).any() or (y > 1).any()
+                    or (np.diff(x) < 0).any() or (np.diff(y) < 0).any()):
+                raise bad(f"probability.isotonic knots must be 1..{MAX_KNOTS} sorted values in [0, 1], x and y "
+                          "alike")
+            isotonic = IsotonicMap(x, y)
+        scales = data.get("scales")
+        if not isinstance(scales, dict) or not set(scales) <= {"ebce", "conformal"}:
+            raise bad("scales must map ebce / conformal to numbers")
+        for key, value in scales.items():
+            v = _number(value)
+            if v is None or not 0 <= v <= MAX_SCALE:
+                raise bad(f"scales.{key} {value!r} is not a number in [0, {MAX_SCALE:g}]")
+        interval = data.get("interval")
+        if interval not in INTERVALS or (interval != "none" and interval not in scales):
+            raise bad(f"interval {interval!r} is not one of {', '.join(INTERVALS)} with its scale present")
+        return cls(kind=kind, temperature=float(t), isotonic=isotonic,
+                   scales={k: float(v) for k, v in scales.items()}, interval=interval,
+                   conformal=_object(data.get("conformal")), fitted_on=_object(data.get("fitted_on")),
+                   details=_object(data.get("details")))
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _object(value) -> dict:
+    return dict(value) if isinstance(value, dict) else {}
+
+
+def save_calibration(run_dir, calibration: Calibration) -> Path:
+    from rewarduq_exp.core.strict_json import write_json
+
+    path = Path(run_dir) / CALIBRATION_FILE
+    write_json(path, calibration.to_dict())
+    return path
+
+
+def read_calibration(run_dir, *, say_missing: bool = True) -> Calibration | None:
+    """The run's recalibration, or None (with one log line) for a run without ``calibration.json``: trained before
+    recalibration existed or with ``recalibrate.enabled=false``."""
+    path = Path(run_dir) / CALIBRATION_FILE
+    if not path.exists() and not path.is_symlink():
+        if say_missing:
+            log.warning("%s has no %s (trained before recalibration existed, or with recalibrate.enabled=false): "
+                        "raw scores and metrics only", run_dir, CALIBRATION_FILE)
+        return None
+    return Calibration.from_dict(read_json_object(path, "the run's recalibration"), str(path))
