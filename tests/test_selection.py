@@ -243,3 +243,26 @@ def test_no_configuration_passes(tmp_path):
     assert "**No configuration passes** ECE <= 0.05 and EBCE <= 0.01" in md
     assert "Closest 2 by total excess" in md
     assert "| 1e-3 | 1 | 0.2000 | 0.0600 | +0.0100 | 0.0100 | +0.0000 | 0.0100 |" in md
+
+
+# ---------------------------------------------------------------------------------------------------- recalibrated
+def test_the_rule_can_read_recalibrated_metrics(tmp_path):
+    """Default: the paper's rule on the raw metrics. --recalibrated: the same thresholds and ranking on recal/<metric>;
+    here the run that misses the raw thresholds passes after recalibration and wins on its recalibrated RS."""
+    root = tmp_path / "sweep"
+    recal = {"recal/rs_0.2": 0.45, "recal/ece": 0.01, "recal/ebce": 0.004, "recal/win_rate": 0.7,
+             "recal/ct_rate": 0.5, "recal/cf_rate": 0.02}
+    make_run(root, "calibrated_raw", hp={"learning_rate": 1e-4}, metrics=uf(rs=0.3, **{**recal, "recal/rs_0.2": 0.2}))
+    make_run(root, "miscalibrated_raw", hp={"learning_rate": 1e-3}, metrics=uf(rs=0.5, ece=0.2, ebce=0.03, **recal))
+    make_run(root, "old_run", hp={"learning_rate": 1e-2}, metrics=uf(rs=0.9))   # no recal/ metrics at all
+    raw = one_group(root)
+    assert raw.winner.hyperparameters["learning_rate"] == 1e-2
+    after = one_group(root, Criteria(recalibrated=True))
+    assert after.winner.hyperparameters["learning_rate"] == 1e-3
+    assert after.winner.mean["ece"] == 0.01 and after.winner.mean["rs_0.2"] == 0.45
+    assert [c.hyperparameters["learning_rate"] for c in after.passing] == [1e-3, 1e-4]
+    assert "recalibrated metrics" in Criteria(recalibrated=True).describe()
+    only_old = tmp_path / "old"
+    make_run(only_old, "old_run", metrics=uf())
+    with pytest.raises(UserError, match="no run has recalibrated metrics"):
+        select(find_runs([only_old]), Criteria(recalibrated=True))

@@ -35,6 +35,10 @@ class Criteria:
     ece: float = DEFAULT_ECE
     ebce: float = DEFAULT_EBCE
     rank: str = DEFAULT_RANK  # ranked in descending order
+    # Read every metric after the run's recalibration (``recal/<metric>``, rewarduq_exp/recalibration) instead of the
+    # raw one: the same thresholds on recalibrated ECE / EBCE, ranked by recalibrated RS. Runs without recalibrated
+    # metrics (trained before it existed) then have none and never pass.
+    recalibrated: bool = False
 
     def __post_init__(self):
         for name in THRESHOLDED:
@@ -49,8 +53,13 @@ class Criteria:
     def threshold(self, metric: str) -> float:
         return getattr(self, metric)
 
+    def key(self, metric: str) -> str:
+        """The metrics.json key the rule reads for ``metric``."""
+        return f"recal/{metric}" if self.recalibrated else metric
+
     def describe(self) -> str:
-        return f"{self.dataset}, ECE <= {self.ece:g}, EBCE <= {self.ebce:g}, best {self.rank}"
+        after = ", recalibrated metrics" if self.recalibrated else ""
+        return f"{self.dataset}, ECE <= {self.ece:g}, EBCE <= {self.ebce:g}, best {self.rank}{after}"
 
 
 def add_selection_arguments(parser: argparse.ArgumentParser, dataset_option: str = "--dataset") -> None:
@@ -63,10 +72,14 @@ def add_selection_arguments(parser: argparse.ArgumentParser, dataset_option: str
                         help=f"keep mean EBCE <= this (default: {DEFAULT_EBCE})")
     parser.add_argument("--rank", default=DEFAULT_RANK,
                         help=f"metric to rank the kept configurations by, higher is better (default: {DEFAULT_RANK})")
+    parser.add_argument("--recalibrated", action="store_true",
+                        help="apply the thresholds and the ranking to the recalibrated metrics (recal/<metric>, "
+                             "fitted on each run's calibration split) instead of the raw ones (the paper's rule)")
 
 
 def criteria_from_args(args: argparse.Namespace) -> Criteria:
-    return Criteria(dataset=args.select_dataset, ece=args.ece, ebce=args.ebce, rank=args.rank)
+    return Criteria(dataset=args.select_dataset, ece=args.ece, ebce=args.ebce, rank=args.rank,
+                    recalibrated=bool(getattr(args, "recalibrated", False)))
 
 
 @dataclass
@@ -174,7 +187,10 @@ def check_criteria(records: list[RunRecord], criteria: Criteria) -> None:
         found = sorted({name for r in completed for name in r.metrics})
         raise UserError(f"no completed run has metrics for dataset '{criteria.dataset}'; "
                         f"datasets found: {', '.join(found) or '(none)'}")
-    if not any(criteria.rank in b for b in blocks):
+    if not any(criteria.key(criteria.rank) in b for b in blocks):
+        if criteria.recalibrated:
+            raise UserError(f"no run has recalibrated metrics (recal/{criteria.rank}) in '{criteria.dataset}': they "
+                            "were trained without recalibration; drop --recalibrated or retrain them")
         found = sorted({k for b in blocks for k in b if "/" not in k})
         raise UserError(f"no run has metric '{criteria.rank}' in '{criteria.dataset}'; "
                         f"metrics found: {', '.join(found)}")
@@ -233,7 +249,8 @@ def _one_per_seed(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecor
 
 def _aggregate(runs: list[RunRecord], criteria: Criteria) -> Configuration:
     first = runs[0]
-    table = pd.DataFrame([{m: r.metrics[criteria.dataset].get(m) for m in criteria.metrics} for r in runs])
+    table = pd.DataFrame([{m: r.metrics[criteria.dataset].get(criteria.key(m)) for m in criteria.metrics}
+                          for r in runs])
     table = table.apply(pd.to_numeric, errors="coerce")
     # Sample std (ddof=1): undefined (NaN) for one seed, which the reports show as a plain mean.
     mean = {m: float(table[m].mean()) for m in criteria.metrics}
