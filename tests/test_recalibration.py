@@ -73,7 +73,7 @@ def test_weights_count_as_repetitions_in_the_temperature():
     assert fit_temperature(m, w) == pytest.approx(fit_temperature(np.repeat(m, w)), rel=1e-6)
 
 
-@pytest.mark.parametrize("interval", ["ebce", "conformal", "none"])
+@pytest.mark.parametrize("interval", ["rule", "conformal", "none"])
 def test_recalibration_never_changes_a_win_rate(interval):
     frame = simulated(3000, 3.0)
     fitted = fit_calibration(frame.iloc[:1000], {"interval": interval, "probability": "isotonic"}, "cal")
@@ -88,8 +88,8 @@ def test_recalibration_never_changes_a_win_rate(interval):
 
 def test_confident_pairs_depend_on_the_interval_scale_only():
     frame = simulated(2000, 1.5)
-    base = Calibration(kind="pairs", temperature=1.0, scales={"ebce": 0.7, "conformal": 2.0}, interval="ebce")
-    hot = Calibration(kind="pairs", temperature=7.0, scales={"ebce": 0.7, "conformal": 2.0}, interval="ebce")
+    base = Calibration(kind="pairs", temperature=1.0, scales={"rule": 0.7, "conformal": 2.0}, interval="rule")
+    hot = Calibration(kind="pairs", temperature=7.0, scales={"rule": 0.7, "conformal": 2.0}, interval="rule")
     a, b = recalibrated_metrics(frame, base, METRIC), recalibrated_metrics(frame, hot, METRIC)
     for key in ("recal/ct_rate", "recal/cf_rate", "recal/rs_0.2"):
         assert a[key] == b[key]
@@ -230,7 +230,7 @@ def test_expectation_form_is_split_conformal_quantile():
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("interval", "wide", "recalibrate.interval='wide' is invalid: allowed values are ebce, conformal, none"),
+    ("interval", "wide", "recalibrate.interval='wide' is invalid: allowed values are rule, conformal, none"),
     ("alpha", 1.5, "recalibrate.alpha=1.5 is invalid: must be a number in (0, 1)"),
     ("probability", "platt", "allowed values are auto, temperature, isotonic"),
     ("enabled", "yes", "recalibrate.enabled='yes' is invalid: must be true or false"),
@@ -265,11 +265,11 @@ def test_calibration_json_round_trips_and_is_read_with_bounds(tmp_path):
 
     assert "temperature" in damaged(lambda d: d["probability"].update(temperature=-1))
     assert "temperature" in damaged(lambda d: d["probability"].update(temperature="2"))
-    assert "scales.ebce" in damaged(lambda d: d["scales"].update(ebce=1e300))
+    assert "scales.rule" in damaged(lambda d: d["scales"].update(rule=1e300))
     assert "knots" in damaged(lambda d: d["probability"]["isotonic"].update(x=d["probability"]["isotonic"]["x"][::-1]))
     assert "knots" in damaged(lambda d: d["probability"]["isotonic"].update(y=[2.0] * len(d["probability"]["isotonic"]["y"])))
     assert "format" in damaged(lambda d: d.update(format=99))
-    assert "interval" in damaged(lambda d: d.update(interval="conformal", scales={"ebce": 1.0}))
+    assert "interval" in damaged(lambda d: d.update(interval="conformal", scales={"rule": 1.0}))
     (tmp_path / "calibration.json").write_text("[" * 200 + "]" * 200)
     with pytest.raises(UserError):
         read_calibration(tmp_path)
@@ -278,3 +278,19 @@ def test_calibration_json_round_trips_and_is_read_with_bounds(tmp_path):
 def test_a_run_without_calibration_json_reads_as_raw(tmp_path, caplog):
     assert read_calibration(tmp_path) is None
     assert "raw scores and metrics only" in caplog.text
+
+
+def test_the_rule_scale_is_the_best_rs_among_calibrated_bounds():
+    """On the calibration split the chosen s has EBCE <= the target and the highest RS_0.2 of all such s of the grid;
+    zero-width bounds (s -> 0) meet the EBCE target too, but confidently call every false pair: the rule does not
+    pick them."""
+    from rewarduq_exp.recalibration.interval_scale import SCALE_GRID, metrics_by_scale
+
+    frame = simulated(2000, 2.0)
+    fitted = fit_calibration(frame, {"probability": "temperature"}, "cal")
+    c, r, w = pairs_from_table(frame)
+    by = metrics_by_scale(c, r, w, fitted.temperature)
+    chosen = np.searchsorted(SCALE_GRID, fitted.scales["rule"])
+    ok = by["ebce"] <= 0.01
+    assert ok[chosen] and by["rs"][chosen] == by["rs"][ok].max()
+    assert by["rs"][chosen] > by["rs"][0] and by["rs"][chosen] > by["rs"][-1]

@@ -194,7 +194,9 @@ def _accuracy(c: np.ndarray, r: np.ndarray, w: np.ndarray, alphas: tuple[float, 
     cls = np.where(conf_true, 0, np.where(true, 1, np.where(conf_false, 2, 3)))
     sums = np.bincount(cls, weights=w, minlength=4)
     ct, ut, cf, uf = (float(s) for s in sums / sums.sum())
-    t, f = ct + ut, cf + uf
+    # The win rate from the rewards alone, not as CT + UT: the same for any bounds to the last bit (recalibration,
+    # which moves pairs between CT and UT, must not change it even by rounding).
+    t, f = float(np.dot(w, true) / w.sum()), cf + uf
     out = {"win_rate": t, "ct_rate": ct, "ut_rate": ut, "cf_rate": cf, "uf_rate": uf}
     for a in alphas:
         out[f"rs_{a}"] = ranking_score(ct, cf, t, f, a)

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 CALIBRATION_FILE = "calibration.json"
 FORMAT = 1
-INTERVALS = ("ebce", "conformal", "none")
+INTERVALS = ("rule", "conformal", "none")
 PROBABILITY_MAPS = ("temperature", "isotonic")
 # Largest interval scale a file may hold: the fitted grid ends at 1e3; a conformal threshold can be larger, but a
 # scale beyond this makes every interval cover everything and is refused as damage.
@@ -49,8 +49,8 @@ class Calibration:
     kind: str
     temperature: float = 1.0
     isotonic: IsotonicMap | None = None
-    scales: dict = field(default_factory=dict)   # criterion -> s (ebce, conformal)
-    interval: str = "ebce"                       # which of ``scales`` the bounds use (none: s = 1)
+    scales: dict = field(default_factory=dict)   # criterion -> s (rule, conformal)
+    interval: str = "rule"                       # which of ``scales`` the bounds use (none: s = 1)
     conformal: dict = field(default_factory=dict)
     fitted_on: dict = field(default_factory=dict)
     details: dict = field(default_factory=dict)
@@ -147,8 +147,8 @@ class Calibration:
                           "alike")
             isotonic = IsotonicMap(x, y)
         scales = data.get("scales")
-        if not isinstance(scales, dict) or not set(scales) <= {"ebce", "conformal"}:
-            raise bad("scales must map ebce / conformal to numbers")
+        if not isinstance(scales, dict) or not set(scales) <= {"rule", "conformal"}:
+            raise bad("scales must map rule / conformal to numbers")
         for key, value in scales.items():
             v = _number(value)
             if v is None or not 0 <= v <= MAX_SCALE:

@@ -3,8 +3,9 @@
 ``recalibrate`` settings (conf/train.yaml):
 
 * ``probability``: auto (temperature, then isotonic where the calibration split supports it) | temperature | isotonic;
-* ``interval``: which scale of u the recalibrated bounds use: ebce (the smallest s from which the calibration
-  split's EBCE stays <= ``ebce_target``) | conformal (the risk guarantee below) | none (s = 1);
+* ``interval``: which scale of u the recalibrated bounds use: rule (the paper's selection rule applied to s: the best
+  RS_``rank_alpha`` on the calibration split among the s with EBCE <= ``ebce_target``) | conformal (the risk guarantee
+  below) | none (s = 1);
 * ``alpha``, ``guarantee`` (high_probability | expectation), ``delta``: the conformal guarantee on CF / N for pairs;
   ``pointwise_alpha`` the miscoverage bound for rated responses (BoRP);
 * ``isotonic_min_pairs``: fewer calibration pairs never get the isotonic map.
@@ -31,11 +32,12 @@ from rewarduq_exp.recalibration.conformal import (
     pair_thresholds,
     risk_at,
 )
-from rewarduq_exp.recalibration.interval_scale import SCALE_GRID, bound_margins, ebce_by_scale, scale_for_ebce
+from rewarduq_exp.recalibration.interval_scale import SCALE_GRID, bound_margins, metrics_by_scale, scale_by_rule
 from rewarduq_exp.recalibration.probability import cross_fitted_brier, fit_isotonic, fit_temperature
 
 PROBABILITY_CHOICES = ("auto", "temperature", "isotonic")
-DEFAULTS = {"enabled": True, "probability": "auto", "interval": "ebce", "ebce_target": 0.01, "alpha": 0.05,
+DEFAULTS = {"enabled": True, "probability": "auto", "interval": "rule", "ebce_target": 0.01, "rank_alpha": 0.2,
+            "alpha": 0.05,
             "guarantee": "high_probability", "delta": 0.1, "pointwise_alpha": 0.1, "isotonic_min_pairs": 500}
 PREFIX = "recal/"
 
@@ -57,6 +59,9 @@ def recalibrate_settings(node) -> dict:
     check_choice("recalibrate.guarantee", values["guarantee"], GUARANTEES)
     for key in ("alpha", "delta", "pointwise_alpha"):
         _check_open_unit(key, values[key])
+    value = values["rank_alpha"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise UserError(f"recalibrate.rank_alpha={value!r} is invalid: must be a number in [0, 1]")
     value = values["ebce_target"]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
         raise UserError(f"recalibrate.ebce_target={value!r} is invalid: must be a number in (0, 1)")
@@ -85,7 +90,8 @@ def fit_calibration(predictions: pd.DataFrame, settings: dict, split: str, n_bin
     chosen, rejected, weight = pairs_from_table(predictions)
     margin = chosen[:, 0] - rejected[:, 0]
     temperature = fit_temperature(margin, weight)
-    details = {"n_bins": int(n_bins), "ebce_target": float(settings["ebce_target"])}
+    details = {"n_bins": int(n_bins), "ebce_target": float(settings["ebce_target"]),
+               "rank_alpha": float(settings["rank_alpha"])}
     use_isotonic = settings["probability"] == "isotonic"
     if settings["probability"] == "auto":
         if len(margin) >= settings["isotonic_min_pairs"]:
@@ -98,15 +104,19 @@ def fit_calibration(predictions: pd.DataFrame, settings: dict, split: str, n_bin
             details["probability_choice"] = (f"temperature: {len(margin)} calibration pairs, fewer than "
                                              f"isotonic_min_pairs={settings['isotonic_min_pairs']}")
     isotonic = fit_isotonic(expit(margin / temperature), np.ones(len(margin)), weight) if use_isotonic else None
-    ebce = ebce_by_scale(chosen, rejected, weight, temperature, isotonic, n_bins=n_bins)
-    s_ebce, met = scale_for_ebce(ebce, settings["ebce_target"])
+    by_scale = metrics_by_scale(chosen, rejected, weight, temperature, isotonic, n_bins=n_bins,
+                                rank_alpha=settings["rank_alpha"])
+    s_rule, met = scale_by_rule(by_scale["ebce"], by_scale["rs"], settings["ebce_target"])
+    at, raw = np.searchsorted(SCALE_GRID, s_rule), np.searchsorted(SCALE_GRID, 1.0)
     details["ebce_target_met"] = met
-    details["ebce_at_scale"] = float(ebce[np.searchsorted(SCALE_GRID, s_ebce)])
-    details["ebce_raw_scale"] = float(ebce[np.searchsorted(SCALE_GRID, 1.0)])
+    details["on_calibration_split"] = {"rule_scale": {"ebce": float(by_scale["ebce"][at]),
+                                                      "rs": float(by_scale["rs"][at])},
+                                       "raw_scale": {"ebce": float(by_scale["ebce"][raw]),
+                                                     "rs": float(by_scale["rs"][raw])}}
     conformal = conformal_scale(pair_thresholds(chosen, rejected), settings["alpha"],
                                 guarantee=settings["guarantee"], delta=settings["delta"], risk="cf_rate")
     return Calibration(kind="pairs", temperature=temperature, isotonic=isotonic,
-                       scales={"ebce": s_ebce, "conformal": conformal.scale}, interval=settings["interval"],
+                       scales={"rule": s_rule, "conformal": conformal.scale}, interval=settings["interval"],
                        conformal=conformal.to_dict(), fitted_on=fitted_on, details=details)
 
 

@@ -1,10 +1,13 @@
-"""The scale s of the uncertainty u by a calibration criterion: the smallest s from which the EBCE of the
-calibration pairs stays at or below a target (default 0.01, the RewardUQ paper's selection threshold).
+"""The scale s of the uncertainty u by the RewardUQ paper's own selection rule, applied to s: among the scales whose
+EBCE on the calibration split is at most a target (default 0.01, the paper's threshold), the one with the highest
+RS_0.2 there (paper eq. 6; ties: the smaller s).
 
-EBCE (RewardUQ eq. 8) only falls towards 0 as the bounds widen (lower-bound probabilities sink below the observed
-frequencies), so "the least EBCE" would always pick the widest interval; the smallest s that meets the target keeps the
-interval as informative (CT as high) as calibration allows. The search runs over a log grid of s: EBCE is binned
-and so not monotone in s at fine scale, hence "from which on it stays" rather than "the first s below the target".
+EBCE (eq. 8) alone cannot choose s: it only falls as the bounds widen, and a well-calibrated probability already
+meets 0.01 with bounds of zero width (EBCE is then about ECE / 2), so "the least EBCE" picks the widest interval and
+"the smallest s under the target" nearly the narrowest, whose CF is every false pair. RS_0.2 rewards confident true
+pairs and penalises confident false ones, so it peaks in between; the EBCE target keeps the bounds calibrated.
+When no s meets the target, the one with the least EBCE. The search runs over a log grid of s (both metrics are
+step functions of s).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import numpy as np
 from scipy.special import expit
 
 from rewarduq_exp.metrics.calibration import calibration_metrics
+from rewarduq_exp.metrics.preference import ranking_score
 
 # s from 1e-3 to 1e3, 40 points per decade, and exactly 1 (the raw interval) among them.
 SCALE_GRID = np.unique(np.concatenate([np.logspace(-3, 3, 241), [1.0]]))
@@ -27,28 +31,33 @@ def bound_margins(chosen: np.ndarray, rejected: np.ndarray, scale: float) -> tup
     return m, m - scale * h_lo, m + scale * h_hi
 
 
-def ebce_by_scale(chosen, rejected, weight, temperature: float, probability_map=None, n_bins: int = 20,
-                  grid=SCALE_GRID) -> np.ndarray:
-    """EBCE of the pairs at every s of ``grid`` after the probability map (temperature, then ``probability_map``)."""
+def metrics_by_scale(chosen, rejected, weight, temperature: float, probability_map=None, n_bins: int = 20,
+                     rank_alpha: float = 0.2, grid=SCALE_GRID) -> dict[str, np.ndarray]:
+    """EBCE (after the probability map: temperature, then ``probability_map``) and RS_``rank_alpha`` of the pairs at
+    every s of ``grid``."""
     def mapped(margin):
         p = expit(margin / temperature)
         return probability_map(p) if probability_map is not None else p
 
-    out = np.empty(len(grid))
+    ebce, rs = np.empty(len(grid)), np.empty(len(grid))
     ones = np.ones(len(chosen))
-    for i, s in enumerate(grid):   # ~240 binnings of N pairs: milliseconds for the calibration split's size
+    total = weight.sum()
+    true = float(np.dot(weight, chosen[:, 0] > rejected[:, 0]) / total)
+    for i, s in enumerate(grid):   # ~240 binnings of N pairs: well under a second for a calibration split
         m, lo, hi = bound_margins(chosen, rejected, s)
         p, p_lo, p_hi = mapped(m), mapped(lo), mapped(hi)
-        out[i] = calibration_metrics(p, np.minimum(p_lo, p), np.maximum(p_hi, p), ones, weight, n_bins=n_bins)["ebce"]
-    return out
+        ebce[i] = calibration_metrics(p, np.minimum(p_lo, p), np.maximum(p_hi, p), ones, weight,
+                                      n_bins=n_bins)["ebce"]
+        ct, cf = float(np.dot(weight, lo > 0) / total), float(np.dot(weight, hi < 0) / total)
+        rs[i] = ranking_score(ct, cf, true, 1.0 - true, rank_alpha)
+    return {"ebce": ebce, "rs": rs}
 
 
-def scale_for_ebce(ebce: np.ndarray, target: float, grid=SCALE_GRID) -> tuple[float, bool]:
-    """(the smallest s of ``grid`` from which EBCE stays <= ``target``, whether the target is met at all; when it is
-    not, the largest s)."""
-    above = np.flatnonzero(ebce > target)
-    if len(above) == 0:
-        return float(grid[0]), True
-    if above[-1] == len(grid) - 1:
-        return float(grid[-1]), False
-    return float(grid[above[-1] + 1]), True
+def scale_by_rule(ebce: np.ndarray, rs: np.ndarray, target: float, grid=SCALE_GRID) -> tuple[float, bool]:
+    """(the s of ``grid`` with the highest RS among those with EBCE <= ``target``, the smallest on ties; whether any
+    s met the target: if none did, the s with the least EBCE)."""
+    ok = ebce <= target
+    if not ok.any():
+        return float(grid[int(np.argmin(ebce))]), False
+    best = np.flatnonzero(ok & (rs == rs[ok].max()))
+    return float(grid[best[0]]), True
