@@ -65,7 +65,7 @@ def test_data_summary_lists_every_dataset(hub_run):
     folder, _ = hub_run
     summary = json.loads((folder / "data_summary.json").read_text())
     assert [s["dataset"] for s in summary] == ["ultrafeedback_train", "ultrafeedback_test", "reward_bench_filtered",
-                                                "reward_bench2_test", "hh_rlhf_test"]
+                                                "reward_bench2_test", "hh_rlhf_test", "ultrafeedback_cal"]
     assert all(s["before"] >= s["after"] > 0 and "50" in s["length_percentiles"] for s in summary)
 
 

@@ -224,6 +224,7 @@ def test_huge_row_is_dropped_before_tokenising_and_counted(tmp_path, shared_cach
                                                     f"dataset.eval_path={files / 'good.jsonl'}",
                                                     f"hydra.run.dir={folder}"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    train, evaluated = json.loads((folder / "data_summary.json").read_text())
-    assert (train["before"], train["after"], train["dropped"], train["not_tokenised"]) == (13, 12, 1, 1)
-    assert evaluated["dropped"] == 0
+    train, evaluated, cal = json.loads((folder / "data_summary.json").read_text())   # cal: the recalibration's
+    # 13 rows: the huge one dropped before loading, 1 of the other 12 prompts held out as split cal
+    assert (train["before"], train["after"], train["dropped"], train["not_tokenised"]) == (12, 11, 1, 1)
+    assert evaluated["dropped"] == 0 and (cal["dataset"], cal["after"]) == ("local_cal", 1)

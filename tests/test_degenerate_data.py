@@ -127,21 +127,23 @@ QUESTIONS = [f"Question number {i}?" for i in range(30)]
 def test_train_refuses_a_file_of_empty_completions(tmp_path, shared_cache):
     path = _write(tmp_path / "empty.jsonl", [{"prompt": q, "chosen": "", "rejected": ""} for q in QUESTIONS])
     proc, folder = _train(tmp_path, shared_cache, path)
-    _refused(proc, folder, "dataset 'local_train': every completion is empty (chosen and rejected of all 27 pairs)")
+    # 30 prompts: 3 held out as split eval, 3 of the other 27 as split cal
+    _refused(proc, folder, "dataset 'local_train': every completion is empty (chosen and rejected of all 24 pairs)")
 
 
 def test_train_refuses_chosen_equal_to_rejected(tmp_path, shared_cache):
     path = _write(tmp_path / "same.jsonl", [{"prompt": q, "chosen": f"Answer {i}", "rejected": f"Answer {i}"}
                                             for i, q in enumerate(QUESTIONS)])
     proc, folder = _train(tmp_path, shared_cache, path)
-    _refused(proc, folder, "dataset 'local_train': chosen is identical to rejected in every pair (all 27)")
+    _refused(proc, folder, "dataset 'local_train': chosen is identical to rejected in every pair (all 24)")
 
 
 def test_train_refuses_a_single_training_pair(tmp_path, shared_cache):
-    """Two pairs of two prompts: one is held out for evaluation, one is left to train on."""
+    """Two pairs of two prompts: one is held out for evaluation, one is left to train on (and none to spare for the
+    calibration split: tests/test_calibration_split.py)."""
     path = _write(tmp_path / "two.jsonl", [{"prompt": q, "chosen": "Yes, gladly.", "rejected": "No."}
                                            for q in QUESTIONS[:2]])
-    proc, folder = _train(tmp_path, shared_cache, path)
+    proc, folder = _train(tmp_path, shared_cache, path, "dataset.cal_fraction=0")
     _refused(proc, folder, "dataset 'local_train' has 1 pair to train on: at least 2 are needed")
 
 
@@ -156,7 +158,7 @@ def test_train_warns_about_weak_data_and_runs(tmp_path, shared_cache):
         rows[i]["rejected"] = ""
     path = _write(tmp_path / "mixed.jsonl", rows)
     proc, folder = _train(tmp_path, shared_cache, path, "dataset.eval_fraction=0", f"dataset.eval_path={path}",
-                          "method.num_heads=2")
+                          "dataset.cal_fraction=0", "method.num_heads=2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     warnings = [line.split(" - ", 1)[1] for line in proc.stdout.splitlines() if "[WARNING]" in line]
     assert "dataset 'local_train': 4 of 30 pairs have chosen identical to rejected (no preference); dropped from " \

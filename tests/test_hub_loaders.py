@@ -35,10 +35,13 @@ def roles(messages):
 
 
 def test_ultrafeedback_implicit_prompt_becomes_user_turn(hub_root):
-    train = loader("ultrafeedback", hub_root).load("train")
+    train = loader("ultrafeedback", hub_root, cal_fraction=0).load("train")   # the whole train split
     test = loader("ultrafeedback", hub_root).load("test")
     assert list(train.columns) == list(PREFERENCE_COLUMNS)
     assert (len(train), len(test)) == (40, 12)
+    # by default 0.1 of the train split's 40 prompts are held out as split cal (tests/test_calibration_split.py)
+    assert (len(loader("ultrafeedback", hub_root).load("train")), len(loader("ultrafeedback", hub_root).load("cal"))) \
+        == (36, 4)
     for _, row in train.iterrows():
         assert roles(row.prompt) == ["user"]
         assert roles(row.chosen) == ["assistant"] and roles(row.rejected) == ["assistant"]
@@ -52,7 +55,7 @@ def test_num_samples_fixed_seed_independent_of_run_seed(hub_root):
     frac = loader("ultrafeedback", hub_root, num_samples=0.25).load("train")
     other = loader("ultrafeedback", hub_root, num_samples=10, sample_seed=1).load("train")
     assert len(a) == 10 and list(a.id) == list(b.id)  # the run seed does not change the data
-    assert len(frac) == 10
+    assert len(frac) == 9   # a quarter of the 36 train rows left once split cal (4 of 40) is held out
     assert list(other.id) != list(a.id)
     assert len(loader("ultrafeedback", hub_root, num_samples=10).load("test")) == 12  # eval split untouched
     assert len(loader("ultrafeedback", hub_root, eval_num_samples=5).load("test")) == 5
@@ -65,14 +68,15 @@ def test_num_samples_rejects_bad_values(hub_root, value):
 
 
 def test_skywork_source_becomes_subset(hub_root):
-    frame = loader("skywork_pref", hub_root).load("train")
+    frame = loader("skywork_pref", hub_root, cal_fraction=0).load("train")
     assert len(frame) == 12
+    assert len(loader("skywork_pref", hub_root).load("train")) == 11   # one of the 12 prompts held out as split cal
     assert set(frame.subset) == {"magpie_ultra", "wildguard", "offsetbias"}
     assert all(roles(p) == ["user"] for p in frame.prompt)
 
 
 def test_tulu_user_turn_is_not_duplicated(hub_root, tokenizer):
-    frame = loader("tulu3_pref", hub_root).load("train")
+    frame = loader("tulu3_pref", hub_root, cal_fraction=0).load("train")   # the whole train split
     assert len(frame) == 11
     single = frame[frame.id == "tulu-0"].iloc[0]
     assert single.prompt == [{"role": "user", "content": "Tell me something about rivers (0)."}]
@@ -116,13 +120,13 @@ def test_reward_bench2_kwise_shape_and_ties_kept(hub_root):
 
 
 def test_helpsteer2_scores_and_multiturn_prompt(hub_root):
-    lb = loader("helpsteer2", hub_root)
+    lb = loader("helpsteer2", hub_root, cal_fraction=0)   # the whole train split
     assert lb.kind == "pointwise"
     frame = lb.load("train")
     assert len(frame) == 9 and len(lb.load("validation")) == 4
     assert list(frame.helpfulness[:5]) == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert (frame.score == frame.verbosity + 1).all()  # BoRP's default target, on its 1-5 scale
-    assert (loader("helpsteer2", hub_root, target="helpfulness", score_offset=0).load("train").score
+    assert (loader("helpsteer2", hub_root, target="helpfulness", score_offset=0, cal_fraction=0).load("train").score
             == frame.helpfulness).all()
     multi = frame.iloc[-1]
     assert multi.prompt == [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
@@ -133,7 +137,7 @@ def test_helpsteer2_scores_and_multiturn_prompt(hub_root):
 
 
 def test_hh_rlhf_transcripts_split_into_prompt_and_replies(hub_root, caplog):
-    frame = loader("hh_rlhf", hub_root).load("train")
+    frame = loader("hh_rlhf", hub_root, cal_fraction=0).load("train")   # the whole train split
     assert set(frame.subset) == set(HH_SUBSETS)
     assert len(frame) == 24  # 4 subsets x 6; the malformed transcript is dropped and counted
     assert frame.attrs["dropped_unsplittable"] == 1

@@ -158,6 +158,7 @@ def test_local_config_through_hydra(tmp_path):
     cfg.path = str(tmp_path / "train.jsonl")
     cfg.eval_path = str(tmp_path / "eval.jsonl")
     cfg.columns.prompt = "q"
+    cfg.cal_fraction = 0    # one training row: no prompt to spare for the calibration split
     loader = build_loader(cfg)
     assert (loader.name, loader.train_split, loader.eval_splits) == ("local", "train", ("eval",))
     train, ev = loader.load("train"), loader.load("eval")
@@ -186,6 +187,7 @@ def test_jsonl_gz_in_hh_rlhf_schema_reads_transcripts(tmp_path):
     cfg = load_dataset_config("local", seed=0)
     cfg.path = str(write_jsonl_gz(tmp_path / "train.jsonl.gz", rows))
     cfg.eval_fraction = 0   # the whole file as split train: no prompt held out
+    cfg.cal_fraction = 0
     f = build_loader(cfg).load("train")
     check_contract(f)
     assert f["id"].tolist() == ["train-0", "train-1"] and f.attrs["dropped_unsplittable"] == 1

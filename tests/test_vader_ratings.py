@@ -75,7 +75,7 @@ def loader(path, **kwargs):
 
 def test_scores_are_the_raw_ratings_mean_on_the_1_to_5_scale(sdist):
     data = loader(sdist, eval_fraction=0.4)
-    rows = pd.concat([data.load("train"), data.load("eval")]).set_index("id")
+    rows = pd.concat([data.load("train"), data.load("eval"), data.load("cal")]).set_index("id")
     # the mean of the raw ratings wins over the ground-truth file's: tweet 2 is 2.25, not 1.0
     assert rows.loc["vader-tweets-2", "mean_rating"] == 2.25
     assert rows.loc["vader-tweets-2", "score"] == pytest.approx(3 + 2.25 / 2)
@@ -85,10 +85,11 @@ def test_scores_are_the_raw_ratings_mean_on_the_1_to_5_scale(sdist):
     assert rows.loc["vader-tweets-1", "response"][0]["content"] == "I love love love this & you"  # unescaped
     assert rows.loc["vader-tweets-1", "prompt"] == [{"role": "user", "content": "Write a tweet."}]
     assert rows.loc["vader-amazon_reviews-1_1", "score"] == pytest.approx(3 - 0.75 / 2)  # id read past the BOM
-    # the repeated movie snippet is kept once; train and eval share no document; ood is the NYT corpus
+    # the repeated movie snippet is kept once; train, eval and cal share no document; ood is the NYT corpus
     assert len(rows) == 8 and rows.index.is_unique
-    train, evals = data.load("train"), data.load("eval")
+    train, evals, cal = data.load("train"), data.load("eval"), data.load("cal")
     assert not set(train["cv_group"]) & set(evals["cv_group"])
+    assert not set(cal["cv_group"]) & (set(train["cv_group"]) | set(evals["cv_group"]))
     assert (rows.loc[["vader-amazon_reviews-1_1", "vader-amazon_reviews-1_2"], "cv_group"] == "amazon_reviews-1").all()
     ood = data.load("ood")
     assert list(ood["subset"].unique()) == ["nyt_editorials"] and len(ood) == 2
@@ -193,9 +194,10 @@ def test_download_goes_through_pip_once_and_is_checked(tmp_path, sdist, monkeypa
 
 
 def test_pairs_prefer_the_sentence_the_raters_found_more_positive(sdist):
-    pairs = VaderPairs(path=str(sdist), cache_dir="unused", eval_fraction=0.01, min_gap=0.0)
+    # no calibration split: every sentence outside eval is in train
+    pairs = VaderPairs(path=str(sdist), cache_dir="unused", eval_fraction=0.01, cal_fraction=0, min_gap=0.0)
     train = pairs.load("train")
-    ratings = VaderRatings(path=str(sdist), cache_dir="unused", eval_fraction=0.01).load("train")
+    ratings = VaderRatings(path=str(sdist), cache_dir="unused", eval_fraction=0.01, cal_fraction=0).load("train")
     mean = {r[0]["content"]: m for r, m in zip(ratings["response"], ratings["mean_rating"])}
     corpus = {r[0]["content"]: c for r, c in zip(ratings["response"], ratings["subset"])}
     for _, row in train.iterrows():

@@ -88,6 +88,8 @@ BOUNDS: dict[str, Bound] = {
                             allow=(None,)),
     "dataset.n_ood": Bound(1, PAIRS, "examples", "a generated world holds ~2 KB of text per pair in memory",
                            allow=(None,)),
+    "dataset.n_cal": Bound(0, PAIRS, "examples", "a generated world holds ~2 KB of text per pair in memory",
+                           why_min="0: no calibration split", allow=(None,)),
     "dataset.min_words": Bound(1, 10_000, "words", "longer replies than any max_length of the paper keeps"),
     "dataset.max_words": Bound(1, 10_000, "words", "longer replies than any max_length of the paper keeps"),
     "dataset.candidate_max_words": Bound(1, 10_000, "words", "longer replies than any max_length of the paper keeps",

@@ -2,7 +2,8 @@
 
 Multi-turn prompts are stored in one string whose earlier turns are separated by ``<extra_id_1>Assistant`` /
 ``<extra_id_1>User`` markers (dataset card); they are split back into messages so the backbone's chat template
-renders them like any other conversation.
+renders them like any other conversation. The calibration split (``cal``, see ``hub.py``) groups rows by the
+prompt's first user turn, so the responses to one prompt are on one side only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 import numpy as np
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.data.calibration_split import group_key
 from rewarduq_exp.data.contract import make_pointwise_frame
 from rewarduq_exp.data.hub import HubDataset
 
@@ -39,6 +41,11 @@ class HelpSteer2(HubDataset):
         # BoRP reads the 0-4 ratings on its 1-5 scale (paper, table 6): score = rating + 1; the attribute columns
         # keep the hub's 0-4 values.
         self.score_offset = float(score_offset)
+
+    def group_keys(self, table) -> list[str]:
+        """The prompt's first user turn (the text before any ``<extra_id_1>`` turn marker)."""
+        prompts = table.select_columns(["prompt"]).with_format("arrow")[:].column("prompt").to_pylist()
+        return [group_key(_TURN.split(p or "")[0].strip()) for p in prompts]
 
     def normalise(self, table, split: str, row_index: np.ndarray):
         raw = table.select_columns(list(self.required_columns)).to_dict()

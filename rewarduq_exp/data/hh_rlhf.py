@@ -3,7 +3,9 @@
 The hub repository keeps each subset in its own folder (``harmless-base/train.jsonl.gz``, ...); each chosen subset
 is fetched with ``data_dir=<subset>`` and its name goes into the contract's ``subset`` column, so dropped pairs and
 metrics can be broken down per subset. ``red-team-attempts`` has another schema (no chosen/rejected) and is not a
-preference subset. Transcripts are parsed into messages and the turns both sides share become the prompt.
+preference subset. Transcripts are parsed into messages and the turns both sides share become the prompt. The
+calibration split (``cal``, see ``hub.py``) groups the pairs of all subsets by their transcript's opening, the text
+before its first ``Assistant:`` turn.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.data.calibration_split import group_key
 from rewarduq_exp.data.conversation import PairColumns, normalise_pairs
 from rewarduq_exp.data.hub import HubDataset
 
@@ -41,6 +44,14 @@ class HHRLHF(HubDataset):
             self.check_columns(part.column_names, f"{split} of {subset}")
             parts.append(part.select_columns(["chosen", "rejected"]).add_column("subset", [subset] * len(part)))
         return datasets.concatenate_datasets(parts)
+
+    def group_keys(self, table) -> list[str]:
+        """The transcript's opening: the text of ``chosen`` before its first ``Assistant:`` turn (read in Arrow)."""
+        import pyarrow.compute as pc
+
+        chosen = table.select_columns(["chosen"]).with_format("arrow")[:].column("chosen")
+        heads = pc.list_element(pc.split_pattern(chosen, pattern="\n\nAssistant:", max_splits=1), 0)
+        return [group_key(head) for head in heads.to_pylist()]
 
     def normalise(self, table, split: str, row_index: np.ndarray):
         raw = table.to_dict()

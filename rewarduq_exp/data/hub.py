@@ -14,6 +14,15 @@ Where a split comes from, first match wins:
 Every source goes through the same ``datasets`` calls, so the tests (local fixtures in the exact hub schema) run
 the code a user runs. ``num_samples`` (train split) / ``eval_num_samples`` (other splits) draw a subset with a
 fixed ``sample_seed`` that does not depend on the run seed, so a seed sweep compares models on the same data.
+
+The calibration split ``cal`` (:mod:`rewarduq_exp.data.calibration_split`) of a dataset with a training split: the
+rows of ``cal_fraction`` of the training split's prompts (default 0.1; 0: no ``cal``), held out before
+``num_samples`` draws the training rows from the others. A prompt is grouped by its opening turns, the messages before
+the first assistant turn (of the conversation, or of the prompt column where the conversation starts with the
+reply), so pairs of one prompt, and conversations that continue one opening differently, are on one side only. Which
+prompts are held out is a hash of their text keyed with ``sample_seed``: it depends neither on the run seed nor on
+``num_samples``. ``eval_num_samples`` draws from ``cal`` as from the other splits that are not the training split;
+cal ids are those of the training split (``train-<row>``). Evaluation-only datasets have no ``cal``.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import numpy as np
 
 from rewarduq_exp.core.errors import UserError, first_line
 from rewarduq_exp.core.hub_access import hub_reachable, offline_hint
+from rewarduq_exp.data.calibration_split import CAL_SPLIT, calibration_rows, check_fraction, group_key
 from rewarduq_exp.data.contract import validate_preferences
 from rewarduq_exp.data.text_lines import invalid_utf8_line, json_error, line_of_row, open_text
 
@@ -219,7 +229,8 @@ class HubDataset:
     def __init__(self, name: str, hub_id: str, splits=("train",), train_split: str | None = "train",
                  eval_splits=(), config_name: str | None = None, data_dir: str | None = None,
                  revision: str | None = None, path: str | None = None, data_files=None,
-                 mirror_dir: str | None = None, num_samples="all", eval_num_samples="all", sample_seed: int = 0):
+                 mirror_dir: str | None = None, num_samples="all", eval_num_samples="all", sample_seed: int = 0,
+                 cal_fraction: float = 0.1):
         self.name = name
         self.hub_id = hub_id
         self.splits = tuple(splits)
@@ -236,6 +247,12 @@ class HubDataset:
         self.sample_seed = int(sample_seed)
         for key, value in (("num_samples", num_samples), ("eval_num_samples", eval_num_samples)):
             sample_indices(10, value, 0, f"dataset.{key}")  # validate before any heavy work
+        self.cal_fraction = check_fraction(cal_fraction)
+        # held out of the training split; an evaluation-only dataset has none
+        self.cal_split = CAL_SPLIT if self.train_split and self.cal_fraction else None
+        if self.cal_split and self.cal_split in self.splits:
+            raise UserError(f"dataset '{name}' has a split named '{CAL_SPLIT}' of its own, the name of the held-out "
+                            "calibration split; set dataset.cal_fraction=0")
 
     # ------------------------------------------------------------------------------------------------ fetching
     def local_folder(self) -> Path | None:
@@ -317,18 +334,48 @@ class HubDataset:
 
     # ------------------------------------------------------------------------------------------------ loading
     def load(self, split: str):
-        if split not in self.splits:
-            raise UserError(f"dataset '{self.name}' has no split '{split}'; allowed: {', '.join(self.splits)}")
-        table = self.fetch(split)
-        self.check_columns(table.column_names, split)
+        cal = self.cal_split is not None and split == self.cal_split
+        if split not in self.splits and not cal:
+            allowed = self.splits + ((self.cal_split,) if self.cal_split else ())
+            if split == CAL_SPLIT:
+                why = "dataset.cal_fraction=0" if self.train_split else "an evaluation-only dataset"
+                raise UserError(f"dataset '{self.name}' has no calibration split '{CAL_SPLIT}' ({why})")
+            raise UserError(f"dataset '{self.name}' has no split '{split}'; allowed: {', '.join(allowed)}")
+        source = self.train_split if cal else split   # the hub split the rows come from
+        table = self.fetch(source)
+        self.check_columns(table.column_names, source)
+        rows = np.arange(len(table))
+        if self.cal_split is not None and source == self.train_split:
+            held = self.cal_rows(table)
+            rows = np.flatnonzero(held if cal else ~held)
+            table = table.select(rows)
         key = "dataset.num_samples" if split == self.train_split else "dataset.eval_num_samples"
         amount = self.num_samples if split == self.train_split else self.eval_num_samples
         keep = sample_indices(len(table), amount, self.sample_seed, key)
-        ids = np.arange(len(table)) if keep is None else keep
         if keep is not None:
             table = table.select(keep)
-        frame = self.normalise(table, split, ids)
+            rows = rows[keep]
+        frame = self.normalise(table, source, rows)
         return validate_preferences(frame, f"dataset '{self.name}'") if self.kind == "pairs" else frame
+
+    def cal_rows(self, table) -> np.ndarray:
+        """The rows of the training split ``table`` held out as the calibration split (a boolean mask): those of
+        ``cal_fraction`` of its prompts, grouped by :meth:`group_keys`, in an order keyed with ``sample_seed``."""
+        return calibration_rows(self.group_keys(table), self.cal_fraction, salt=f"{CAL_SPLIT}:{self.sample_seed}",
+                                source=f"dataset '{self.name}' (split {self.train_split})")
+
+    def group_keys(self, table) -> list[str]:
+        """One text per row of ``table`` (a ``datasets.Dataset`` in the hub schema): its prompt's opening turns, the
+        messages before the first assistant turn, of ``chosen`` or, where that starts with the reply (or is a text),
+        of the prompt column. Read in Arrow: only the opening turns become Python strings."""
+        prompt_column = getattr(self, "prompt_column", None)
+        columns = [c for c in ("chosen", prompt_column) if c and c in table.column_names]
+        data = table.select_columns(list(dict.fromkeys(columns))).with_format("arrow")[:]
+        chosen = (opening_turns(data.column("chosen"), "assistant") if "chosen" in columns
+                  else [[] for _ in range(len(data))])
+        prompt = opening_turns(data.column(prompt_column), "user") if prompt_column in columns else None
+        return [group_key(turns or (prompt[i] if prompt is not None else None) or [])
+                for i, turns in enumerate(chosen)]
 
     def check_columns(self, found, split: str) -> None:
         missing = [c for c in self.required_columns if c not in found]
@@ -338,6 +385,46 @@ class HubDataset:
 
     def normalise(self, table, split: str, row_index: np.ndarray):
         raise NotImplementedError
+
+
+def opening_turns(column, default_role: str) -> list[list]:
+    """Per row of ``column`` (a pyarrow ChunkedArray of conversations or texts), the ``[role, content]`` of its turns
+    before the first assistant turn. A text is one turn of ``default_role`` (none when that is ``assistant``: a
+    reply). Lists of ``{role, content}`` structs are read in Arrow (only the opening turns' contents are converted);
+    any other value becomes one turn holding its JSON text."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    out: list[list] = []
+    for chunk in column.chunks:
+        kind = chunk.type
+        if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+            if default_role == "assistant":
+                out.extend([] for _ in range(len(chunk)))
+            else:
+                out.extend([] if v is None else [[default_role, v]] for v in chunk.to_pylist())
+            continue
+        item = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else None
+        if item is None or not pa.types.is_struct(item) or not {"role", "content"} <= {f.name for f in item}:
+            out.extend([] if v is None else [["", group_key(v)]] for v in chunk.to_pylist())
+            continue
+        offsets = chunk.offsets.to_numpy().astype(np.int64)
+        start, stop = int(offsets[0]), int(offsets[-1])
+        messages = chunk.values.slice(start, stop - start)
+        offsets -= start
+        roles = pc.struct_field(messages, "role").to_numpy(zero_copy_only=False)
+        n = len(roles)
+        # the first assistant turn at or after each message (n: none)
+        first_assistant = np.minimum.accumulate(np.where(roles == "assistant", np.arange(n), n)[::-1])[::-1]
+        first_assistant = np.append(first_assistant, n)
+        begin, end = offsets[:-1], np.minimum(first_assistant[offsets[:-1]], offsets[1:])
+        counts = np.maximum(end - begin, 0)
+        index = np.repeat(begin - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        contents = pc.struct_field(messages, "content").take(pa.array(index, type=pa.int64())).to_pylist()
+        turns = [[str(r), c] for r, c in zip(roles[index], contents)]
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        out.extend(turns[bounds[i]:bounds[i + 1]] for i in range(len(chunk)))
+    return out
 
 
 class HubPreferencePairs(HubDataset):

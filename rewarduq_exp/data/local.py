@@ -23,6 +23,13 @@ segmentation fault; Python's JSON parser, which ``datasets`` falls back to, stop
 limit). JSON lines are scanned for that before the reader, at little cost (a row with at most that many opening
 brackets is not looked at further); a file that is one JSON array, which the reader fails on without crashing, only
 after it failed, so a good file is read once.
+
+Splits: ``train`` is ``path``; ``eval`` is ``eval_path``, or, without it, the rows of ``eval_fraction`` of the file's
+prompts (held out by prompt). ``cal``, the calibration split (:mod:`rewarduq_exp.data.calibration_split`), is the rows
+of ``cal_fraction`` of the training prompts (those not in ``eval``), held out by prompt the same way with an order of
+its own; they leave ``train``. Both hold-outs depend only on the prompts' texts, never on the row order or the seed.
+``cal_fraction`` is 0 unless given (the class reads a file as it is, as with ``eval_fraction``); the config
+``conf/dataset/local.yaml`` sets 0.1.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import pyarrow as pa
 
 from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError, first_line
+from rewarduq_exp.data.calibration_split import CAL_SPLIT, calibration_rows, check_fraction, group_key, hold_out
 from rewarduq_exp.data.contract import content_chars, validate_preferences
 from rewarduq_exp.data.conversation import PairColumns, normalise_pairs, parse_transcript
 from rewarduq_exp.data.hub import check_utf8, file_builder, no_rows, reader_error, reader_errors_unlogged
@@ -159,13 +167,16 @@ def _text_if_scalar(value):
 
 class LocalPreferenceFile:
     def __init__(self, path: str, eval_path: str | None = None, columns: dict | None = None, name: str = "local",
-                 train_split: str = "train", eval_splits=("eval",), eval_fraction: float = 0.0):
+                 train_split: str = "train", eval_splits=("eval",), eval_fraction: float = 0.0,
+                 cal_fraction: float = 0.0):
         self.name = name
         self.paths = {"train": path, "eval": eval_path}
         self.eval_fraction = float(check_positive(eval_fraction, "dataset.eval_fraction", inclusive=True))
         if self.eval_fraction >= 1:
             raise UserError(f"dataset.eval_fraction={eval_fraction} is invalid: must be in [0, 1) (0: no held-out "
                             "split; the evaluation then needs dataset.eval_path=<file>)")
+        self.cal_fraction = check_fraction(cal_fraction)
+        self.cal_split = CAL_SPLIT if self.cal_fraction else None
         self.columns = {c: c for c in TEXT + OPTIONAL} | dict(columns or {})
         self.train_split = train_split
         self.eval_splits = tuple(eval_splits)
@@ -176,41 +187,55 @@ class LocalPreferenceFile:
     def load(self, split: str, max_chars: int | None = None):
         """The split's file as a contract frame. ``max_chars``: rows whose contents have more characters than this
         cannot fit ``max_length`` tokens (the tokenizer's bound, given by the run) and are dropped before loading."""
-        if split not in self.paths:
-            raise UserError(f"dataset '{self.name}' has splits train and eval, not '{split}'")
-        if self.paths["eval"] or not self.eval_fraction:
+        splits = ("train", "eval") + ((CAL_SPLIT,) if self.cal_split else ())
+        if split not in splits:
+            if split == CAL_SPLIT:
+                raise UserError(f"dataset '{self.name}' has no calibration split '{CAL_SPLIT}' "
+                                "(dataset.cal_fraction=0)")
+            raise UserError(f"dataset '{self.name}' has splits {', '.join(splits[:-1])} and {splits[-1]}, not "
+                            f"'{split}'")
+        eval_file = bool(self.paths["eval"] or not self.eval_fraction)
+        if split == "eval" and eval_file or split == "train" and eval_file and not self.cal_split:
             return self._load_file(split, max_chars)
         return self._held_out(self._load_file("train", max_chars), split)
 
     def _held_out(self, frame, split: str):
-        """Split ``split`` of the one file: the rows of the held-out prompts (``eval``) or of the others (``train``).
-        The held-out prompts are the ``eval_fraction`` share (at least one, never all) of the file's distinct prompts
-        with the smallest hash of their text: a prompt is on one side only (several pairs of one prompt would
-        otherwise leak it into the evaluation), and the sides depend neither on the order of the rows nor on the
-        seed, so every run on the file evaluates on the same rows."""
-        import hashlib
-        import json
+        """Split ``split`` of the training file: the rows of the held-out prompts (``eval``, ``cal``) or of the
+        others (``train``).
 
-        def key(prompt) -> bytes:
-            text = json.dumps(prompt, sort_keys=True, default=str, ensure_ascii=False)
-            return hashlib.blake2b(text.encode(), digest_size=8).digest()
-
-        keys = [key(p) for p in frame["prompt"]]
-        prompts = sorted(set(keys))
-        if len(prompts) < 2:
-            raise UserError(f"dataset.path={self.paths['train']}: all its rows share one prompt, so none can be held "
-                            "out for the evaluation; give it its own file (dataset.eval_path=<file>)")
-        n_held = min(max(1, round(self.eval_fraction * len(prompts))), len(prompts) - 1)
-        held = set(prompts[:n_held])
-        keep = np.array([(k in held) == (split == "eval") for k in keys], dtype=bool)
+        Without ``eval_path``, ``eval`` is the ``eval_fraction`` share (at least one, never all) of the file's
+        distinct prompts with the smallest hash of their text; ``cal`` is the ``cal_fraction`` share of the prompts
+        left (all of the file's with ``eval_path``), in an order of their own (a salted hash). A prompt is on one side
+        only (several pairs of one prompt would otherwise leak it into the evaluation or the calibration), and the
+        sides depend neither on the order of the rows nor on the seed, so every run on the file evaluates and
+        calibrates on the same rows. ``cal_fraction=0`` leaves ``train`` as it was before the calibration split."""
+        keys = [group_key(p) for p in frame["prompt"]]
+        held_eval = np.zeros(len(frame), dtype=bool)
+        if not self.paths["eval"] and self.eval_fraction:
+            held_eval = hold_out(keys, self.eval_fraction)
+            if held_eval is None:
+                raise UserError(f"dataset.path={self.paths['train']}: all its rows share one prompt, so none can be "
+                                "held out for the evaluation; give it its own file (dataset.eval_path=<file>)")
+        held_cal = np.zeros(len(frame), dtype=bool)
+        if self.cal_split:
+            rest = np.flatnonzero(~held_eval)
+            held_cal[rest] = calibration_rows([keys[i] for i in rest], self.cal_fraction, salt=CAL_SPLIT,
+                                              source=f"dataset.path={self.paths['train']}")
+        keep = {"eval": held_eval, CAL_SPLIT: held_cal, "train": ~held_eval & ~held_cal}[split]
         out = frame[keep].reset_index(drop=True)
         out.attrs = dict(frame.attrs)
-        if split == "eval":   # rows the length filter dropped are reported once, by the train split
+        if split != "train":   # rows the length filter dropped are reported once, by the train split
             out.attrs["dropped_too_long"] = []
-        else:
+            return out
+        prompts = lambda rows: len({keys[i] for i in np.flatnonzero(rows)})  # noqa: E731
+        if held_eval.any():
             log.info("%s: dataset.eval_path not set, so %d of the file's %d prompts (%d of %d pairs, "
-                     "dataset.eval_fraction=%g) are held out as split 'eval'", self.name, n_held, len(prompts),
-                     int((~keep).sum()), len(frame), self.eval_fraction)
+                     "dataset.eval_fraction=%g) are held out as split 'eval'", self.name, prompts(held_eval),
+                     len(set(keys)), int(held_eval.sum()), len(frame), self.eval_fraction)
+        if held_cal.any():
+            log.info("%s: %d of the %d training prompts (%d of %d pairs, dataset.cal_fraction=%g) are held out as "
+                     "split '%s', for post-hoc recalibration", self.name, prompts(held_cal), prompts(~held_eval),
+                     int(held_cal.sum()), int((~held_eval).sum()), self.cal_fraction, CAL_SPLIT)
         return out
 
     def _load_file(self, split: str, max_chars: int | None):

@@ -9,7 +9,10 @@ rejected, in logit units) and true preference probability, so metrics can be che
 
 Splits: ``train`` and ``eval`` draw words from a Zipf distribution over the common words (the rare tail is almost
 never seen); ``ood`` builds completions mostly from the rare tail, where a model has seen little data and its
-epistemic uncertainty should be larger. Everything is a pure function of the seed and the sizes.
+epistemic uncertainty should be larger. ``cal`` (``n_cal`` pairs; ``n_cal=0``: none) is the calibration split
+(:mod:`rewarduq_exp.data.calibration_split`): drawn exactly like ``eval``, from a random stream of its own, for
+post-hoc recalibration; it is not evaluated by default. Everything is a pure function of the seed and the sizes, and
+each split of its own size only: adding ``cal`` left train, eval and ood as they were.
 
 A known spurious feature (default off): with ``length_bias`` > 0 the labels of the *training* pairs add
 ``length_bias`` log-odds per word that the first completion is longer, while the true reward (a mean over words)
@@ -37,10 +40,11 @@ from scipy.special import expit  # overflow-free sigmoid
 
 from rewarduq_exp.core.checks import check_integer
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.data.calibration_split import CAL_SPLIT, no_cal_split
 from rewarduq_exp.data.contract import make_pointwise_frame, make_preference_frame
 from rewarduq_exp.data.vocabulary import TOPIC_WORDS, WORDS
 
-SPLITS = ("train", "eval", "ood")
+SPLITS = ("train", "eval", "ood", CAL_SPLIT)
 
 
 @dataclass
@@ -59,8 +63,9 @@ class Candidates:
 # Exponent of the candidates' filler shares (share = candidate_filler_share * U ** FILLER_TAIL, U uniform).
 FILLER_TAIL = 12
 
-# Fixed offsets so that the splits use independent random streams of the same world.
-_SPLIT_STREAM = {"train": 1, "eval": 2, "ood": 3}
+# Fixed offsets so that the splits use independent random streams of the same world (a new split takes a new one:
+# the others' draws never change).
+_SPLIT_STREAM = {"train": 1, "eval": 2, "ood": 3, CAL_SPLIT: 4}
 
 
 class SyntheticWorld:
@@ -74,6 +79,7 @@ class SyntheticWorld:
         n_train: int = 8000,
         n_eval: int = 1000,
         n_ood: int = 1000,
+        n_cal: int = 1000,
         vocab_size: int = 64,
         rare_fraction: float = 0.25,
         rare_weight: float = 0.01,
@@ -99,8 +105,10 @@ class SyntheticWorld:
                            ("num_topics", num_topics), ("min_words", min_words), ("max_words", max_words),
                            ("candidate_max_words", max_words if candidate_max_words is None else candidate_max_words)):
             check_integer(f"dataset.{key}", value, minimum=1)
+        check_integer("dataset.n_cal", n_cal, minimum=0)   # 0: no calibration split
         self.seed = int(seed)
-        self.sizes = {"train": int(n_train), "eval": int(n_eval), "ood": int(n_ood)}
+        self.sizes = {"train": int(n_train), "eval": int(n_eval), "ood": int(n_ood), CAL_SPLIT: int(n_cal)}
+        self.cal_split = CAL_SPLIT if self.sizes[CAL_SPLIT] else None
         self.vocab_size = int(vocab_size)
         self.rare_fraction = float(rare_fraction)
         self.rare_weight = float(rare_weight)
@@ -171,13 +179,19 @@ class SyntheticWorld:
                        f"such that rare_fraction * vocab_size ({self.vocab_size}) rounds to 1..{self.vocab_size - 1} "
                        "rare words (the world needs both rare and common words)", "dataset.rare_fraction"))
         for split, n in self.sizes.items():
-            checks.append((n, n >= 1, "an integer >= 1", f"dataset.n_{split}"))
+            if split != CAL_SPLIT:
+                checks.append((n, n >= 1, "an integer >= 1", f"dataset.n_{split}"))
         for value, ok, allowed, key in checks:
             if not ok:
                 raise UserError(f"{key}={value} is invalid: must be {allowed}")
         for split in (self.train_split, *self.eval_splits):
-            if split not in SPLITS:
-                raise UserError(f"synthetic split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
+            self._check_split(split)
+
+    def _check_split(self, split: str) -> None:
+        if split not in SPLITS:
+            raise UserError(f"synthetic split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
+        if split == CAL_SPLIT and not self.cal_split:
+            raise no_cal_split(self.name, "dataset.n_cal=0")
 
     # ------------------------------------------------------------------ truth
     def true_reward(self, topic: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -243,10 +257,9 @@ class SyntheticWorld:
 
     def candidates(self, split: str, n_prompts: int, n_candidates: int, seed: int = 0) -> Candidates:
         """``n_candidates`` completions for each of ``n_prompts`` prompts, drawn from the world's generator for
-        ``split`` (the training word distribution for train/eval, the rare-word mixture for ood), with their true
+        ``split`` (the training word distribution for train/eval/cal, the rare-word mixture for ood), with their true
         (gold) rewards: the raw material of best-of-n sampling. Topics are spread evenly over the prompts."""
-        if split not in SPLITS:
-            raise UserError(f"synthetic split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
+        self._check_split(split)
         rng = np.random.default_rng([self.seed, _SPLIT_STREAM[split], 2, int(seed)])
         probs = self.ood_word_probs if split == "ood" else self.train_word_probs
         topic = (np.arange(n_prompts) + rng.integers(self.num_topics)) % self.num_topics
@@ -265,8 +278,7 @@ class SyntheticWorld:
                           gold=gold.reshape(n_prompts, n_candidates), features=features)
 
     def load(self, split: str) -> pd.DataFrame:
-        if split not in SPLITS:
-            raise UserError(f"synthetic split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
+        self._check_split(split)
         n = self.sizes[split]
         rng = np.random.default_rng([self.seed, _SPLIT_STREAM[split]])
         probs = self.ood_word_probs if split == "ood" else self.train_word_probs
@@ -275,7 +287,7 @@ class SyntheticWorld:
         tok_b, len_b = self._completions(rng, n, probs)
         margin_ab = (self.true_reward(topic, tok_a, len_a) - self.true_reward(topic, tok_b, len_b)) / self.noise_scale
         # The labelers of the training pairs may favour length, which the true reward ignores (length_bias log-odds
-        # per word of difference): a shortcut a proxy can learn. Eval and ood labels always follow the true reward.
+        # per word of difference): a shortcut a proxy can learn. Eval, ood and cal labels always follow the true reward.
         label_margin = margin_ab + (self.length_bias * (len_a - len_b) if split == "train" else 0.0)
         if self.filler_bias and split == "train":
             label_margin = label_margin + self.filler_bias * (self._fillers(tok_a, len_a) - self._fillers(tok_b, len_b))
@@ -338,8 +350,7 @@ class SyntheticRatings(SyntheticWorld):
         self.cuts = np.quantile(noisy, [0.2, 0.4, 0.6, 0.8])
 
     def load(self, split: str) -> pd.DataFrame:
-        if split not in SPLITS:
-            raise UserError(f"synthetic split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
+        self._check_split(split)
         n = self.sizes[split]
         rng = np.random.default_rng([self.seed, _SPLIT_STREAM[split], 1])
         probs = self.ood_word_probs if split == "ood" else self.train_word_probs

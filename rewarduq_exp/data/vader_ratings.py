@@ -33,9 +33,12 @@ Choices:
 * **Cross-validation groups** (``cv_group``): the source document (NYT and Amazon ids are ``<document>_<sentence>``),
   since every row of a corpus shares one template prompt and grouping by prompt would leave one fold per corpus.
 * **Splits**: ``train`` and ``eval`` partition the documents of the ``corpora`` (seeded; eval holds about
-  ``eval_fraction`` of the rows); ``ood`` is the ``ood_corpora``, a different register. Repeated sentences are kept
-  once, so no text sits on both sides. ``n_train``/``n_eval``/``n_ood`` take the first rows of each split (null:
-  all); growing one never changes which rows another split holds.
+  ``eval_fraction`` of the rows); ``ood`` is the ``ood_corpora``, a different register. ``cal``, the calibration
+  split (:mod:`rewarduq_exp.data.calibration_split`), takes whole documents out of ``train``: about ``cal_fraction``
+  of the rows that are not in ``eval`` (at least one document, never all; seeded; eval is as without it;
+  ``cal_fraction=0``: no ``cal``). Repeated sentences are kept once, so no text sits on two sides.
+  ``n_train``/``n_eval``/``n_ood``/``n_cal`` take the first rows of each split (null: all); growing one never changes
+  which rows another split holds.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from filelock import FileLock
 
 from rewarduq_exp.core.atomic_write import atomic_path
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.data.calibration_split import CAL_SPLIT, calibration_rows, check_fraction, no_cal_split
 from rewarduq_exp.data.contract import make_pointwise_frame, make_preference_frame
 
 log = logging.getLogger("rewarduq_exp")
@@ -73,7 +77,7 @@ PROMPTS = {"tweets": "Write a tweet.",
            "movie_reviews": "Write a sentence from a movie review.",
            "amazon_reviews": "Write a sentence from a product review.",
            "nyt_editorials": "Write a sentence from a newspaper editorial."}
-SPLITS = ("train", "eval", "ood")
+SPLITS = ("train", "eval", "ood", CAL_SPLIT)
 RATING_RANGE = (-4.0, 4.0)
 
 
@@ -90,11 +94,11 @@ def _names(values, key: str) -> list[str]:
     return values
 
 
-def _size(value, key: str):
+def _size(value, key: str, hint: str = ""):
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"{key}={value!r} is invalid: must be a positive integer, or null for the whole split")
+        raise UserError(f"{key}={value!r} is invalid: must be a positive integer, or null for the whole split{hint}")
     return value
 
 
@@ -171,7 +175,8 @@ class VaderRatings:
                  download: bool = True, corpora=("tweets", "movie_reviews", "amazon_reviews"),
                  ood_corpora=("nyt_editorials",), eval_fraction: float = 0.2, seed: int = 0,
                  n_train: int | None = None, n_eval: int | None = None, n_ood: int | None = None,
-                 train_split: str = "train", eval_splits=("eval", "ood")):
+                 train_split: str = "train", eval_splits=("eval", "ood"), cal_fraction: float = 0.1,
+                 n_cal: int | None = None):
         self.name = name
         self.path = Path(path).expanduser() if path else None
         self.cache_dir = Path(cache_dir)
@@ -185,9 +190,12 @@ class VaderRatings:
         if not 0 < float(eval_fraction) < 1:
             raise UserError(f"dataset.eval_fraction={eval_fraction} is invalid: must be strictly between 0 and 1")
         self.eval_fraction = float(eval_fraction)
+        self.cal_fraction = check_fraction(cal_fraction)
+        self.cal_split = CAL_SPLIT if self.cal_fraction else None
         self.seed = int(seed)
         self.sizes = {"train": _size(n_train, "dataset.n_train"), "eval": _size(n_eval, "dataset.n_eval"),
-                      "ood": _size(n_ood, "dataset.n_ood")}
+                      "ood": _size(n_ood, "dataset.n_ood"),
+                      CAL_SPLIT: _size(n_cal, "dataset.n_cal", "; no calibration split: dataset.cal_fraction=0")}
         self.train_split = train_split
         self.eval_splits = tuple(eval_splits)
         self._table: pd.DataFrame | None = None
@@ -234,7 +242,7 @@ class VaderRatings:
             tmp_file.write_bytes(data)
 
     def table(self) -> pd.DataFrame:
-        """Every sentence of the configured corpora with its split (``train``/``eval``/``ood``), read once."""
+        """Every sentence of the configured corpora with its split (``train``/``eval``/``cal``/``ood``), read once."""
         if self._table is not None:
             return self._table
         source = self.source()
@@ -257,6 +265,14 @@ class VaderRatings:
         docs = docs.iloc[np.random.default_rng([self.seed, 4242]).permutation(len(docs))]
         eval_docs = docs.index[np.cumsum(docs.to_numpy()) <= self.eval_fraction * inside.sum()]
         table["split"] = np.where(~inside, "ood", np.where(table["cv_group"].isin(eval_docs), "eval", "train"))
+        if self.cal_split:
+            # Whole documents again, out of train: about cal_fraction of its rows, in an order of their own (a hash
+            # of the document keyed with the seed), so eval is the same with or without them.
+            rest = np.flatnonzero(table["split"].to_numpy() == "train")
+            held = calibration_rows(table["cv_group"].to_numpy()[rest].tolist(), self.cal_fraction,
+                                    salt=f"{CAL_SPLIT}:{self.seed}", by_rows=True, group="document",
+                                    source=f"dataset '{self.name}' (corpora {', '.join(self.corpora)})")
+            table.loc[table.index[rest[held]], "split"] = CAL_SPLIT
         # Rows in a seeded random order, so the first n rows of a split are a random sample whatever n is.
         table = table.iloc[np.random.default_rng([self.seed, 4343]).permutation(len(table))]
         self._table = table.reset_index(drop=True)
@@ -266,6 +282,8 @@ class VaderRatings:
         """The sentences of one split, in the table's seeded order."""
         if split not in SPLITS:
             raise UserError(f"{self.name} split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
+        if split == CAL_SPLIT and not self.cal_split:
+            raise no_cal_split(self.name, "dataset.cal_fraction=0")
         rows = self.table()
         return rows[rows["split"] == split]
 
@@ -292,8 +310,8 @@ class VaderPairs(VaderRatings):
     Within each split, the sentences of each corpus are shuffled (seeded) and taken two at a time; the user turn asks
     for a positive text of the corpus's kind and the sentence the raters found more positive is ``chosen``. Pairs
     whose mean ratings differ by less than ``min_gap`` (on the raters' -4..4 scale) are dropped: the crowd itself
-    barely tells them apart. ``n_train``/``n_eval``/``n_ood`` count pairs. Extra columns: ``true_gap`` (the mean
-    ratings' difference, chosen minus rejected) and the two ``rater_std``.
+    barely tells them apart. ``n_train``/``n_eval``/``n_ood``/``n_cal`` count pairs. Extra columns: ``true_gap`` (the
+    mean ratings' difference, chosen minus rejected) and the two ``rater_std``.
     """
 
     kind = "pairs"
