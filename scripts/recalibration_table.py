@@ -1,0 +1,27 @@
+"""Recalibration before and after, over run folders: ECE, EBCE, RS_0.2, CT, CF raw -> recalibrated per method and
+evaluated set (means over seeds, range in brackets), the fitted temperature T and interval scale s, the conformal
+scale and its realised CF share against alpha; for rated responses (BoRP) coverage and width.
+
+    python scripts/recalibration_table.py outputs/multirun/<sweep> [more folders] [--csv rows.csv]
+"""
+
+import argparse
+from pathlib import Path
+
+from rewarduq_exp.analysis.recalibration_report import recalibration_rows, recalibration_table
+from rewarduq_exp.runs.run_records import find_runs
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="+", help="sweep folders, run folders, or folders containing them")
+    parser.add_argument("--csv", type=Path, help="also write one row per run and evaluated set here")
+    args = parser.parse_args(argv)
+    rows = recalibration_rows(find_runs(args.folders))
+    if args.csv:
+        rows.to_csv(args.csv, index=False)
+    print(recalibration_table(rows))
+
+
+if __name__ == "__main__":
+    main()
