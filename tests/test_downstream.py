@@ -4,6 +4,7 @@ and both tasks end to end on two small runs (files, figure, summary, bad input i
 
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -239,9 +240,19 @@ def sweep(tmp_path_factory, shared_cache):
     return cwd, cwd / "outputs" / "multirun" / "s"
 
 
-def downstream(cwd, cache, *args, check=True):
-    return run("downstream.py", ["progress=false", f"hydra.run.dir={cwd / 'outputs' / 'ds'}", *args], cwd, cache,
+def downstream(cwd, cache, *args, check=True, out="ds"):
+    return run("downstream.py", ["progress=false", f"hydra.run.dir={cwd / 'outputs' / out}", *args], cwd, cache,
                check=check)
+
+
+@pytest.fixture(scope="module")
+def best_of_n_default(sweep, shared_cache):
+    """``downstream.py task=best_of_n`` with the defaults (each run's calibration.json applied) on the sweep, in a
+    folder of its own: (stdout, the folder)."""
+    cwd, folder = sweep
+    proc = downstream(cwd, shared_cache, "task=best_of_n", f"run={folder}", "task.prompts=4", "task.n_max=32",
+                      out="ds_bon")
+    return proc, cwd / "outputs" / "ds_bon"
 
 
 def test_posterior_draws_agree_with_the_reported_uncertainty(sweep):
@@ -271,13 +282,13 @@ def test_posterior_draws_agree_with_the_reported_uncertainty(sweep):
                                        acquisition_scores(strategy, method, flipped, None), atol=1e-9)
 
 
-def test_best_of_n_end_to_end_on_a_sweep(sweep, shared_cache):
-    cwd, folder = sweep
-    proc = downstream(cwd, shared_cache, "task=best_of_n", f"run={folder}", "task.prompts=4", "task.n_max=32")
-    out = cwd / "outputs" / "ds"
+def test_best_of_n_end_to_end_on_a_sweep(best_of_n_default):
+    proc, out = best_of_n_default
     curves, summary = pd.read_csv(out / "curves.csv"), pd.read_csv(out / "summary.csv")
     assert set(curves.run) == {"ens_mlp", "bay_lin"} and set(curves.split) == {"eval", "ood"}
-    assert set(curves.selection) == {"mean", "conservative", "optimistic", "oracle"}
+    # the runs have calibration.json: the calibrated-scale rules beside the task's own (k = task.k_compare)
+    assert set(curves.selection) == {"mean", "conservative", "optimistic", "oracle", "conservative_raw",
+                                     "conservative_cal", "conservative_conformal"}
     assert sorted(set(curves.n)) == [1, 2, 4, 8, 16, 32]
     # n = 1 is a uniform draw whatever the rule; the oracle is a ceiling for every rule.
     for (_, _), part in curves.groupby(["run", "split"]):
@@ -309,6 +320,106 @@ def test_best_of_n_end_to_end_on_a_sweep(sweep, shared_cache):
     assert (shortcut.candidates == 4 * 32).all() and shortcut.train_max.notna().all()
     assert len(pd.read_csv(out / "overoptimization.csv")) == 4  # splits x methods, one strength
     assert not pd.read_csv(out / "shortcut_bins.csv").empty
+
+
+def _within(frame: pd.DataFrame, name: str) -> None:
+    """Every row's estimate of ``name`` lies in its interval [name_lo, name_hi]."""
+    assert frame[name].notna().all(), name
+    assert ((frame[f"{name}_lo"] <= frame[name] + 1e-12) & (frame[name] <= frame[f"{name}_hi"] + 1e-12)).all(), name
+
+
+def test_best_of_n_scores_through_each_runs_recalibration(best_of_n_default, sweep):
+    import json
+
+    from rewarduq_exp.downstream.calibrated_scale import COMPARED
+
+    proc, out = best_of_n_default
+    summary = pd.read_csv(out / "summary.csv")
+    assert summary.recalibrated.all()
+    for _, row in summary.iterrows():
+        cal = json.loads((Path(row.path) / "calibration.json").read_text())
+        assert row.cal_scale == pytest.approx(cal["scale"]) and row.cal_interval == cal["interval"]
+        assert row.cal_temperature == pytest.approx(cal["probability"]["temperature"])
+        assert row.cal_scale_conformal == pytest.approx(cal["scales"]["conformal"])
+        block = json.loads((Path(row.path) / "metrics.json").read_text())[f"synthetic_{row.split}"]
+        for metric in ("recal/ece", "recal/ebce", "recal/rs_0.2"):  # the recalibrated rule's inputs
+            assert row[metric] == pytest.approx(block[metric])
+    for name, _, _ in COMPARED:   # paired intervals over prompts, each containing its estimate
+        _within(summary, name)
+        _within(summary, f"{name}_nmax")
+    # k = 1 on the recalibrated u is r - s u: the summary's conservative gain is the calibrated one
+    np.testing.assert_allclose(summary.conservative_gain, summary.conservative_cal_gain, atol=1e-9)
+    overopt = pd.read_csv(out / "overoptimization.csv")   # one run per cell here: the same numbers pooled
+    _within(overopt, "conservative_cal_vs_raw")
+    # the selection rule on raw and on recalibrated metrics, side by side, per split
+    selection = pd.read_csv(out / "selection.csv")
+    assert sorted(zip(selection.split, selection.rule)) == [("eval", "raw"), ("eval", "recalibrated"),
+                                                           ("ood", "raw"), ("ood", "recalibrated")]
+    for _, row in selection.iterrows():
+        s = summary[summary.split == row.split]
+        prefix = "recal/" if row.rule == "recalibrated" else ""
+        passing = s[(s[f"{prefix}ece"] <= 0.05) & (s[f"{prefix}ebce"] <= 0.01)]
+        pool = passing if len(passing) else s
+        assert row.picked == pool.loc[pool[f"{prefix}rs_0.2"].idxmax()].run and row.passing == len(passing)
+        assert row["rank"] == s.sort_values("gold_nmax", ascending=False).run.tolist().index(row.picked) + 1
+        _within(selection.loc[[row.name]], "vs_mean")
+        _within(selection.loc[[row.name]], "vs_best")
+    assert "recalibrated metrics: the selection rule picks" in proc.stdout
+    assert "calibrated scale (recalibrated runs; k = 1" in proc.stdout and "r - 1 s u vs mean" in proc.stdout
+    assert "conservative_cal_vs_raw" in proc.stdout   # a column of the printed summary
+
+
+def test_best_of_n_raw_is_the_old_study_and_a_run_without_calibration_scores_raw(sweep, shared_cache,
+                                                                                  best_of_n_default):
+    import shutil
+
+    from rewarduq_exp.api import RewardModel
+    from rewarduq_exp.downstream.best_of_n_task import score_candidates
+    from rewarduq_exp.downstream.world_runs import world_of
+    from rewarduq_exp.recalibration import read_calibration
+    from rewarduq_exp.runner.trained_run import load_trained_method
+
+    cwd, folder = sweep
+    common = ["task=best_of_n", "task.prompts=4", "task.n_max=32", "task.splits=[eval]"]
+    downstream(cwd, shared_cache, *common, f"run={folder}", "task.recalibrated=false", out="ds_raw")
+    raw_out, cal_out = cwd / "outputs" / "ds_raw", best_of_n_default[1]
+    raw, cal = pd.read_csv(raw_out / "summary.csv"), pd.read_csv(cal_out / "summary.csv")
+    raw_curves, cal_curves = pd.read_csv(raw_out / "curves.csv"), pd.read_csv(cal_out / "curves.csv")
+    assert not raw.recalibrated.any() and "conservative_cal_gain" not in raw.columns
+    assert set(raw_curves.selection) == {"mean", "conservative", "optimistic", "oracle"}
+    # The raw study is the study before recalibration: its curves are those of the model's own scores, by hand.
+    (run_dir,) = [p for p in folder.iterdir() if "method=ens_mlp," in p.name]
+    trained = load_trained_method(run_dir, device="auto", progress=False, cache_dir=shared_cache)
+    model = RewardModel(trained.method, run_dir, trained.config, calibration=read_calibration(run_dir))
+    candidates = world_of(trained.config, run_dir / ".hydra" / "config.yaml").candidates("eval", 4, 32, seed=0)
+    ns = powers_of_two(32)
+    for curves, raw_scores in ((raw_curves, True), (cal_curves, False)):
+        expected = best_of_n_curves(*score_candidates(model, candidates, raw=raw_scores), candidates.gold,
+                                    [0.5, 1.0, 2.0], ns)
+        mine = curves[(curves.run == "ens_mlp") & (curves.split == "eval")].merge(
+            expected, on=["selection", "k", "n"], suffixes=("", "_hand"))
+        assert len(mine) == len(expected)
+        np.testing.assert_allclose(mine.gold, mine.gold_hand, rtol=1e-12, atol=1e-12)
+    # The recalibrated study's r - k u on the raw u is the raw study's conservative pick, interval and all; what
+    # no recalibration changes (the mean pick's curve, its drop) is the same in both.
+    both = raw.merge(cal[cal.split == "eval"], on="run", suffixes=("", "_cal"))
+    for name in ("", "_lo", "_hi"):
+        np.testing.assert_array_equal(both[f"conservative_gain{name}"], both[f"conservative_raw_gain{name}"])
+    for name in ("gold_nmax", "gold_best", "largest_drop", "largest_drop_lo", "largest_drop_hi"):
+        np.testing.assert_allclose(both[name], both[f"{name}_cal"], rtol=1e-12, atol=1e-12)
+
+    # A run folder without calibration.json (trained before recalibration existed): raw, and one line says so.
+    copy = cwd / "old_runs" / "ens_mlp"
+    shutil.copytree(run_dir, copy)
+    (copy / "calibration.json").unlink()
+    proc = downstream(cwd, shared_cache, *common, f"run={copy}", out="ds_old")
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "has no calibration.json" in line]
+    assert len(said) == 1, proc.stdout + proc.stderr
+    old = pd.read_csv(cwd / "outputs" / "ds_old" / "summary.csv")
+    assert not old.recalibrated.any() and "conservative_cal_gain" not in old.columns
+    old_curves = pd.read_csv(cwd / "outputs" / "ds_old" / "curves.csv")
+    np.testing.assert_array_equal(old_curves.gold, raw_curves[raw_curves.run == "ens_mlp"].gold)
+    assert "none: every run was scored raw" in proc.stdout
 
 
 def test_active_learning_end_to_end(sweep, shared_cache):
@@ -344,6 +455,9 @@ def test_active_learning_end_to_end(sweep, shared_cache):
     (["run=RUNS", "task=best_of_n", "task.select_share=1"], r"task.select_share=1 is invalid: must be a number in"),
     (["run=RUNS", "task=best_of_n", "task.prompts=1"], "task.prompts=1 is invalid: must be >= 2"),
     (["run=RUNS", "task=best_of_n", "task.draws=10"], "task.draws"),
+    (["run=RUNS", "task=best_of_n", "task.recalibrated=maybe"], "task.recalibrated=maybe is invalid: must be true or"),
+    (["run=RUNS", "task=active_learning", "task.recalibrated=true"],
+     "task.recalibrated=true is invalid for active learning: allowed: false"),
     (["run=RUNS", "task=active_learning", "task.strategies=[greedy]"],
      r"task.strategies=\['greedy'\] is invalid; allowed: random, uncertainty, bald, ranking_score"),
     (["run=RUNS", "task=active_learning", "task.pool=100", "task.initial=50"],

@@ -107,6 +107,12 @@ def test_downstream_on_a_vader_run_end_to_end(tmp_path, shared_cache, sdist):
     assert set(curves.split) == {"eval", "ood"} and sorted(set(curves.n)) == [1, 2, 4]
     assert curves.gold.between(-4, 4).all()  # the crowd's scale
     assert summary["truth/ece"].isna().all() and summary["win_rate"].notna().all()  # no hidden truth: NaN
+    # scored through the run's recalibration (fitted on its cal split of whole documents) where it has one
+    assert summary.recalibrated.all() == (folder / "calibration.json").exists()
+    if summary.recalibrated.all():
+        assert (summary.conservative_cal_vs_raw_lo <= summary.conservative_cal_vs_raw + 1e-12).all()
+        assert (summary.conservative_cal_vs_raw <= summary.conservative_cal_vs_raw_hi + 1e-12).all()
+    assert set(pd.read_csv(tmp_path / "bon" / "selection.csv").rule) == {"raw", "recalibrated"}
     downstream("task=active_learning", "task.pool=12", "task.initial=6", "task.batch=3", "task.rounds=1",
                "task.repeats=2", "task.strategies=[random,uncertainty]", "task.method.num_epochs=2",
                f"hydra.run.dir={tmp_path / 'al'}")

@@ -33,6 +33,13 @@ Random's own row has NaN there, and without random in ``task.strategies`` these 
 ``paired.csv`` is the long table of every d_r (run, method, strategy, metric, kind, repeat, value, random, diff);
 ``active_learning.png`` draws the levels (band: min..max over repeats) over the paired differences per round
 (band: 95 % paired t-interval), see :mod:`.active_learning_figure`.
+
+Scores here are raw, never recalibrated (``task.recalibrated`` may only be false): a run's ``calibration.json``
+(its temperature T and interval scale s) was fitted to the model trained on the run's whole training set, and every
+round here trains a new model on a few hundred pairs, whose scale and spread of u differ; applying the run's T and s
+to it would be wrong, and refitting one per round would need a calibration split held out of the labelled pairs the
+strategies compete for. Nor would one T and s per model change an acquisition: uncertainty and ranking_score rank
+pairs by u and by |margin| / (beta u), which they rescale alike, and BALD reads the posterior's draws.
 """
 
 from __future__ import annotations
@@ -106,6 +113,12 @@ def check_settings(task) -> list[str]:
     needed = int(task.initial) + int(task.rounds) * int(task.batch)
     if needed > int(task.pool):
         raise UserError(f"task.initial + task.rounds * task.batch = {needed} exceeds task.pool={task.pool}")
+    recalibrated = task.get("recalibrated", False)
+    if recalibrated is not False:
+        shown = str(recalibrated).lower() if isinstance(recalibrated, bool) else repr(recalibrated)
+        raise UserError(f"task.recalibrated={shown} is invalid for active learning: allowed: "
+                        "false (each round retrains the model, and a run's calibration.json was fitted to the run's "
+                        "own model, not to these)")
     if str(task.eval_split) not in SPLITS:
         raise UserError(f"task.eval_split={task.eval_split} is invalid; allowed: {', '.join(SPLITS)}")
     return strategies

@@ -2,6 +2,14 @@
 gold falls after its peak per shortcut strength, whether u rises on the candidates that exploit the shortcut, and
 whether the paper's selection statistics (RS_0.2, ECE, EBCE) predict who loses least downstream.
 
+Scores go through each run's recalibration (``calibration.json``) unless ``task.recalibrated=false``: reward / T and
+u scaled by s / T (:mod:`.calibrated_scale`). The mean pick, the oracle, the fair use of u and the selection checks
+do not depend on it; the conservative and optimistic curves do (``task.ks`` are in units of the recalibrated u, and
+of the raw u with ``task.recalibrated=false`` or for a run without ``calibration.json``, which one log line names).
+Beside them, from the same candidates: r - k s u (the calibrated scale s, and the conformal one) against r - k u
+and against the mean pick, with paired intervals (``conservative_cal_*`` columns). The paper's selection rule is
+checked on the raw and on the recalibrated metrics side by side (:mod:`.selection_check`).
+
 Runs trained on the synthetic world (``dataset=synthetic``) or on VADER (``dataset=vader_pairs``, BoRP's
 ``vader_ratings``) are accepted (:func:`~rewarduq_exp.downstream.world_runs.world_of`). Per run and split,
 ``task.prompts`` x ``task.n_max`` candidates are drawn from the run's own world (synthetic: its generator, with
@@ -10,10 +18,13 @@ as the feature) and scored in one batched call; the features go through the disk
 that share a backbone and probe (ENS-MLP, BAY-LIN) extract them once.
 
 Outputs in the task folder: ``curves.csv`` (gold vs n and KL for every run, split, selection rule and k, with the
-run's world settings and seed), ``summary.csv`` (:func:`curve_summary` per run and split, the same settings and the
-run's own metrics), ``overoptimization.csv`` (per method and strength: the fall after the peak against the seed
-spread), ``shortcut.csv`` and ``shortcut_bins.csv`` (u and r against the candidates' features), ``correlation.csv``
-(Spearman across runs of the downstream scalars with the runs' own eval metrics, with p-values),
+run's world settings and seed; ``conservative_raw`` / ``_cal`` / ``_conformal`` at k = ``task.k_compare`` where the
+run was recalibrated), ``summary.csv`` (:func:`curve_summary` per run and split, the same settings, the run's own
+metrics, raw and ``recal/``, its recalibration and the calibrated-scale comparisons), ``selection.csv`` (the
+selection rule's pick on raw and recalibrated metrics, per split and world, and its standing downstream),
+``overoptimization.csv`` (per method and strength: the fall after the peak against the seed spread), ``shortcut.csv``
+and ``shortcut_bins.csv`` (u and r against the candidates' features), ``correlation.csv`` (Spearman across runs of
+the downstream scalars with the runs' own eval metrics, raw and recalibrated, with p-values),
 ``per_prompt.csv.gz`` (the per-prompt picks every interval was computed from), and the figures ``best_of_n.png``,
 ``uncertainty_use.png``, ``shortcut.png``, ``overoptimization.png`` (when the runs span two strengths or more) and
 ``selection_vs_loss.png`` / ``selection_vs_gold.png`` (when a correlation across runs is defined).
@@ -31,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rewarduq_exp.analysis.selection import DEFAULT_EBCE, DEFAULT_ECE, DEFAULT_RANK
+from rewarduq_exp.analysis.selection import DEFAULT_RANK
 from rewarduq_exp.analysis.text_tables import fmt_number, text_table
 from rewarduq_exp.api import RewardModel
 from rewarduq_exp.core.atomic_write import write_atomic
@@ -44,6 +55,14 @@ from rewarduq_exp.downstream.best_of_n import (
     kl_best_of_n,
     picked_per_prompt,
     powers_of_two,
+)
+from rewarduq_exp.downstream.calibrated_scale import (
+    META,
+    calibrated_lines,
+    calibrated_picks,
+    calibration_columns,
+    calibration_info,
+    recalibrated_scores,
 )
 from rewarduq_exp.downstream.figures import (
     plot_best_of_n,
@@ -60,16 +79,19 @@ from rewarduq_exp.downstream.overoptimization import (
     strength_axis,
     world_settings,
 )
+from rewarduq_exp.downstream.selection_check import selection_check_lines, selection_rows
 from rewarduq_exp.downstream.shortcut import shortcut_bins, shortcut_table, spearman_or_nan
-from rewarduq_exp.downstream.statistics import DRAWS, mean_interval
 from rewarduq_exp.downstream.uncertainty_use import knn_distance, use_curves
 from rewarduq_exp.downstream.world_runs import WorldRun, completed_world_runs, world_of
 from rewarduq_exp.methods.base import FeatureHeadMethod
+from rewarduq_exp.recalibration import read_calibration
 from rewarduq_exp.runner.trained_run import load_trained_method
 
 log = logging.getLogger("rewarduq_exp")
 # The runs' own statistics that the downstream scalars are correlated with (higher RS and lower ECE are "better").
 RUN_METRICS = ("win_rate", DEFAULT_RANK, "ece", "ebce", "truth/ece")
+# The same after the run's recalibration (metrics.json's recal/<metric>): the recalibrated selection rule reads them.
+RECAL_METRICS = tuple(f"recal/{m}" for m in RUN_METRICS if m != "win_rate")  # T > 0: the win rate never changes
 # The downstream losses (and gains) they are correlated with; largest_drop is the one the figure shows.
 DOWNSTREAM = ("largest_drop", "overopt_gap", "gold_nmax", "conservative_gain")
 LOSS = "largest_drop"
@@ -99,16 +121,38 @@ def check_settings(task) -> tuple[list[int], list[float], list[str]]:
                         "reported on the others)")
     check_positive(task.knn, "task.knn", integer=True, minimum=1, inclusive=True)
     check_positive(task.draws, "task.draws", integer=True, minimum=100, inclusive=True)
+    if not isinstance(task.get("recalibrated", True), bool):
+        raise UserError(f"task.recalibrated={task.get('recalibrated')!r} is invalid: must be true (score through each "
+                        "run's calibration.json where it has one) or false (raw scores)")
     return ns, ks, splits
 
 
-def score_candidates(model: RewardModel, candidates) -> tuple[np.ndarray, np.ndarray]:
-    """(reward, u), each (P, N): all P x N candidates in one batched call."""
-    n_prompts, n = candidates.gold.shape
+def score_candidates(model: RewardModel, candidates, raw: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(reward, u), each (P, N): all P x N candidates in one batched call (recalibrated where ``model`` holds a
+    calibration, unless ``raw``)."""
+    table = _score_table(model, candidates, raw)
+    shape = candidates.gold.shape
+    return table.reward.to_numpy().reshape(shape), table.uncertainty.to_numpy().reshape(shape)
+
+
+def _score_table(model: RewardModel, candidates, raw: bool) -> pd.DataFrame:
+    n = candidates.gold.shape[1]
     prompts = [p for p in candidates.prompts for _ in range(n)]
     texts = [t for group in candidates.texts for t in group]
-    table = model.score(prompts, texts)
-    return table.reward.to_numpy().reshape(n_prompts, n), table.uncertainty.to_numpy().reshape(n_prompts, n)
+    return model.score(prompts, texts, raw=raw)
+
+
+def score_both(model: RewardModel, candidates) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """((reward, u) as the curves use them, (reward, u) raw), each (P, N), from one scoring: the model's own scores,
+    and where ``model`` holds a calibration the same recalibrated as :meth:`RewardModel.score` would."""
+    if model.calibration is None:
+        scores = score_candidates(model, candidates)
+        return scores, scores
+    table = _score_table(model, candidates, raw=True)
+    shape = candidates.gold.shape
+    raw = table.reward.to_numpy().reshape(shape), table.uncertainty.to_numpy().reshape(shape)
+    reward, u = recalibrated_scores(table, model.calibration, model.beta)
+    return (reward.reshape(shape), u.reshape(shape)), raw
 
 
 def knn_uncertainty(model: RewardModel, world, candidates, k: int, memo: dict) -> np.ndarray | None:
@@ -140,10 +184,20 @@ def run_curves(run: WorldRun, task, ns, ks, splits, *, device: str, progress: bo
                trust_remote_code: bool = False, memo: dict | None = None):
     """The run's best-of-n curves, its shortcut table and the shortcut bins on every split (each row carries the
     run, its method, the split and the run's world settings and seed), and per split its per-prompt picks:
-    ``{split: {(selection, k): gold (P, J), "use": use_curves(...)}}``."""
+    ``{split: {(selection, k): gold (P, J), "use": use_curves(...), META: the run's T and scales}}``.
+
+    With ``task.recalibrated`` (default) and a ``calibration.json`` in the run, every score is recalibrated (the
+    ``ks`` are then in units of the recalibrated u) and the calibrated-scale picks of :mod:`.calibrated_scale` are
+    added from the raw scores of the same candidates; otherwise everything is raw, as before recalibration existed."""
     trained = load_trained_method(run.path, device=device, progress=progress, batch_size=task.get("batch_size"),
                                   cache_dir=cache_dir, trust_remote_code=trust_remote_code)
-    model = RewardModel(trained.method, run.path, trained.config)
+    calibration = read_calibration(run.path) if task.get("recalibrated", True) else None
+    model = RewardModel(trained.method, run.path, trained.config, calibration=calibration)
+    info = calibration_info(calibration)
+    if info:
+        log.info("%s: scored through its recalibration (T = %.4g, s = %.4g by %s%s)", run.label, info["temperature"],
+                 info["scale"], info["interval"], "" if info["scale_conformal"] is None else
+                 f"; conformal s = {info['scale_conformal']:.4g}")
     world = world_of(run.config, run.path / ".hydra" / "config.yaml")
     train_max = world.training_feature_max()
     tags = {"run": run.label, "method": run.record.method, **world_settings(run.config)}
@@ -152,11 +206,13 @@ def run_curves(run: WorldRun, task, ns, ks, splits, *, device: str, progress: bo
     for split in splits:
         candidates = world.candidates(split, int(task.prompts), ns[-1], seed=int(task.seed))
         t0 = time.perf_counter()
-        reward, u = score_candidates(model, candidates)
+        (reward, u), (raw_reward, raw_u) = score_both(model, candidates)
         seconds = time.perf_counter() - t0
         log.info("%s %s: %d candidates scored in %.1f s (%.0f candidates/s)", run.label, split, reward.size,
                  seconds, reward.size / max(seconds, 1e-9))
         picked = picked_per_prompt(reward, u, candidates.gold, ks, ns)
+        picked |= calibrated_picks(raw_reward, raw_u, candidates.gold, info, float(task.k_compare), ns,
+                                   proxy_reward=reward)
         parts.append(curves_frame(picked, ns).assign(**tags, split=split, path=str(run.path)))
         beyond = np.zeros(reward.shape, dtype=bool)
         for name, values in candidates.features.items():
@@ -164,7 +220,7 @@ def run_curves(run: WorldRun, task, ns, ks, splits, *, device: str, progress: bo
         use = use_curves(reward, u, candidates.gold, beyond, ns, kl, [float(k) for k in task.k_grid],
                          float(task.select_share), int(task.seed),
                          knn_u=knn_uncertainty(model, world, candidates, int(task.knn), {} if memo is None else memo))
-        per_prompt[split] = {key: gold for key, (gold, _) in picked.items()} | {"use": use}
+        per_prompt[split] = {key: gold for key, (gold, _) in picked.items()} | {"use": use, META: info}
         shortcuts.append(shortcut_table(reward, u, candidates.gold, candidates.features, train_max)
                          .assign(**tags, split=split))
         bins.append(shortcut_bins(reward, u, candidates.gold, candidates.features).assign(**tags, split=split))
@@ -174,11 +230,13 @@ def run_curves(run: WorldRun, task, ns, ks, splits, *, device: str, progress: bo
 def per_prompt_frame(per_prompt: dict, ns) -> pd.DataFrame:
     """The per-prompt picks in long form (run, split, rule, k, prompt, n, gold): what every interval was computed
     from. The fair-use rules (model, knn, filter, and mean / oracle again as their baselines) cover the report
-    prompts only, marked ``part=report``; the other rows cover every prompt (``part=all``)."""
+    prompts only, marked ``part=report``; the other rows cover every prompt (``part=all``). The calibrated-scale
+    rules (``conservative_raw`` / ``_cal`` / ``_conformal``) carry k = task.k_compare: r - k u, r - k s u and
+    r - k s_conformal u on the raw u."""
     frames = []
     for (run, split), picks in per_prompt.items():
         for key, gold in picks.items():
-            if key == "use":
+            if not isinstance(key, tuple):   # "use" and the run's calibration
                 continue
             frames.append(_long(gold, ns, np.arange(len(gold)), run=run, split=split, rule=key[0], k=key[1],
                                 part="all"))
@@ -197,8 +255,9 @@ def _long(gold: np.ndarray, ns, prompts: np.ndarray, **tags) -> pd.DataFrame:
 
 def summarise(curves: pd.DataFrame, runs: list[WorldRun], per_prompt: dict, task, ns) -> pd.DataFrame:
     """Per run and split: :func:`curve_summary`'s point values, then the same with intervals over the run's prompts
-    (:func:`~.overoptimization.paired_statistics`, which overwrites the point values it shares), the world settings
-    and the run's own eval metrics."""
+    (:func:`~.overoptimization.paired_statistics`, which overwrites the point values it shares; with the
+    calibrated-scale comparisons of :mod:`.calibrated_scale`), the world settings, the run's recalibration
+    (:func:`~.calibrated_scale.calibration_columns`) and the run's own eval metrics, raw and recalibrated."""
     rows = []
     k_compare, kl = float(task.k_compare), kl_best_of_n(ns)
     for run in runs:
@@ -208,19 +267,23 @@ def summarise(curves: pd.DataFrame, runs: list[WorldRun], per_prompt: dict, task
                                       int(task.seed))
             rows.append({"run": run.label, "method": run.record.method, "split": split,
                          **world_settings(run.config), **curve_summary(c, k_compare), **stats,
-                         **{m: eval_metrics.get(m, np.nan) for m in RUN_METRICS}, "path": str(run.path)})
+                         **calibration_columns([per_prompt[(run.label, split)]]),
+                         **{m: eval_metrics.get(m, np.nan) for m in (*RUN_METRICS, *RECAL_METRICS)},
+                         "path": str(run.path)})
     return pd.DataFrame(rows)
 
 
 def correlations(summary: pd.DataFrame) -> pd.DataFrame:
     """Spearman correlation across the runs of one world, per split, of each downstream scalar with each run metric,
     its p-value and the number of runs (``runs``) with both values (NaN with fewer than three: two points always
-    correlate perfectly; NaN too where either side is constant, e.g. no run falls). Worlds are not pooled: their
-    oracles and candidates differ."""
+    correlate perfectly; NaN too where either side is constant, e.g. no run falls). The recalibrated metrics
+    (``recal/...``) are correlated too where the summary has them. Worlds are not pooled: their oracles and
+    candidates differ."""
     rows = []
+    metrics = [*RUN_METRICS, *(m for m in RECAL_METRICS if m in summary.columns)]
     for (split, world), s in summary.groupby(["split", "world"], sort=False):
         for d in DOWNSTREAM:
-            for m in RUN_METRICS:
+            for m in metrics:
                 x, y = s[d].to_numpy(float), s[m].to_numpy(float)
                 ok = np.isfinite(x) & np.isfinite(y)
                 rho, p = spearman_or_nan(x[ok], y[ok])
@@ -229,46 +292,12 @@ def correlations(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def selection_checks(summary: pd.DataFrame, split: str, per_prompt: dict | None = None,
-                     draws: int = DRAWS, seed: int = 0) -> list[str]:
-    """:func:`selection_check` within each world: runs of different worlds meet different candidates and oracles,
-    so their gold is not ranked together."""
-    return [selection_check(part, split, f" world={world}" if summary.world.nunique() > 1 else "", per_prompt,
-                            draws, seed)
-            for world, part in summary[summary.split == split].groupby("world", sort=True)]
-
-
-def selection_check(summary: pd.DataFrame, split: str, where: str = "", per_prompt: dict | None = None,
-                    draws: int = DRAWS, seed: int = 0) -> str:
-    """Which run the paper's selection rule (ECE <= 0.05, EBCE <= 0.01, then highest RS_0.2) picks on ``split``,
-    and where it stands downstream (gold reward at n_max under mean selection) among the runs of ``summary``
-    (one world's). With the runs' per-prompt picks: the picked run's gold at n_max minus the mean over these runs,
-    per prompt, with its 95 % interval (does the rule beat a run taken at random?)."""
-    s = summary[summary.split == split]
-    if s.empty:
-        return ""
-    passing = s[(s.ece <= DEFAULT_ECE) & (s.ebce <= DEFAULT_EBCE)]
-    pool = passing if not passing.empty else s
-    if pool[DEFAULT_RANK].isna().all():
-        return f"{split}: the runs have no {DEFAULT_RANK} on this split; no selection to check"
-    picked = pool.loc[pool[DEFAULT_RANK].idxmax()]
-    ranked = s.sort_values("gold_nmax", ascending=False).run.tolist()
-    note = "" if not passing.empty else f" (no run passes ECE <= {DEFAULT_ECE} and EBCE <= {DEFAULT_EBCE}: ranked all)"
-    line = (f"{split}{where}: the selection rule picks {picked.run}{note}; downstream it ranks "
-            f"{ranked.index(picked.run) + 1} of {len(ranked)} (best: {ranked[0]})")
-    if per_prompt is not None and len(s) > 1:
-        at_nmax = {run: per_prompt[(run, split)][("mean", 0.0)][:, -1] for run in s.run}
-        gap = at_nmax[picked.run] - np.mean(list(at_nmax.values()), axis=0)
-        estimate, lo, hi = mean_interval(gap, draws, seed)
-        line += (f"; its gold at n_max minus the mean over the {len(s)} runs: {estimate:+.3f} [{lo:+.3f}, {hi:+.3f}] "
-                 "(95 %, prompts resampled)")
-    return line
-
-
 def summary_text(summary: pd.DataFrame, axis: str) -> str:
-    """Per run: the level values, then each difference with its 95 % interval over the run's prompts."""
+    """Per run: the level values, then each difference with its 95 % interval over the run's prompts
+    (``conservative_cal_vs_raw``: r - k s u minus r - k u, "-" for a run scored raw)."""
     cols = ["gold_n1", "gold_best", "best_n", "gold_nmax", "oracle_nmax", DEFAULT_RANK, "ece"]
-    intervals = ["largest_drop", "conservative_gain", "model_vs_mean", "knn_vs_mean", "filter_vs_mean"]
+    intervals = ["largest_drop", "conservative_gain", "conservative_cal_vs_raw", "model_vs_mean", "knn_vs_mean",
+                 "filter_vs_mean"]
     rows = [[r.run, str(r.world), f"{r[axis]:g}", r.split,
              *(str(r[c]) if c.endswith("_n") else fmt_number(r[c], 3) for c in cols),
              *(format_interval(r, c) for c in intervals)] for _, r in summary.iterrows()]
@@ -321,8 +350,9 @@ def best_of_n(cfg, out_dir: Path) -> dict:
     overopt = overoptimization_table(summary, per_prompt, axis, kl_best_of_n(ns), ns, float(cfg.task.k_compare),
                                      int(cfg.task.draws), int(cfg.task.seed))
     corr = correlations(summary)
+    selection = selection_rows(summary, splits, per_prompt, int(cfg.task.draws), int(cfg.task.seed))
     tables = {"curves": curves, "summary": summary, "overoptimization": overopt, "shortcut": shortcut,
-              "shortcut_bins": bins, "correlation": corr}
+              "shortcut_bins": bins, "correlation": corr, "selection": selection}
     for name, table in tables.items():
         write_atomic(out_dir / f"{name}.csv", table.to_csv(index=False))
     # what every interval was computed from, for a reader who wants to recompute one (gzip: ~10^5 rows a sweep)
@@ -346,16 +376,18 @@ def best_of_n(cfg, out_dir: Path) -> dict:
     else:
         log.info("no selection_vs_loss.png: no Spearman correlation is defined on %s (three runs with distinct "
                  "values are needed)", split)
-    checks = [line for s in splits for line in selection_checks(summary, s, per_prompt, int(cfg.task.draws),
-                                                                int(cfg.task.seed))]
+    checks = selection_check_lines(selection)
     print(summary_text(summary, axis), flush=True)
     sections = (("overoptimization per world (largest drop, gains; 95 % paired intervals over runs and prompts):",
                  overoptimization_lines(overopt, axis)),
+                (f"calibrated scale (recalibrated runs; k = {k:g}, gold gained over the KL range, 95 % paired "
+                 "intervals over runs and prompts):", calibrated_lines(overopt, axis, k)
+                 or ["none: every run was scored raw (task.recalibrated=false, or no calibration.json)"]),
                 ("shortcut (is u higher on candidates beyond the training range?):", shortcut_lines(shortcut, axis)),
-                ("selection rule:", list(filter(None, checks))),
+                ("selection rule, on the raw and on the recalibrated metrics:", checks),
                 ("selection statistics vs the loss, across runs:", selection_lines(corr, split)))
     for title, lines in sections:
         print(title, *lines, sep="\n", flush=True)
     print(f"tables and figures in {out_dir}", flush=True)
     return {"summary": summary, "curves": curves, "correlation": corr, "selection": checks,
-            "overoptimization": overopt, "shortcut": shortcut}
+            "selection_table": selection, "overoptimization": overopt, "shortcut": shortcut}

@@ -14,7 +14,12 @@ Per run (the prompts resampled) and per cell (runs and prompts resampled, crosse
   gain), with intervals, and ``gao_r2``;
 - the fair use of u (:mod:`.uncertainty_use`), on the report prompts only: ``<rule>_vs_<baseline>`` (area) and
   ``..._nmax`` for rule in model (r - k u_std, k chosen on the selection prompts), knn, filter, with intervals, and
-  the chosen ``k_model`` / ``k_knn`` per run.
+  the chosen ``k_model`` / ``k_knn`` per run;
+- where every run was scored through its recalibration, the calibrated interval scale in best-of-n
+  (:mod:`.calibrated_scale`): ``conservative_cal_gain`` (r - k s u vs mean), ``conservative_cal_vs_raw`` (vs
+  r - k u), the conformal scale's ``conservative_conformal_gain`` / ``_vs_raw``, ``conservative_raw_gain``, each
+  also ``_nmax``, with intervals; and the runs' ``cal_temperature``, ``cal_interval``, ``cal_scale``,
+  ``cal_scale_conformal`` (joined per run in a cell, as ``k_model``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import pandas as pd
 
 from rewarduq_exp.analysis.text_tables import fmt_number
 from rewarduq_exp.downstream.best_of_n import area_weights
+from rewarduq_exp.downstream.calibrated_scale import calibrated_statistics, calibration_columns
 from rewarduq_exp.downstream.statistics import (
     cell_difference_interval,
     gao_fit_interval,
@@ -75,6 +81,7 @@ def paired_statistics(picked: list[dict], kl: np.ndarray, ns, k_compare: float, 
         out.update(_interval(f"{name}_gain", *mean_interval(diff @ weights, draws, seed)))
         if name == "conservative":
             out.update(_interval(f"{name}_gain_nmax", *mean_interval(diff[..., -1], draws, seed)))
+    out.update(calibrated_statistics(picked, kl, k_compare, draws, seed))
     fit = gao_fit_interval(np.sqrt(kl), mean, draws, seed)
     gold_n1 = float(mean[..., 0].mean())
     out.update({"gao_alpha": fit["alpha"], "gao_alpha_lo": fit["alpha_lo"], "gao_alpha_hi": fit["alpha_hi"],
@@ -112,7 +119,8 @@ def overoptimization_table(summary: pd.DataFrame, per_prompt: dict, axis: str, k
         rows.append({**dict(zip([*CELL, axis], key)), "runs": len(part), "seeds": int(part.seed.nunique()),
                      "gold_best": float(part.gold_best.mean()), "gold_nmax": float(part.gold_nmax.mean()),
                      "best_n": ",".join(str(int(v)) for v in part.best_n),
-                     **paired_statistics(picked, kl, ns, k_compare, draws, seed)})
+                     **paired_statistics(picked, kl, ns, k_compare, draws, seed),
+                     **calibration_columns(picked, joined=True)})
     for row, key in zip(rows, at_nmax):
         control = (*key[:3], 0.0)
         if key[3] != 0 and control in at_nmax:

@@ -11,8 +11,8 @@ from rewarduq_exp.core.setting_bounds import check_config_bounds
 TASKS = ("best_of_n", "active_learning")
 # What each task writes into its folder (a fresh one per call, unless hydra.run.dir names an existing one).
 OUTPUTS = {"best_of_n": ("curves.csv", "summary.csv", "overoptimization.csv", "shortcut.csv", "shortcut_bins.csv",
-                         "correlation.csv", "per_prompt.csv.gz", "best_of_n.png", "uncertainty_use.png",
-                         "overoptimization.png", "shortcut.png",
+                         "correlation.csv", "selection.csv", "per_prompt.csv.gz", "best_of_n.png",
+                         "uncertainty_use.png", "overoptimization.png", "shortcut.png",
                          "selection_vs_loss.png", "selection_vs_gold.png"),
            "active_learning": ("curves.csv", "summary.csv", "paired.csv", "active_learning.png")}
 
