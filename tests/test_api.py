@@ -25,7 +25,7 @@ def assert_api_scores_as_evaluate(folder, name: str, frame: pd.DataFrame) -> Non
     pred = pd.read_parquet(folder / "predictions" / f"{name}.parquet").set_index("id")
     frame = frame.set_index(frame["id"].astype(str)).loc[pred.index]
     prompts = [m[0]["content"] for m in frame["prompt"]]  # plain strings, as a user passes them
-    chosen = model.score(prompts, [m[0]["content"] for m in frame["chosen"]])
+    chosen = model.score(prompts, [m[0]["content"] for m in frame["chosen"]], raw=True)   # the predictions are raw
     for col in ("reward", "lower", "upper"):
         np.testing.assert_allclose(chosen[col], pred[f"chosen_{col}"], **OTHER_BATCHES, err_msg=col)
     np.testing.assert_allclose(chosen["uncertainty"], (pred["chosen_upper"] - pred["chosen_reward"]) / model.beta,
@@ -83,17 +83,19 @@ def test_score_table_and_chat_messages_give_the_same_scores(model, pairs):
     messages = model.score([[{"role": "user", "content": p}] for p in prompts],
                            [[{"role": "assistant", "content": c}] for c in chosen])
     pd.testing.assert_frame_equal(messages, table)
-    assert "BayLin on tiny-qwen3" in repr(model)
+    assert "BayLin on tiny-qwen3" in repr(model) and "recalibrated" in repr(model)
 
 
 def test_score_pairs_probability_and_its_interval(model, pairs):
     prompts, chosen, rejected = pairs
-    table = model.score_pairs(prompts, chosen, rejected)
-    c, rj = model.score(prompts, chosen), model.score(prompts, rejected)
+    # raw=True: the model's own probabilities (recalibrated ones may pass an isotonic map as well:
+    # tests/test_recalibration_runs.py)
+    table = model.score_pairs(prompts, chosen, rejected, raw=True)
+    c, rj = model.score(prompts, chosen, raw=True), model.score(prompts, rejected, raw=True)
     np.testing.assert_allclose(table.p_chosen, 1 / (1 + np.exp(-(c.reward - rj.reward))), atol=1e-12)
     np.testing.assert_allclose(table.p_lower, 1 / (1 + np.exp(-(c.lower - rj.upper))), atol=1e-12)
     assert (table.p_lower <= table.p_chosen).all() and (table.p_chosen <= table.p_upper).all()
-    flipped = model.score_pairs(prompts, rejected, chosen)  # symmetry of flipped pairs
+    flipped = model.score_pairs(prompts, rejected, chosen, raw=True)  # symmetry of flipped pairs
     np.testing.assert_allclose(flipped.p_chosen, 1 - table.p_chosen, atol=1e-12)
     np.testing.assert_allclose(flipped.p_upper, 1 - table.p_lower, atol=1e-12)
 

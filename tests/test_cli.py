@@ -89,8 +89,8 @@ def test_second_run_does_no_backbone_forward(trained):
     assert status["features"]["cache_misses"] == 0
     first = json.loads((trained["ens_mlp"][0] / "status.json").read_text())
     assert first["features"]["backbone_forward_passes"] > 0
-    # the length filter's token counts are shared the same way
-    assert first["token_count_cache"]["misses"] == 3 and status["token_count_cache"] == {"hits": 3, "misses": 0}
+    # the length filter's token counts are shared the same way (train, eval, ood and the calibration split)
+    assert first["token_count_cache"]["misses"] == 4 and status["token_count_cache"] == {"hits": 4, "misses": 0}
 
 
 def test_evaluate_run_folder_reproduces_training_metrics(trained, tmp_path, shared_cache):

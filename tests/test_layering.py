@@ -15,6 +15,7 @@ LAYERS = [
     {"metrics"},                                 # computed from predictions, never from models
     {"models"},                                  # backbones, features, feature cache
     {"methods"},                                 # reward models, probes and label-ranking learners
+    {"recalibration"},                           # post-hoc recalibration of a trained method's scores
     {"runs"},                                    # run folders, identity, records: only what reads/writes runs
     {"analysis"},                                # selection, tables, figures over run folders
     {"runner"},                                  # what train.py / evaluate.py execute
