@@ -36,7 +36,9 @@ def test_the_readme_block_has_the_demo_shape_and_a_changed_value_is_a_difference
     first, end = readme_demo_table.readme_block(readme)
     block = readme.splitlines()[first:end]
     assert block[0].split()[:3] == ["dataset", "pairs", "win_rate"]
-    assert [line.split()[0] for line in block[1:-1]] == ["synthetic_eval", "synthetic_ood"]
+    # each dataset's row, with its recalibrated row under it (rewarduq_exp/recalibration)
+    assert [line.split()[0] for line in block[1:-1]] == ["synthetic_eval", "recalibrated", "synthetic_ood",
+                                                         "recalibrated"]
     assert block[-1].startswith("mean uncertainty")
     assert readme_demo_table.compare(block, readme) == []
     changed = [block[0], block[1].replace("1000", "1001", 1), *block[2:]]
