@@ -84,7 +84,8 @@ def test_train_writes_a_cross_validated_run_folder(tmp_path, data_dir):
     x_train, x_test = data.fold(np.setdiff1d(np.arange(60), fold["row"]), fold["row"].to_numpy())
     learner = load_method(folder / "model" / "fold_2")
     assert (learner.predict_ranks(x_test) == np.stack(fold["predicted_ranks"])).all()
-    assert {p.name for p in (folder / "figures" / "iris").iterdir()} == {"ece_by_k.png", "top1_reliability.png"}
+    assert {p.name for p in (folder / "figures" / "iris").iterdir()} == {"ece_by_k.png", "ece_by_k_recalibrated.png",
+                                                                         "top1_reliability.png"}
     assert_strict_json_files(folder)  # metrics.json, metrics_per_fold.json, status.json, each fold's method.json
 
 
@@ -204,15 +205,20 @@ def test_paper_datasets_reach_the_reported_accuracy(tmp_path):
 
 
 def test_ranking_options_reach_the_metrics():
-    """Every key of metric.ranking is an evaluation option; the reference's variants pass the config check and a
-    bad value fails it in one line naming the allowed values."""
+    """Every key of metric.ranking is an evaluation option or a recalibration setting; the reference's variants pass
+    the config check and a bad value fails it in one line naming the allowed values."""
     from omegaconf import OmegaConf
 
     from rewarduq_exp.core.errors import UserError
-    from rewarduq_exp.runner.label_ranking_run import EVALUATION_KEYS, ranking_options, validate_ranking_options
+    from rewarduq_exp.runner.label_ranking_run import (
+        EVALUATION_KEYS,
+        RECALIBRATION_KEYS,
+        ranking_options,
+        validate_ranking_options,
+    )
 
     cfg = OmegaConf.load(ROOT / "conf" / "metric" / "rewarduq.yaml")
-    assert set(cfg.ranking) <= set(EVALUATION_KEYS)
+    assert set(cfg.ranking) <= set(EVALUATION_KEYS) | set(RECALIBRATION_KEYS)
     assert (cfg.ranking.restrict, cfg.ranking.full_rank_estimator) == ("none", "kernel")
     for key, value in (("restrict", "prob_mass_95"), ("full_rank_estimator", "binning"), ("spacing", "log"),
                        ("aggregate", "most_confident"), ("discrepancy", "rel_q")):

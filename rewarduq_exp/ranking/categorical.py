@@ -22,6 +22,12 @@ Marginals without enumeration: an event E (sub-k or top-k) contains N_E rankings
 with the ratio computed exactly in integer arithmetic (m! is ~4e26 for m = 26) and the observed part as a sparse
 (C x E) membership matrix times the (n x C) probabilities (dense chunks for sub-k, where each observed ranking
 is in a 1/k! share of the events; sparse for top-k, where it is in at most one).
+
+Temperature: every logit divided by T. Built ``from_unseen_mass`` (RankClassifier's construction: the unseen mass u
+is a constant, not a logit), the seen rankings share 1 - u by softmax(logits / T) and u stays; built from a
+``rest_logit``, each unseen ranking's own logit z_rest - log(m! - C) is divided by T as the seen ones are (the
+paper's construction, one shared logit per unseen ranking). The distribution keeps its logits for this (an (n, C)
+array beside the probabilities).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ from fractions import Fraction
 
 import numpy as np
 from scipy import sparse
+from scipy.special import logsumexp
 
-from rewarduq_exp.ranking.distribution import RankingDistribution
+from rewarduq_exp.ranking.distribution import RankingDistribution, row_index, true_orderings
 from rewarduq_exp.ranking.permutations import orderings_to_ranks
 from rewarduq_exp.ranking.plackett_luce import event_chunks, validate_tuples
 
@@ -46,6 +53,7 @@ class RankCategorical(RankingDistribution):
         rest = np.broadcast_to(np.asarray(rest_logit, dtype=np.float64), (self.n,)).copy()
         if self.n_unseen == 0:
             rest[:] = -np.inf
+        self._logits, self._rest_logit, self._fixed_unseen = logits, rest, None
         top = np.maximum(logits.max(axis=1, initial=-np.inf), rest)
         top = np.where(np.isfinite(top), top, 0.0)
         probs = np.exp(logits - top[:, None])  # (n, C), the one large temporary
@@ -89,6 +97,7 @@ class RankCategorical(RankingDistribution):
             raise ValueError("unseen_mass must lie in [0, 1)")
         if self.n_unseen == 0:
             u[:] = 0.0
+        self._logits, self._rest_logit, self._fixed_unseen = logits, None, u
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs *= ((1.0 - u) / probs.sum(axis=1))[:, None]
         self.seen_probs, self.unseen_mass = probs, u
@@ -147,8 +156,46 @@ class RankCategorical(RankingDistribution):
         ratio = np.array([float(Fraction(n_in_event - int(v), self.n_unseen)) for v in values])[inverse.ravel()]
         return seen + self.unseen_mass[:, None] * ratio[None, :]
 
+    # ------------------------------------------------------------------------------------------------ temperature
+    def _temper(self, t: float) -> RankCategorical:
+        if self._fixed_unseen is not None:
+            return RankCategorical.from_unseen_mass(self.orderings, self._logits / t, self._fixed_unseen)
+        # total rest logit = per-ranking logit + log(m! - C); the per-ranking logit is what T divides
+        log_n = math.log(self.n_unseen) if self.n_unseen else 0.0
+        return RankCategorical(self.orderings, self._logits / t, (self._rest_logit - log_n) / t + log_n)
+
+    def class_index(self, true_ranks) -> np.ndarray:
+        """For each sample its true ranking's index among the observed orderings, -1 where it is unseen: (n,)."""
+        return row_index(self.orderings, true_orderings(true_ranks, self.n, self.m))
+
+    def log_likelihood(self, true_ranks) -> np.ndarray:
+        """log P(true ranking) per sample: the seen class's probability, or one unseen ranking's share: (n,)."""
+        c = self.class_index(true_ranks)
+        seen = self.seen_probs[np.arange(self.n), np.maximum(c, 0)]
+        with np.errstate(divide="ignore"):
+            return np.log(np.where(c >= 0, seen, self.unseen_probability))
+
+    def temperature_nll(self, true_ranks):
+        if self._fixed_unseen is None:
+            return super().temperature_nll(true_ranks)
+        # seen rows: log(1 - u) + z_c / T - lse(z / T); unseen rows: log(u / (m! - C)), the same for every T
+        c = self.class_index(true_ranks)
+        seen = np.flatnonzero(c >= 0)
+        z = self._logits[seen]
+        picked = z[np.arange(len(seen)), c[seen]]
+        with np.errstate(divide="ignore"):
+            const = (np.log1p(-self._fixed_unseen[seen]).sum()
+                     + np.log(self.unseen_probability[c < 0]).sum())
+        n = self.n
+
+        def nll(t: float) -> float:
+            return -float((const + (picked / t - logsumexp(z / t, axis=1)).sum()) / n)
+        return nll
+
     # ------------------------------------------------------------------------------------------------ point
     def mode_ranks(self) -> np.ndarray:
         """The most probable observed ranking (the unseen rankings share their mass uniformly, so none of them is a
         meaningful point prediction; each has less probability than any seen one unless the seen logits are tiny)."""
+        if self._fixed_mode is not None:
+            return self._fixed_mode.copy()
         return self._ranks[np.argmax(self.seen_probs, axis=1)]

@@ -36,7 +36,7 @@ import math
 
 import numpy as np
 
-from rewarduq_exp.ranking.distribution import RankingDistribution
+from rewarduq_exp.ranking.distribution import RankingDistribution, true_orderings
 from rewarduq_exp.ranking.permutations import all_orderings, orderings_to_ranks
 from rewarduq_exp.ranking.plackett_luce import event_chunks, validate_tuples
 
@@ -176,6 +176,24 @@ class Mallows(RankingDistribution):
         s = len(self._mc_ranks)
         p = _masked_sums(self._mc_ranks, np.full(s, 1.0 / s), t)
         return p, np.sqrt(np.clip(p * (1 - p), 0, None) / s)
+
+    # ------------------------------------------------------------------------------------------------ temperature
+    def _temper(self, t: float) -> Mallows:
+        """Dispersion theta / T (phi^(1/T)): T > 1 spreads the mass away from the center, T < 1 concentrates it."""
+        return Mallows(self.center, self.theta / t, n=self.n, mc_samples=self.mc_samples, mc_seed=self.mc_seed,
+                       exact_max_m=self.exact_max_m)
+
+    def log_likelihood(self, true_ranks) -> np.ndarray:
+        """log P(true ranking) = -theta d_K(pi, center) - log Z_m(theta) per sample: (n,)."""
+        return self.log_prob(true_orderings(true_ranks, self.n, self.m))
+
+    def temperature_nll(self, true_ranks):
+        # the mean distance is all the data say: nll(T) = (theta / T) mean(d) + log Z_m(theta / T)
+        d = float(inversions(self.position[true_orderings(true_ranks, self.n, self.m)]).mean())
+
+        def nll(t: float) -> float:
+            return self.theta / t * d + log_normaliser(self.m, self.theta / t)
+        return nll
 
     # ------------------------------------------------------------------------------------------------ point, sampling
     def mode_ranks(self) -> np.ndarray:

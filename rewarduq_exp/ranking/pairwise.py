@@ -4,13 +4,18 @@
 certain); it has no top-k marginals and no sub-k marginals for k >= 3, and asking for them is a one-line UserError
 (``check_k``), as the paper notes that RPC's calibration can only be investigated for sub-2. The point prediction is
 Borda: items sorted by sum_j P(i > j), ties broken by the lower item id.
+
+Temperature: P_T(i > j) = sigmoid(logit P(i > j) / T), the pairwise classifiers' logits divided by T (Platt scaling's
+slope). Its likelihood is that of the pairwise events, the Bernoulli log-likelihood of every pair of the true
+ranking (the pairs are not independent, so it is a composite likelihood; RPC models nothing else).
 """
 
 from __future__ import annotations
 
 import numpy as np
+from scipy.special import expit, log_expit, logit
 
-from rewarduq_exp.ranking.distribution import RankingDistribution
+from rewarduq_exp.ranking.distribution import RankingDistribution, true_orderings
 from rewarduq_exp.ranking.permutations import orderings_to_ranks
 from rewarduq_exp.ranking.plackett_luce import validate_tuples
 
@@ -54,6 +59,41 @@ class PairwiseOnly(RankingDistribution):
         """sum_j P(i > j): (n, m)."""
         return self.P.sum(axis=2)
 
+    # ------------------------------------------------------------------------------------------------ temperature
+    def _pair_logits(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(i, j) for i < j and the logits of P(i > j), (n, m(m-1)/2) (+-inf where P is 0 or 1)."""
+        i, j = np.triu_indices(self.m, k=1)
+        with np.errstate(divide="ignore"):
+            return i, j, logit(self.P[:, i, j])
+
+    def _temper(self, t: float) -> PairwiseOnly:
+        i, j, z = self._pair_logits()
+        p = expit(z / t)
+        P = np.zeros_like(self.P)
+        P[:, i, j], P[:, j, i] = p, 1.0 - p
+        return PairwiseOnly(P)
+
+    def log_likelihood(self, true_ranks) -> np.ndarray:
+        """Pairwise log-likelihood per sample: sum over pairs i < j of log P(the true order of i and j): (n,)."""
+        return self.temperature_log_likelihood(true_ranks)(1.0)
+
+    def temperature_log_likelihood(self, true_ranks):
+        """T -> per-sample pairwise log-likelihood (n,) under temperature T, all pairs at once."""
+        r = orderings_to_ranks(true_orderings(true_ranks, self.n, self.m))
+        i, j, z = self._pair_logits()
+        sign = np.where(r[:, i] < r[:, j], 1.0, -1.0)  # +1 where i is truly before j
+        signed = sign * z
+
+        def loglik(t: float) -> np.ndarray:
+            return log_expit(signed / t).sum(axis=1)
+        return loglik
+
+    def temperature_nll(self, true_ranks):
+        loglik = self.temperature_log_likelihood(true_ranks)
+        return lambda t: -float(np.mean(loglik(t)))
+
     def mode_ranks(self) -> np.ndarray:
+        if self._fixed_mode is not None:
+            return self._fixed_mode.copy()
         order = np.argsort(-self.borda_scores(), axis=1, kind="stable")
         return orderings_to_ranks(order)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import expit, logsumexp
 
-from rewarduq_exp.ranking.distribution import RankingDistribution
+from rewarduq_exp.ranking.distribution import RankingDistribution, true_orderings
 from rewarduq_exp.ranking.permutations import orderings_to_ranks
 
 # Work arrays of at most this many elements per chunk of events (float64: 8 bytes each, ~64 MB).
@@ -167,9 +167,30 @@ class PlackettLuce(RankingDistribution):
             out[:, sl] = (g - suffix).sum(axis=-1)
         return out
 
+    # ------------------------------------------------------------------------------------------------ temperature
+    def _temper(self, t: float) -> PlackettLuce:
+        """Log-weights / T (utilities / T): T > 1 flattens every choice, T < 1 sharpens it."""
+        return PlackettLuce(self.log_weights / t)
+
+    def log_likelihood(self, true_ranks) -> np.ndarray:
+        """log P(true ranking) per sample: sum_t [g_t - log sum_{u >= t} exp(g_u)], g the log-weights in the true
+        order: (n,)."""
+        order = true_orderings(true_ranks, self.n, self.m)
+        return _ordered_log_likelihood(np.take_along_axis(self.log_weights, order, axis=1))
+
+    def temperature_nll(self, true_ranks):
+        # log P_T(pi) = sum_t [g_t / T - lse(g_{t:} / T)]: the per-row normalisation of log-weights / T cancels
+        g = np.take_along_axis(self.log_weights, true_orderings(true_ranks, self.n, self.m), axis=1)
+
+        def nll(t: float) -> float:
+            return -float(np.mean(_ordered_log_likelihood(g / t)))
+        return nll
+
     # ------------------------------------------------------------------------------------------------ point, sampling
     def mode_ranks(self) -> np.ndarray:
         """The most probable ranking: items sorted by weight (ties: lower item id first)."""
+        if self._fixed_mode is not None:
+            return self._fixed_mode.copy()
         order = np.argsort(-self.log_weights, axis=1, kind="stable")
         return orderings_to_ranks(order)
 
@@ -177,3 +198,9 @@ class PlackettLuce(RankingDistribution):
         """``size`` rankings per sample by the Gumbel trick: orderings (n, size, m), best first."""
         gumbel = rng.gumbel(size=(self.n, size, self.m))
         return np.argsort(-(self.log_weights[:, None, :] + gumbel), axis=-1, kind="stable")
+
+
+def _ordered_log_likelihood(g: np.ndarray) -> np.ndarray:
+    """PL log-likelihood of each row's ordering from its log-weights in that order, (n, m) -> (n,)."""
+    suffix = np.logaddexp.accumulate(g[:, ::-1], axis=1)[:, ::-1]
+    return (g - suffix).sum(axis=1)

@@ -6,7 +6,7 @@ top-1 calibration of :mod:`rewarduq_exp.metrics.kwise` uses the same bins.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,14 +57,79 @@ def _bernoulli_kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class BinaryECE:
-    """Per-event results of :func:`binary_ece`: ECE, prevalence (mean label) and predicted mass (mean probability)."""
+    """Per-event results of :func:`binary_ece`: ECE, prevalence (mean label) and predicted mass (mean probability);
+    ``also``: the per-event ECE under each further discrepancy asked for (from the same bins)."""
 
     ece: np.ndarray
     prevalence: np.ndarray
     pred_mass: np.ndarray
+    also: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-def binary_ece(labels, probs, *, n_bins: int = 10, discrepancy: str = "abs", spacing: str = "linear") -> BinaryECE:
+@dataclass(frozen=True, eq=False)
+class BinSums:
+    """One binning pass of E binary problems: per (event, bin) the count, the label sum and the probability sum
+    (E, n_bins), and the number of samples n. Every discrepancy is a function of these alone."""
+
+    count: np.ndarray
+    sum_y: np.ndarray
+    sum_q: np.ndarray
+    n: int
+
+
+def bin_sums(labels, probs, *, n_bins: int = 10, spacing: str = "linear") -> BinSums:
+    """The per-bin sums of E binary problems (labels and probabilities (n, E), or (n,) for one problem): one
+    bincount over the flattened (event, bin) index per sum, no loop over events."""
+    n_bins = check_n_bins(n_bins)
+    y = np.asarray(labels, dtype=np.float64)
+    q = np.asarray(probs, dtype=np.float64)
+    if y.ndim == 1:
+        y = y[:, None]
+    if q.ndim == 1:
+        q = q[:, None]
+    if y.shape != q.shape or y.ndim != 2 or y.shape[0] == 0:
+        raise UserError(f"labels and probabilities must have the same (n, E) shape with n >= 1, got "
+                        f"{np.shape(labels)} and {np.shape(probs)}")
+    if not np.isfinite(q).all() or q.min(initial=0.0) < -_PROB_TOL or q.max(initial=0.0) > 1.0 + _PROB_TOL:
+        raise UserError("predicted probabilities must be finite and in [0, 1]")
+    n, n_events = y.shape
+    edges = bin_edges(n_bins, spacing)
+    b = bin_index(q, edges)
+    flat = (b + n_bins * np.arange(n_events)[None, :]).ravel()
+    size = n_events * n_bins
+    count = np.bincount(flat, minlength=size).reshape(n_events, n_bins).astype(np.float64)
+    sum_y = np.bincount(flat, weights=y.ravel(), minlength=size).reshape(n_events, n_bins)
+    sum_q = np.bincount(flat, weights=q.ravel(), minlength=size).reshape(n_events, n_bins)
+    return BinSums(count=count, sum_y=sum_y, sum_q=sum_q, n=n)
+
+
+def binned_discrepancy(sums: BinSums, discrepancy: str = "abs") -> np.ndarray:
+    """sum_b (n_b / n) d(p_b, q_b) per event (E,) from one binning pass (see :func:`binary_ece` for each d)."""
+    check_choice("discrepancy", discrepancy, DISCREPANCIES)
+    count, sum_y = sums.count, sums.sum_y
+    occ = count > 0
+    safe = np.where(occ, count, 1.0)
+    freq, conf = sum_y / safe, sums.sum_q / safe
+    eps = DISCREPANCY_EPS
+    if discrepancy == "abs":
+        d = np.abs(freq - conf)
+    elif discrepancy == "kl":
+        d = _bernoulli_kl(np.clip(freq, eps, 1 - eps), np.clip(conf, eps, 1 - eps))
+    elif discrepancy == "jeff":
+        p_s = (sum_y + 0.5) / (count + 1.0)
+        c = np.clip(conf, eps, 1 - eps)
+        d = -np.expm1(-(_bernoulli_kl(p_s, c) + _bernoulli_kl(c, p_s)))
+    elif discrepancy == "log_ratio":
+        d = np.abs(np.log((freq + eps) / (np.maximum(conf, 0.0) + eps)))
+    elif discrepancy == "rel_p":
+        d = np.abs(freq - conf) / (freq + eps)
+    else:  # rel_q
+        d = np.abs(freq - conf) / (np.maximum(conf, 0.0) + eps)
+    return np.where(occ, count / sums.n * d, 0.0).sum(axis=1)
+
+
+def binary_ece(labels, probs, *, n_bins: int = 10, discrepancy: str = "abs", spacing: str = "linear",
+               also=()) -> BinaryECE:
     """Binned ECE of E binary problems at once: labels and probabilities (n, E) (or (n,) for one problem).
 
     Bins: ``n_bins`` edges from :func:`bin_edges`, left-closed and right-open, probability 1.0 in the last bin (a
@@ -94,49 +159,22 @@ def binary_ece(labels, probs, *, n_bins: int = 10, discrepancy: str = "abs", spa
     near-zero bins; use them to compare with the reference's tables, not as calibration scores. (Negative
     probabilities within the rounding tolerance count as 0 here.)
 
+    ``also``: further discrepancies, each computed from the same bins (one :func:`bin_sums` pass for all of them)
+    into ``BinaryECE.also[<name>]``.
+
     Vectorised: one bincount over the flattened (event, bin) index, no loop over events.
     """
     n_bins = check_n_bins(n_bins)
     check_choice("discrepancy", discrepancy, DISCREPANCIES)
+    for name in also:
+        check_choice("discrepancy", name, DISCREPANCIES)
+    sums = bin_sums(labels, probs, n_bins=n_bins, spacing=spacing)
     y = np.asarray(labels, dtype=np.float64)
     q = np.asarray(probs, dtype=np.float64)
-    if y.ndim == 1:
-        y = y[:, None]
-    if q.ndim == 1:
-        q = q[:, None]
-    if y.shape != q.shape or y.ndim != 2 or y.shape[0] == 0:
-        raise UserError(f"labels and probabilities must have the same (n, E) shape with n >= 1, got "
-                        f"{np.shape(labels)} and {np.shape(probs)}")
-    if not np.isfinite(q).all() or q.min(initial=0.0) < -_PROB_TOL or q.max(initial=0.0) > 1.0 + _PROB_TOL:
-        raise UserError("predicted probabilities must be finite and in [0, 1]")
-    n, n_events = y.shape
-    edges = bin_edges(n_bins, spacing)
-    b = bin_index(q, edges)
-    flat = (b + n_bins * np.arange(n_events)[None, :]).ravel()
-    size = n_events * n_bins
-    count = np.bincount(flat, minlength=size).reshape(n_events, n_bins).astype(np.float64)
-    sum_y = np.bincount(flat, weights=y.ravel(), minlength=size).reshape(n_events, n_bins)
-    sum_q = np.bincount(flat, weights=q.ravel(), minlength=size).reshape(n_events, n_bins)
-    occ = count > 0
-    safe = np.where(occ, count, 1.0)
-    freq, conf = sum_y / safe, sum_q / safe
-    eps = DISCREPANCY_EPS
-    if discrepancy == "abs":
-        d = np.abs(freq - conf)
-    elif discrepancy == "kl":
-        d = _bernoulli_kl(np.clip(freq, eps, 1 - eps), np.clip(conf, eps, 1 - eps))
-    elif discrepancy == "jeff":
-        p_s = (sum_y + 0.5) / (count + 1.0)
-        c = np.clip(conf, eps, 1 - eps)
-        d = -np.expm1(-(_bernoulli_kl(p_s, c) + _bernoulli_kl(c, p_s)))
-    elif discrepancy == "log_ratio":
-        d = np.abs(np.log((freq + eps) / (np.maximum(conf, 0.0) + eps)))
-    elif discrepancy == "rel_p":
-        d = np.abs(freq - conf) / (freq + eps)
-    else:  # rel_q
-        d = np.abs(freq - conf) / (np.maximum(conf, 0.0) + eps)
-    ece = np.where(occ, count / n * d, 0.0).sum(axis=1)
-    return BinaryECE(ece=ece, prevalence=y.mean(axis=0), pred_mass=q.mean(axis=0))
+    ece = binned_discrepancy(sums, discrepancy)
+    others = {name: (ece if name == discrepancy else binned_discrepancy(sums, name)) for name in also}
+    return BinaryECE(ece=ece, prevalence=y.reshape(len(y), -1).mean(axis=0),
+                     pred_mass=q.reshape(len(q), -1).mean(axis=0), also=others)
 
 
 def aggregate_ece(ece, prevalence=None, pred_mass=None, aggregate: str = "uniform") -> float:

@@ -39,7 +39,10 @@ from rewarduq_exp.ranking.distribution import RankingDistribution
 # * ``rank/kendall_tau``, ``rank/footrule``, ``rank/footrule_norm``, ``rank/top1_accuracy``: the modal ranking
 #   (always on every test sample, whatever ``restrict``);
 # * ``rank/sub_<k>/ece`` (k >= 2) and ``rank/top_<k>/ece`` (k >= 1): rank-wise ECE (Definitions 6, 7), with
-#   ``.../n_events``;
+#   ``.../n_events``; the discrepancy of ``ece`` is ``discrepancy`` (default abs);
+# * ``rank/sub_<k>/<d>`` and ``rank/top_<k>/<d>`` for each d of ``divergences`` (the run's default: kl, jeff,
+#   appendix E's KL and Jeffreys divergences): the same binned quantity with discrepancy d, from the same bins
+#   (:mod:`~rewarduq_exp.metrics.ranking.rankwise` says which reading of the paper's lost equations this is);
 # * ``rank/full/sub_<k>/ece`` and ``rank/full/top_<k>/ece``: full-rank calibration error (Definitions 4, 5; the
 #   Dirichlet kernel, or simplex binning with ``full_rank_estimator="binning"``), with
 #   ``rank/full/sub_<k>/n_subsets`` and ``rank/full/top_<k>/n_classes``;
@@ -112,7 +115,7 @@ def ranking_evaluation(dist: RankingDistribution, true_ranks: np.ndarray, *, ks_
                        full_rank: bool = True, max_k: int = DEFAULT_MAX_K,
                        max_subsets: int | None = DEFAULT_MAX_SUBSETS, events: str = "auto",
                        kernel_max_samples: int | None = DEFAULT_KERNEL_MAX_SAMPLES, restrict: str = "none",
-                       full_rank_estimator: str = "kernel", seed: int = 0) -> RankingEvaluation:
+                       full_rank_estimator: str = "kernel", seed: int = 0, divergences=()) -> RankingEvaluation:
     """Every ranking metric of ``dist`` against ``true_ranks`` (n, m; 1 = best), with per-event details.
 
     ``ks_sub`` / ``ks_top``: the k values (None: the default sweep above, top-(m-1) included; an explicit k outside
@@ -130,6 +133,8 @@ def ranking_evaluation(dist: RankingDistribution, true_ranks: np.ndarray, *, ks_
     Events and classes are listed in lexicographic order: from m = 8 on ``aggregate="most_confident"`` with tied
     masses and simplex binning of restricted problems can differ from the reference, which lists observed ones in
     Python set order (see :mod:`~rewarduq_exp.metrics.ranking.events`).
+    ``divergences``: further discrepancies of every rank-wise sub-k / top-k key (``rank/<kind>_<k>/<d>``), from the
+    bins of its ECE (a list of names of :data:`DISCREPANCIES`; an unknown one is a one-line UserError).
     ``kernel_max_samples``: the kernel metrics use at most this many test samples, a seeded random subset
     (``default_rng([seed, 7])``) when there are more (None: all): the estimator costs O(n^2 C) per problem, 0.4 s
     per sub-k subset at n = 4000 (letter's test folds), so 200 subsets per k would take minutes per fold; at
@@ -149,6 +154,7 @@ def ranking_evaluation(dist: RankingDistribution, true_ranks: np.ndarray, *, ks_
     check_choice("discrepancy", discrepancy, DISCREPANCIES)
     check_choice("aggregate", aggregate, AGGREGATES)
     check_kernel_args(kernel_h, kernel_p)
+    divergences = check_divergences(divergences)
     if kernel_max_samples is not None and (isinstance(kernel_max_samples, bool) or kernel_max_samples < 2):
         raise UserError(f"kernel_max_samples must be an integer >= 2 or null (all samples), got {kernel_max_samples!r}")
     skipped: dict[str, str] = {}
@@ -166,7 +172,7 @@ def ranking_evaluation(dist: RankingDistribution, true_ranks: np.ndarray, *, ks_
                              for key, value in ranking_accuracy(true_ranks, dist.mode_ranks()).items()}
     rankwise: dict[str, RankwiseECE] = {}
     full: dict[str, FullRankECE] = {}
-    opts = dict(n_bins=n_bins, discrepancy=discrepancy, spacing=spacing, aggregate=aggregate)
+    opts = dict(n_bins=n_bins, discrepancy=discrepancy, spacing=spacing, aggregate=aggregate, also=divergences)
     # Events (and restricted class lists) always come from every test label; the metrics use the kept samples.
     eval_ranks, eval_dist, class_ranks = true_ranks, dist, None
     if restrict != "none":
@@ -203,6 +209,7 @@ def ranking_evaluation(dist: RankingDistribution, true_ranks: np.ndarray, *, ks_
         tuples = sub_k_events(true_ranks, k, events=events, subsets=subsets)
         res_k = rankwise[f"sub_{k}"] = rankwise_ece("sub", eval_ranks, eval_dist.sub_k, tuples, **opts)
         out[f"rank/sub_{k}/ece"] = res_k.ece
+        out.update({f"rank/sub_{k}/{name}": value for name, value in res_k.also.items()})
         out[f"rank/sub_{k}/n_events"] = float(len(tuples))
         if full_rank and full_rank_metric("sub", k, lambda: full_rank_sub_k_ece(
                 kernel_ranks, on_kernel_rows(eval_dist.sub_k), k, subsets=subsets, **full_opts)):
@@ -211,6 +218,7 @@ def ranking_evaluation(dist: RankingDistribution, true_ranks: np.ndarray, *, ks_
         tuples = top_k_events(true_ranks, k, events=events)
         res_k = rankwise[f"top_{k}"] = rankwise_ece("top", eval_ranks, eval_dist.top_k, tuples, **opts)
         out[f"rank/top_{k}/ece"] = res_k.ece
+        out.update({f"rank/top_{k}/{name}": value for name, value in res_k.also.items()})
         out[f"rank/top_{k}/n_events"] = float(len(tuples))
         if full_rank:
             fr = full_rank_metric("top", k, lambda: full_rank_top_k_ece(
@@ -220,15 +228,31 @@ def ranking_evaluation(dist: RankingDistribution, true_ranks: np.ndarray, *, ks_
     return RankingEvaluation(metrics=out, rankwise=rankwise, full_rank=full, skipped=skipped)
 
 
+def check_divergences(divergences) -> tuple[str, ...]:
+    """The further discrepancies as a tuple of distinct names of ``DISCREPANCIES`` (None or empty: none)."""
+    if divergences is None:
+        return ()
+    if isinstance(divergences, str):
+        divergences = [divergences]
+    try:
+        names = [str(d) for d in divergences]
+    except TypeError:
+        raise UserError(f"divergences must be a list of {' | '.join(DISCREPANCIES)}, got {divergences!r}") from None
+    for name in names:
+        check_choice("divergences", name, DISCREPANCIES)
+    return tuple(dict.fromkeys(names))
+
+
 def ranking_metrics(dist: RankingDistribution, true_ranks: np.ndarray, ks_sub=None, ks_top=None, n_bins: int = 10,
                     discrepancy: str = "abs", kernel_h: float = 1.0, kernel_p: float = 1,
                     max_subsets: int | None = DEFAULT_MAX_SUBSETS, seed: int = 0, *, spacing: str = "linear",
                     aggregate: str = "uniform", full_rank: bool = True, max_k: int = DEFAULT_MAX_K,
                     events: str = "auto", kernel_max_samples: int | None = DEFAULT_KERNEL_MAX_SAMPLES,
-                    restrict: str = "none", full_rank_estimator: str = "kernel") -> dict[str, float]:
+                    restrict: str = "none", full_rank_estimator: str = "kernel", divergences=()) -> dict[str, float]:
     """The flat ``rank/...`` metric dict of :func:`ranking_evaluation` (same arguments)."""
     return ranking_evaluation(dist, true_ranks, ks_sub=ks_sub, ks_top=ks_top, n_bins=n_bins,
                               discrepancy=discrepancy, spacing=spacing, aggregate=aggregate, kernel_h=kernel_h,
                               kernel_p=kernel_p, full_rank=full_rank, max_k=max_k, max_subsets=max_subsets,
                               events=events, kernel_max_samples=kernel_max_samples, restrict=restrict,
-                              full_rank_estimator=full_rank_estimator, seed=seed).metrics
+                              full_rank_estimator=full_rank_estimator, seed=seed,
+                              divergences=divergences).metrics
