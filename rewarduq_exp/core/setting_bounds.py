@@ -147,6 +147,8 @@ BOUNDS: dict[str, Bound] = {
                                         allow=(None,)),
     "metric.ranking.kernel_max_samples": Bound(2, 10_000_000, "samples", "the kernel estimator is quadratic in them",
                                                allow=(None,)),
+    "recalibrate.isotonic_min_pairs": Bound(10, 10**8, "pairs", "more than any preference dataset",
+                                            why_min="an isotonic map of fewer pairs follows noise"),
     # ---- the backbone (the offline tiny model is built from these)
     "model.hidden_size": Bound(1, WIDTH, "units", "wider than any backbone: Qwen3-32B is 5120 wide", allow=(None,)),
     "model.build.hidden_size": Bound(8, 8192, "units", "the offline test backbone is built on this machine; "
