@@ -153,6 +153,7 @@ def recalibrated_metrics(predictions: pd.DataFrame, calibration: Calibration, me
         out[f"{PREFIX}conformal/cf_share"] = risk_at(pair_thresholds(chosen, rejected),
                                                      calibration.scales["conformal"])
         out[f"{PREFIX}conformal/alpha"] = calibration.conformal.get("alpha")
+        out[f"{PREFIX}conformal/feasible"] = calibration.conformal.get("feasible")
     return out
 
 
@@ -171,4 +172,6 @@ def recalibrated_pointwise_metrics(y, reward, lower, upper, calibration: Calibra
     return {"probe/coverage": float(np.mean((y >= lo) & (y <= hi))), "probe/mean_width": float(np.mean(hi - lo)),
             f"{PREFIX}probe/coverage": float(np.mean((y >= lo2) & (y <= hi2))),
             f"{PREFIX}probe/mean_width": float(np.mean(hi2 - lo2)), f"{PREFIX}scale": calibration.scale,
-            f"{PREFIX}conformal/alpha": calibration.conformal.get("alpha")}
+            f"{PREFIX}conformal/scale": calibration.scales.get("conformal"),
+            f"{PREFIX}conformal/alpha": calibration.conformal.get("alpha"),
+            f"{PREFIX}conformal/feasible": calibration.conformal.get("feasible")}
