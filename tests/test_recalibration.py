@@ -294,3 +294,14 @@ def test_the_rule_scale_is_the_best_rs_among_calibrated_bounds():
     ok = by["ebce"] <= 0.01
     assert ok[chosen] and by["rs"][chosen] == by["rs"][ok].max()
     assert by["rs"][chosen] > by["rs"][0] and by["rs"][chosen] > by["rs"][-1]
+
+
+def test_a_probability_on_a_bin_edge_and_its_flip_share_a_bin():
+    """Isotonic maps output exact values such as 0.3; the flipped row is 1 - 0.7 = 0.30000000000000004. Both land in
+    one bin, so a perfectly calibrated step map has ECE 0 (not rows split by label between two bins)."""
+    from rewarduq_exp.metrics.calibration import calibration_metrics
+
+    p = np.array([0.3] * 3 + [0.7] * 7)       # 30 % of the 0.3 pairs and 70 % of the 0.7 pairs are won
+    y = np.array([1, 0, 0, 0, 0, 1, 1, 1, 1, 1], dtype=float)
+    p = np.concatenate([p[:3], 1 - (1 - p[3:])])
+    assert calibration_metrics(p, p, p, y, n_bins=20)["ece"] == pytest.approx(0.0, abs=1e-12)

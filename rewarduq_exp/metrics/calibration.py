@@ -71,7 +71,10 @@ def binned_curve(q: np.ndarray, y: np.ndarray, w: np.ndarray, n_bins: int) -> Ca
     """
     n_bins = check_n_bins(n_bins)
     edges = np.linspace(0.0, 1.0, n_bins + 1)
-    b = np.digitize(q, edges[1:-1])
+    # Assigned after rounding to 12 decimals: a probability on an edge and its flip (1 - 0.7 = 0.30000000000000004
+    # for 0.3) must land in the same bin, or a step map (isotonic recalibration outputs exactly 0.3) splits its rows
+    # by label between two bins. Bin means use the probabilities as they are.
+    b = np.digitize(np.round(q, 12), edges[1:-1])
     sw = np.bincount(b, weights=w, minlength=n_bins)
     swq = np.bincount(b, weights=w * q, minlength=n_bins)
     swy = np.bincount(b, weights=w * y, minlength=n_bins)
