@@ -266,8 +266,9 @@ def test_calibration_json_round_trips_and_is_read_with_bounds(tmp_path):
     assert "temperature" in damaged(lambda d: d["probability"].update(temperature=-1))
     assert "temperature" in damaged(lambda d: d["probability"].update(temperature="2"))
     assert "scales.rule" in damaged(lambda d: d["scales"].update(rule=1e300))
-    assert "knots" in damaged(lambda d: d["probability"]["isotonic"].update(x=d["probability"]["isotonic"]["x"][::-1]))
-    assert "knots" in damaged(lambda d: d["probability"]["isotonic"].update(y=[2.0] * len(d["probability"]["isotonic"]["y"])))
+    knots = json.loads(text)["probability"]["isotonic"]
+    assert "knots" in damaged(lambda d: d["probability"]["isotonic"].update(x=knots["x"][::-1]))
+    assert "knots" in damaged(lambda d: d["probability"]["isotonic"].update(y=[2.0] * len(knots["y"])))
     assert "format" in damaged(lambda d: d.update(format=99))
     assert "interval" in damaged(lambda d: d.update(interval="conformal", scales={"rule": 1.0}))
     (tmp_path / "calibration.json").write_text("[" * 200 + "]" * 200)

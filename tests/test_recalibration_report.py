@@ -1,10 +1,10 @@
 """scripts/recalibration_table.py on fake run folders: the before/after table over seeds."""
 
 from fake_runs import block, make_run
+from test_reports import run_script
 
 from rewarduq_exp.analysis.recalibration_report import recalibration_rows, recalibration_table
 from rewarduq_exp.runs.run_records import find_runs
-from test_reports import run_script
 
 
 def test_table_pairs_raw_and_recalibrated_over_seeds(tmp_path):
