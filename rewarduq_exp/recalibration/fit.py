@@ -57,14 +57,11 @@ def recalibrate_settings(node) -> dict:
     check_choice("recalibrate.probability", values["probability"], PROBABILITY_CHOICES)
     check_choice("recalibrate.interval", values["interval"], INTERVALS)
     check_choice("recalibrate.guarantee", values["guarantee"], GUARANTEES)
-    for key in ("alpha", "delta", "pointwise_alpha"):
+    for key in ("alpha", "delta", "pointwise_alpha", "ebce_target"):
         _check_open_unit(key, values[key])
     value = values["rank_alpha"]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise UserError(f"recalibrate.rank_alpha={value!r} is invalid: must be a number in [0, 1]")
-    value = values["ebce_target"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-        raise UserError(f"recalibrate.ebce_target={value!r} is invalid: must be a number in (0, 1)")
     values["isotonic_min_pairs"] = check_integer("recalibrate.isotonic_min_pairs", values["isotonic_min_pairs"],
                                                  minimum=10, maximum=10**8)
     return values
@@ -79,7 +76,7 @@ def fit_calibration(predictions: pd.DataFrame, settings: dict, split: str, n_bin
     """Fit on the calibration split's predictions table (pairwise, or rated responses with ``score``)."""
     settings = recalibrate_settings(settings)
     fitted_on = {"split": split, "n": int(len(predictions))}
-    if "id" in predictions.columns:   # which rows it was fitted on: checked against the eval sets' ids
+    if "id" in predictions.columns:   # a record of the rows it was fitted on (the runner refuses overlaps by id)
         from rewarduq_exp.core.hashing import stable_hash
 
         fitted_on["ids_hash"] = stable_hash(sorted(predictions["id"].astype(str)), n=16)
