@@ -258,18 +258,27 @@ class SkipCompletedSlurmLauncher(SkipCompleted, SlurmLauncher):
         """The planner's peak memory and time of every job against the profile (``gpu_mem_gb`` / ``gpu``,
         ``timeout_min`` x (1 + ``max_num_timeout``)); ``plan.force=true`` skips it, as does a method without a plan."""
         from hydra_plugins.rewarduq_launchers import slurm_checks
-        from rewarduq_exp.runner.plan import PLANNED_METHODS, make_plan, method_name_of_config
+        from rewarduq_exp.methods.registry import method_class
+        from rewarduq_exp.runner.plan import make_plan, method_name_of_config
 
-        plans = []
+        plans, unplanned = [], set()
         gib = slurm_checks.gpu_memory_gib({**self.params, **self.plan_limits})
         for overrides in job_overrides:
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-            if cfg.get("plan", {}).get("force", False) or method_name_of_config(cfg) not in PLANNED_METHODS:
+            if cfg.get("plan", {}).get("force", False):
+                continue
+            name = method_name_of_config(cfg)
+            if name is None or not method_class(name).has_memory_model():
+                # Said, not silent: a method without a memory model is submitted unchecked.
+                unplanned.add(str(name))
                 continue
             if gib is not None and cfg.plan.get("device_memory_gib") is None:
                 with open_dict(cfg):   # the auto token budgets of the jobs are those of the profile's GPU
                     cfg.plan.device_memory_gib = gib
             plans.append((list(overrides), make_plan(cfg)))
+        if unplanned:
+            log.warning("no memory check before submitting: method %s has no memory model (plan_memory)",
+                        ", ".join(sorted(unplanned)))
         slurm_checks.check_plans(plans, {**self.params, **self.plan_limits})
 
 

@@ -267,6 +267,11 @@ class Method(ABC):
     @abstractmethod
     def load(self, directory: str | os.PathLike) -> Method: ...
 
+    @classmethod
+    def has_memory_model(cls) -> bool:
+        """Whether ``plan=true`` (and the Slurm launcher's memory check) can plan a run of this method."""
+        return False
+
 
 class RewardMethod(Method):
     """An uncertainty-aware reward model. It is constructed with its hyperparameters and ``encoder=`` (a
@@ -288,6 +293,18 @@ class RewardMethod(Method):
 
     @abstractmethod
     def score_pairs(self, frame: pd.DataFrame) -> tuple[Scores, Scores]: ...
+
+    @classmethod
+    def plan_memory(cls, ctx):
+        """The method's memory model: the :class:`~rewarduq_exp.models.memory_plan.Plan` of a run of it described by
+        ``ctx`` (a :class:`~rewarduq_exp.models.memory_plan.PlanContext`: the composed config with the method's
+        settings, the backbone's shapes, the device, the data sizes), computed with the same formulas the method
+        sizes its own batches with. None: the method has no memory model, and ``plan=true`` says so."""
+        return None
+
+    @classmethod
+    def has_memory_model(cls) -> bool:
+        return cls.plan_memory.__func__ is not RewardMethod.plan_memory.__func__
 
 
 class LabelRankingMethod(Method):
@@ -418,6 +435,26 @@ class FeatureHeadMethod(RewardMethod):
 
     @abstractmethod
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    @classmethod
+    def head_memory(cls, ctx, feature_dim: int, batch: int):
+        """What the head holds in training beside the train features
+        (:class:`~rewarduq_exp.models.memory_plan.HeadMemory`) for features of ``feature_dim`` and minibatches of
+        ``batch`` pairs, with the settings ``ctx.method``; None: no memory model."""
+        return None
+
+    @classmethod
+    def plan_memory(cls, ctx):
+        """Extraction and the features on the device as every feature-cache head has them, plus :meth:`head_memory`
+        (:func:`~rewarduq_exp.models.memory_plan.feature_head_plan`)."""
+        from rewarduq_exp.models.memory_plan import feature_head_plan
+
+        head = cls.head_memory(ctx, ctx.arch.hidden, min(int(ctx.method.batch_size), ctx.n_train))
+        return None if head is None else feature_head_plan(ctx, head)
+
+    @classmethod
+    def has_memory_model(cls) -> bool:
+        return cls.head_memory.__func__ is not FeatureHeadMethod.head_memory.__func__
 
     def expected_state(self, feature_dim, why: str) -> dict | None:
         """{tensor: :class:`~rewarduq_exp.core.payload_bounds.Expected`} of :meth:`state_tensors` for features of

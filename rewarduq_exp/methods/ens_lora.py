@@ -169,6 +169,12 @@ class EnsLoRA(RewardMethod):
         self.head: nn.Parameter | None = None  # (K, d) linear heads, no bias (a shift cancels in every BT margin)
         self.head_init_used: str | None = None
 
+    @classmethod
+    def plan_memory(cls, ctx):
+        from rewarduq_exp.methods.ens_lora_memory import plan
+
+        return plan(ctx)
+
     @property
     def member_names(self) -> list[str]:
         return [f"m{k}" for k in range(self.num_members)]

@@ -98,6 +98,21 @@ class EnsMLP(FeatureHeadMethod):
                 "reg_lambda": self.reg_lambda, "center_gamma": self.center_gamma, "beta": self.beta,
                 **vars(self.schedule), "seed": self.seed}
 
+    @classmethod
+    def head_memory(cls, ctx, feature_dim: int, batch: int):
+        """K stacked MLPs with gradients, AdamW states and the anchor copy; the anchor's p - p0 kept for backward;
+        each hidden layer's ReLU output kept for backward and two more (K, 2B, h) tensors alive in the forward."""
+        from rewarduq_exp.models.memory_plan import HeadMemory
+
+        m, d = ctx.method, feature_dim
+        k, h, nh = int(m.num_heads), int(m.hidden_dim), int(m.num_hidden_layers)
+        trainable = k * (d * h + (nh - 1) * h * h + h + nh * h)
+        parts = {"ENS-MLP heads (weights, grads, AdamW x2, anchor copy)": 5 * trainable * 4}
+        if float(m.reg_lambda) > 0:
+            parts["anchor penalty (p - p0, kept for backward)"] = trainable * 4
+        parts["head activations"] = 2 * batch * (d + k * h * (nh + 2)) * 4
+        return HeadMemory(trainable, parts, 6 * trainable * 2 * ctx.n_train * float(m.num_epochs))
+
     def _build(self, feature_dim: int) -> None:
         generator = torch.Generator().manual_seed(self.seed)
         self.heads = BatchedMLPHeads(self.num_heads, feature_dim, self.hidden_dim, self.num_hidden_layers,

@@ -19,8 +19,13 @@ plus logsumexp's temporary of the same size, or the LM head's bf16 copy plus the
 
 from __future__ import annotations
 
+from omegaconf import OmegaConf
+
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.models.activation_memory import inference_token_bytes, training_token_bytes
+from rewarduq_exp.models.memory_plan import Phase, Plan, PlanContext, attention_flops, budget_tokens
 from rewarduq_exp.models.shapes import Architecture
+from rewarduq_exp.models.token_budget import check_setting
 
 # Logit elements one chunk of the chunked log-softmax may hold (rows x positions x vocabulary): 64M float32 values,
 # 256 MB. Large chunks keep the LM head's GEMM efficient on a GPU (64 positions x 152k vocabulary is a skinny one).
@@ -79,3 +84,72 @@ def scoring_head(a: Architecture, num_samples: int, chunk: int, bf16: bool) -> f
     logits = num_samples * chunk * a.vocab
     head = max(8.0 * logits, (2.0 * a.vocab * a.hidden + 2.0 * logits) if bf16 else 0.0)
     return head + 3.0 * 4 * num_samples * chunk * a.hidden
+
+
+def plan(ctx: PlanContext) -> Plan:
+    """MCD-DPO as the method sizes itself (:mod:`rewarduq_exp.methods.mcd_dpo.memory`): the micro-batch and
+    checkpointing that ``auto`` picks on this device's memory for pairs of two ``max_length`` rows, and scoring
+    batches of the token budget."""
+    cfg, name, a, device, dtype = ctx.cfg, ctx.name, ctx.arch, ctx.device, ctx.dtype
+    n_train, n_eval, length, mean_tokens, math_kernel = ctx.n_train, ctx.n_eval, ctx.length, ctx.mean_tokens, \
+        ctx.math_kernel
+    tflops = ctx.tflops
+    from rewarduq_exp.models.token_budget import choose_micro_batch
+
+    m = cfg.method
+    if a.classifier and not a.tied:
+        raise UserError(f"plan: model '{a.name}' is a sequence classifier without tied embeddings: it has no LM head "
+                        "and method=mcd_dpo refuses it")
+    p = a.params_causal_lm
+    bf16 = dtype == "bfloat16"
+    cuda = device == "cuda"
+    k = int(m.num_samples)
+    chunk_setting = check_setting(m.get("logprob_chunk", "auto"), "method.logprob_chunk")
+    chunk = auto_chunk(a.vocab, 1) if chunk_setting == "auto" else chunk_setting
+    score_chunk = auto_chunk(a.vocab, k) if chunk_setting == "auto" else chunk_setting
+    gc = m.get("gradient_checkpointing", "auto")
+    gc = "auto" if str(gc) == "auto" else bool(gc)
+    micro_setting = check_setting(m.get("micro_batch_size", "auto"), "method.micro_batch_size")
+    batch = min(int(m.batch_size), n_train)
+    memory = ctx.memory()
+    weights = p * 4.0
+    free = memory - weights
+    reserved = training_reserved(a, bf16, chunk, cuda)
+    costs = [training_token(a, length, bf16, math_kernel, ckpt) for ckpt in (False, True)]
+    micro, checkpointing = choose_micro_batch(batch, 2 * length, free, reserved, *costs, device, gc, divides=True,
+                                              micro=micro_setting)
+
+    def training_phase(ckpt: bool) -> Phase:
+        rows = 2 * micro
+        parts = {"policy weights (float32)": weights, "gradients (float32)": p * 4.0,
+                 "AdamW states (2 x float32)": 2 * p * 4.0,
+                 f"activations ({rows} rows x {length} tokens{', checkpointed' if ckpt else ''})":
+                     rows * length * costs[ckpt]}
+        rest = reserved - 12.0 * p
+        if rest > 0:
+            parts[f"autocast's bf16 weight copies{' + one chunk of logits' if cuda else ''}"] = rest
+        return Phase("training", parts)
+
+    rows_cap = check_setting(m.get("score_batch_size", "auto"), "method.score_batch_size")
+    head = scoring_head(a, k, score_chunk, bf16)
+    per_token = scoring_token(a, length, math_kernel)
+    tokens = budget_tokens(m.get("score_batch_tokens", "auto"), "method.score_batch_tokens", cfg, device, per_token,
+                           2 * weights + head, None if rows_cap == "auto" else rows_cap, length)
+    scoring = Phase("scoring", {"policy weights (float32)": weights, "reference weights (float32)": weights,
+                                f"activations (inference, batches of {tokens:,} tokens)": tokens * per_token,
+                                f"{k} masked chunks of {score_chunk} positions through the LM head": head})
+    completion = float(OmegaConf.select(cfg, "plan.completion_fraction", default=1.0) or 1.0)
+    train_tokens = 2 * n_train * mean_tokens * float(m.num_epochs)
+    eval_tokens = 2 * n_eval * mean_tokens
+    v = a.vocab
+    flops = {"reference pass": 2 * p * train_tokens + attention_flops(a, train_tokens, mean_tokens),
+             "training": (8 if checkpointing else 6) * p * train_tokens
+             + 3 * attention_flops(a, train_tokens, mean_tokens),
+             "scoring": 2 * 2 * p * eval_tokens + 2 * (k - 1) * a.hidden * v * eval_tokens * completion}
+    plan = Plan(name, a.name, device, dtype, p, p, [training_phase(checkpointing), scoring], flops, tflops, n_train,
+                n_eval, length, checkpointing=checkpointing)
+    plan.without_checkpointing = max(training_phase(not checkpointing).peak, scoring.peak)
+    plan.notes.append(f"micro-batch of {micro} pairs ({'auto' if micro_setting == 'auto' else 'as set'}), "
+                      f"{batch // micro} accumulation steps, activation checkpointing "
+                      f"{'on' if checkpointing else 'off'}, log-prob chunks of {chunk} positions")
+    return plan

@@ -74,6 +74,12 @@ class McdDpo(RewardMethod):
     name = "mcd_dpo"
     fine_tunes_backbone = True  # the whole causal LM, with DPO
 
+    @classmethod
+    def plan_memory(cls, ctx):
+        from rewarduq_exp.methods.mcd_dpo.memory import plan
+
+        return plan(ctx)
+
     def __init__(self, encoder=None, learning_rate: float = 1e-6, dpo_beta: float = 0.1, dropout: float = 0.1,
                  num_samples: int = 20, beta: float = 2.0, batch_size: int = 64, micro_batch_size="auto",
                  num_epochs: float = 1.0, warmup_ratio: float = 0.05, weight_decay: float = 0.0,
