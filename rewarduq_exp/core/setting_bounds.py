@@ -120,6 +120,7 @@ BOUNDS: dict[str, Bound] = {
     "method.exact_max_m": Bound(1, 10, "items", "exact enumeration holds all m! rankings: 10! is 3.6M, 11! is 40M"),
     "method.max_iter": Bound(1, 10_000_000, "steps", "a local search that has not converged by then will not"),
     "method.n_iter": Bound(0, 1_000_000, "iterations", "the maximum-likelihood fit needs 5-15, the reference 100"),
+    "method.marglik_refits": Bound(0, 100, "refits", "each trains BAY-LIN's head again; lambda settles in 2-4"),
     "method.cv": Bound(2, 1000, "folds", "every fold fits every pair's classifier again"),
     "method.cv_folds": Bound(2, 1000, "folds", "every fold fits the regressor again"),
     "method.num_threads": Bound(1, 4096, "threads", "more threads than any machine has cores", allow=(None,)),
