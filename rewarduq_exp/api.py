@@ -197,7 +197,7 @@ class RewardModel:
         if len(prompts) != len(completions):
             raise UserError(f"prompts and completions differ in length ({len(prompts)} vs {len(completions)})")
         if not prompts:
-            return Scores(np.empty(0), np.empty(0), np.empty(0))
+            return Scores(np.empty(0), np.empty(0), self.beta)
         if self.tokenizer is not None and self.max_length:
             completions = fit_to_length(self.tokenizer, prompts, completions, self.max_length, self.truncation)
         scores = self.method.score(prompts, completions)
@@ -213,8 +213,7 @@ class RewardModel:
         temperature and interval scale fitted on its calibration split; orderings, hence best-of-n picks by reward,
         are unchanged); ``raw=True`` gives the model's own scores."""
         s = self._scores(prompts, completions, raw)
-        return pd.DataFrame({"reward": s.reward, "lower": s.lower, "upper": s.upper,
-                             "uncertainty": (s.upper - s.reward) / check_positive(self.beta, "method.beta")})
+        return pd.DataFrame({"reward": s.reward, "lower": s.lower, "upper": s.upper, "uncertainty": s.u})
 
     def score_pairs(self, prompts, chosen, rejected, raw: bool = False) -> pd.DataFrame:
         """P(chosen > rejected) = sigmoid(r_c - r_r) per pair, with the interval the bounds give:

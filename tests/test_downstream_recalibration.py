@@ -53,7 +53,7 @@ class _Fixed:
         self.reward, self.u = reward, u
 
     def score(self, prompts, completions):
-        return Scores(self.reward, self.reward - BETA * self.u, self.reward + BETA * self.u)
+        return Scores(self.reward, self.u, BETA)
 
 
 def _world(prompts=24, m=64, seed=0):

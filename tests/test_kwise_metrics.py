@@ -183,7 +183,7 @@ def test_reward_bench2_fixture_through_the_real_loader(tmp_path, monkeypatch):
     #   1 > 2 no, min(1, 1) > 2 no, tanh(1/2 - 1) = tanh(-0.5)
     #   Ties = 0.3 * 1 + 0.3 * 1 + 0.2 * 0 + 0.2 * 0 + 0.01 * tanh(-0.5); the five other subsets score 1.
     reward = np.concatenate([-np.arange(len(c), dtype=float) for c in data.completions])
-    predictions = kwise_predictions_frame(data, Scores(reward, reward - 0.1, reward + 0.1))
+    predictions = kwise_predictions_frame(data, Scores(reward, np.full_like(reward, 0.1)))
     assert predictions.num_correct.tolist() == data.num_correct.tolist()
     m = score_predictions(predictions, OmegaConf.load(METRIC_CFG))
     ties_score = 0.6 + 0.01 * np.tanh(-0.5)

@@ -75,7 +75,7 @@ class LengthWorld:
 
     def score(self, prompts, responses) -> Scores:
         u = np.full(len(responses), 0.2) + np.arange(len(responses)) / (10 * len(responses))
-        return Scores(self.prediction, self.prediction - u, self.prediction + u)
+        return Scores(self.prediction, u)
 
     def response_lengths(self, responses) -> np.ndarray:
         words = np.array([len(r.split()) for r in responses], dtype=float)

@@ -225,7 +225,7 @@ class _Beta:
         from rewarduq_exp.methods.base import Scores
 
         reward = np.arange(len(prompts), dtype=float)
-        return Scores(reward, reward - 1, reward + 1)
+        return Scores(reward, np.ones_like(reward))
 
     def score_pairs(self, frame):
         scores = self.score(list(frame.chosen), list(frame.chosen))
@@ -233,16 +233,15 @@ class _Beta:
 
 
 def test_u_is_never_divided_by_a_beta_of_0():
-    """Where u is recovered from the bounds ((upper - reward) / beta), a beta that is no number > 0 is one line, not
-    a column of NaN."""
+    """u comes with the scores (``Scores.u``), never recovered from the bounds, so a beta of 0 gives no column of
+    NaN; where beta scales u (the ranking score), a beta that is no number > 0 is one line."""
     import pandas as pd
 
     from rewarduq_exp.api import RewardModel
     from rewarduq_exp.downstream.active_learning import acquisition_scores
 
     model = RewardModel(_Beta(), "run", None)
-    with pytest.raises(UserError, match=r"^method\.beta=0\.0 is invalid: must be a number > 0"):
-        model.score(["q"], ["a"])
+    assert model.score(["q"], ["a"]).uncertainty.tolist() == [1.0]
     frame = pd.DataFrame({"chosen": ["a", "b"], "rejected": ["c", "d"]})
     for strategy in ("uncertainty", "ranking_score"):
         with pytest.raises(UserError, match=r"^method\.beta=0\.0 is invalid"):

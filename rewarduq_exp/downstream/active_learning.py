@@ -95,8 +95,8 @@ def acquisition_scores(strategy: str, method, frame: pd.DataFrame, rng: np.rando
         samples = method.pair_reward_samples(frame)
         return bald_scores(*samples)
     chosen, rejected = method.score_pairs(frame)
-    beta = check_positive(float(method.beta), "method.beta")   # u = (upper - reward) / beta
-    u_sum = (chosen.upper - chosen.reward + rejected.upper - rejected.reward) / beta
+    beta = check_positive(float(method.beta), "method.beta")
+    u_sum = chosen.u + rejected.u
     if strategy == "uncertainty":
         return u_sum
     margin = np.abs(chosen.reward - rejected.reward)

@@ -44,10 +44,14 @@ META = "calibration"   # the per-prompt dict's key of the run's T and scales (th
 
 
 def recalibrated_scores(table: pd.DataFrame, calibration, beta: float) -> tuple[np.ndarray, np.ndarray]:
-    """(reward, u) of a raw score table (``RewardModel.score(..., raw=True)``) after ``calibration``, computed as
-    ``RewardModel.score`` computes them (``Calibration.apply_arrays``, then u = (upper - reward) / beta)."""
-    reward, _, upper = calibration.apply_arrays(table.reward, table.lower, table.upper)
-    return reward, (upper - reward) / check_positive(beta, "method.beta")
+    """(reward, u) of a raw score table (``RewardModel.score(..., raw=True)``: its ``reward`` and ``uncertainty``)
+    after ``calibration``, computed as ``RewardModel.score`` computes them (:meth:`Calibration.apply`: reward / T,
+    u s / T)."""
+    from rewarduq_exp.methods.base import Scores
+
+    scores = calibration.apply(Scores(table.reward.to_numpy(), table.uncertainty.to_numpy(),
+                                      check_positive(beta, "method.beta")))
+    return scores.reward, scores.u
 
 
 def calibration_info(calibration) -> dict:

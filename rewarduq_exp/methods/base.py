@@ -40,18 +40,33 @@ log = logging.getLogger("rewarduq_exp")
 
 @dataclass
 class Scores:
-    """Per-completion reward with its lower and upper bound (paper eq. 9)."""
+    """Per-completion reward r and uncertainty u, with the method's bound width beta: the bounds are r -+ beta u
+    (paper eq. 9), derived, never stored, so u is never rebuilt from them."""
 
     reward: np.ndarray
-    lower: np.ndarray
-    upper: np.ndarray
+    u: np.ndarray
+    beta: float = 1.0
 
     def __post_init__(self):
-        self.reward, self.lower, self.upper = (np.asarray(a, dtype=np.float64) for a in (self.reward, self.lower,
-                                                                                         self.upper))
+        self.reward, self.u = (np.asarray(a, dtype=np.float64) for a in (self.reward, self.u))
+        self.beta = float(self.beta)
+        if self.reward.shape != self.u.shape:
+            raise ValueError(f"reward {self.reward.shape} and u {self.u.shape} differ in shape")
+
+    @property
+    def lower(self) -> np.ndarray:
+        return self.reward - self.beta * self.u
+
+    @property
+    def upper(self) -> np.ndarray:
+        return self.reward + self.beta * self.u
 
     def __len__(self) -> int:
         return len(self.reward)
+
+    def __getitem__(self, index) -> Scores:
+        """The scores of some rows (a slice, a mask or indices), with the same beta."""
+        return Scores(self.reward[index], self.u[index], self.beta)
 
 
 
@@ -507,7 +522,7 @@ class FeatureHeadMethod(RewardMethod):
             rewards.append(r.double().cpu())
             us.append(u.double().cpu())
         reward, u = torch.cat(rewards).numpy(), torch.cat(us).numpy()
-        return Scores(reward=reward, lower=reward - self.beta * u, upper=reward + self.beta * u)
+        return Scores(reward=reward, u=u, beta=self.beta)
 
     def score(self, prompts, completions) -> Scores:
         return self.score_features(self._require_encoder().encode(prompts, completions, desc="features (score)"))

@@ -279,14 +279,14 @@ class BorpMethod(RewardMethod):
 
     def score(self, prompts, completions) -> Scores:
         pred = self.predict(prompts, completions)
-        lower, upper = pred.bounds(self.beta)
-        return Scores(reward=pred.score, lower=lower, upper=upper)
+        u = np.zeros_like(pred.score) if pred.u is None else pred.u   # one head: no uncertainty
+        return Scores(reward=pred.score, u=u, beta=self.beta)
 
     def score_pairs(self, frame: pd.DataFrame) -> tuple[Scores, Scores]:
         n = len(frame)
         both = self.score(list(frame["prompt"]) * 2, list(frame["chosen"]) + list(frame["rejected"]))
         cut = slice(0, n), slice(n, 2 * n)
-        return tuple(Scores(both.reward[c], both.lower[c], both.upper[c]) for c in cut)
+        return tuple(both[c] for c in cut)
 
     def judge_instruction(self) -> str:
         """The score-only judge's request: the probe's own question (generic probe) or rubrics (refined probe) on the

@@ -78,7 +78,9 @@ class Calibration:
         return r / t, (r - s * (r - lo)) / t, (r + s * (hi - r)) / t
 
     def apply(self, scores: Scores) -> Scores:
-        return Scores(*self.apply_arrays(scores.reward, scores.lower, scores.upper))
+        """reward / T and u s / T, with the same beta: bounds (r -+ beta s u) / T, as :meth:`apply_arrays` gives."""
+        t = self.temperature
+        return Scores(scores.reward / t, scores.u * (self.scale / t), scores.beta)
 
     def probability(self, p):
         """Pair probabilities already on the temperature's scale, through the isotonic map where one was fitted."""

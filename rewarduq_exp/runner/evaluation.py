@@ -9,7 +9,6 @@ import numpy as np
 import pandas as pd
 
 from rewarduq_exp.core import distributed
-from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.methods.base import Scores
 from rewarduq_exp.metrics.kwise import is_kwise
@@ -224,7 +223,7 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
 
     y = data["score"].to_numpy(dtype=float)
     scores = method.score(list(data["prompt"]), list(data["response"]))
-    u = (scores.upper - scores.reward) / check_positive(float(method.beta), "method.beta")
+    u = scores.u
     score_range = tuple(method.settings["score_range"])
     metrics = probe_metrics(y, scores.reward, u, score_range=score_range)
     predictions = pd.DataFrame({"id": data["id"].astype(str).to_numpy(), "subset": data["subset"].to_numpy(),

@@ -522,7 +522,7 @@ class McdDpo(RewardMethod):
     def score(self, prompts, completions) -> Scores:
         samples = self.sample_rewards(prompts, completions)
         reward, u = samples.mean(1), samples.std(1, ddof=1)     # unbiased std over the K masks
-        return Scores(reward=reward, lower=reward - self.beta * u, upper=reward + self.beta * u)
+        return Scores(reward=reward, u=u, beta=self.beta)
 
     def score_pairs(self, frame: pd.DataFrame) -> tuple[Scores, Scores]:
         prompts = list(frame["prompt"])
