@@ -1,36 +1,68 @@
-"""The methods of this package by name, and the settings a file may give one of them.
+"""The methods by name, and the settings a file may give one of them.
+
+A method is its class and its config, nothing else: ``conf/method/<name>.yaml`` names the class (``_target_``), and
+this table is read from those files of the package's own config tree (:data:`~rewarduq_exp.core.config_dir.CONF_DIR`),
+so adding a method edits no code outside its own module. A class defined elsewhere (a plugin, a test) joins with
+:func:`register_method`.
 
 A run folder is a file someone may hand you. Whatever reads one (``load_method``, ``evaluate.py``, the Python API,
 ``downstream.py``) takes the method's class from :data:`METHOD_CLASSES` by the method's *name*, never by importing a
 class path written in the file (importing a module runs its code, and calling an arbitrary class with the file's
 arguments can run anything, ``subprocess.Popen`` included), and takes from the file only settings this class
-declares, with plain JSON values (:func:`check_settings`). The table holds the ``_target_`` of every
-``conf/method/<name>.yaml`` (tested), so a method added there must be added here to be loadable.
+declares, with plain JSON values (:func:`check_settings`). Only classes of this package (``rewarduq_exp.methods.``)
+are read from the config tree; anything else must be registered in the process by code the user runs.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import re
 from collections.abc import Mapping
 
+from rewarduq_exp.core.config_dir import CONF_DIR
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import RUNTIME_SETTINGS, constructor_settings
 
+PACKAGE_METHODS = "rewarduq_exp.methods."
+# A config's class line, read without composing (Hydra is not needed to list the methods, and a YAML parser costs
+# more than the whole table: this runs at every start-up).
+_TARGET_LINE = re.compile(r"^_target_:\s*([\w.]+)\s*(?:#.*)?$", re.M)
+
+
+def _config_tree_methods() -> dict[str, str]:
+    """name -> class path of every ``conf/method/<name>.yaml`` whose ``_target_`` is a class of this package."""
+    table = {}
+    for path in sorted((CONF_DIR / "method").glob("*.yaml")):
+        match = _TARGET_LINE.search(path.read_text())
+        if match and match.group(1).startswith(PACKAGE_METHODS):
+            table[path.stem] = match.group(1)
+    return table
+
+
 # name (``method.json``'s "method", ``conf/method/<name>.yaml``) -> the class that implements it
-METHOD_CLASSES = {
-    "bay_lin": "rewarduq_exp.methods.bay_lin.BayLin",
-    "borp": "rewarduq_exp.methods.borp_method.BorpMethod",
-    "ens_lora": "rewarduq_exp.methods.ens_lora.EnsLoRA",
-    "ens_mlp": "rewarduq_exp.methods.ens_mlp.EnsMLP",
-    "mallows": "rewarduq_exp.methods.label_ranking.MallowsLearner",
-    "mcd_dpo": "rewarduq_exp.methods.mcd_dpo.McdDpo",
-    "pl_rpc": "rewarduq_exp.methods.label_ranking.PLRPCLearner",
-    "plackett_luce": "rewarduq_exp.methods.label_ranking.PlackettLuceNet",
-    "rank_classifier": "rewarduq_exp.methods.label_ranking.RankClassifierNet",
-    "rpc": "rewarduq_exp.methods.label_ranking.RPCLearner",
-}
+METHOD_CLASSES: dict[str, str] = _config_tree_methods()
+_REGISTERED: dict[str, type] = {}   # classes registered in this process (not importable by their path, perhaps)
 _NAME_OF_CLASS = {path: name for name, path in METHOD_CLASSES.items()}
+
+
+def register_method(cls: type) -> type:
+    """Make ``cls`` (a :class:`~rewarduq_exp.methods.base.Method` subclass) the method ``cls.name`` in this process:
+    configs may name it (``_target_``: its module and qualified name), run folders of it load. Usable as a class
+    decorator. A name of the package's own methods cannot be taken over."""
+    from rewarduq_exp.methods.base import Method
+
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise TypeError(f"register_method takes a Method subclass, not {cls!r}")
+    path = f"{cls.__module__}.{cls.__qualname__}"
+    if METHOD_CLASSES.get(cls.name, path) != path:
+        raise ValueError(f"method name {cls.name!r} is taken by {METHOD_CLASSES[cls.name]}")
+    METHOD_CLASSES[cls.name] = path
+    _NAME_OF_CLASS[path] = cls.name
+    _REGISTERED[cls.name] = cls
+    saved_only_keys.cache_clear()
+    return cls
+
 
 # What a saved or configured setting may be: what every method's ``hyperparameters()`` writes (numbers, flags, names,
 # None, lists of those such as adam_betas or target_modules). A mapping is refused: no method saves one, and a
@@ -48,6 +80,8 @@ def method_names() -> list[str]:
 
 def method_class(name: str) -> type:
     """The class of method ``name`` (a key of :data:`METHOD_CLASSES`; imported from this table, never from input)."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
     module, _, qualname = METHOD_CLASSES[name].rpartition(".")
     return getattr(importlib.import_module(module), qualname)
 
