@@ -33,8 +33,8 @@ lambda, i.e. minimise the mean NLL + (lambda / 2W) ||theta||^2 with W = sum_i w_
 divided by W, so the loss keeps the scale the learning rate was tuned at), and fit lambda again at the new theta.
 (Eq. 14's mean loss with the same lambda as eq. 15's sum is the MAP of prior precision lambda * W, not lambda; the
 refit uses the scaling under which theta is the mode of the posterior whose evidence is maximised.) The fitted lambda,
-the evidence and the effective number of parameters go to ``fit_summary`` (so to method.json and metrics.json); the
-saved precision carries lambda, so a saved run scores without refitting.
+the evidence and the effective number of parameters go to ``fit_summary`` (so to model/method.json and status.json's
+"fit"); the saved precision carries lambda, so a saved run scores without refitting.
 
 H always covers all training pairs. (The reference code, under several processes, kept rank 0's shard only; here
 rank 0 fits on all cached features and broadcasts the head and H, see FeatureHeadMethod.fit.)
