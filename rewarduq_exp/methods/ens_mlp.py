@@ -113,6 +113,24 @@ class EnsMLP(FeatureHeadMethod):
         parts["head activations"] = 2 * batch * (d + k * h * (nh + 2)) * 4
         return HeadMemory(trainable, parts, 6 * trainable * 2 * ctx.n_train * float(m.num_epochs))
 
+    @classmethod
+    def check_fits(cls, settings, feature_dim: int, device_bytes: float) -> None:
+        """K x hidden_dim x num_hidden_layers, each bounded alone, must also fit together: the heads with their
+        gradients, two AdamW states and the anchor's copy (and p - p0 with an anchor), as :meth:`head_memory`
+        counts them, within ``device_bytes``. Settings the constructor refuses are left to it."""
+        k, h, nh = settings.get("num_heads"), settings.get("hidden_dim"), settings.get("num_hidden_layers")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (k, h, nh)):
+            return
+        trainable = k * (feature_dim * h + (nh - 1) * h * h + h + nh * h)
+        need = 5 * trainable * 4 + (trainable * 4 if (settings.get("reg_lambda") or 0) > 0 else 0)
+        if need > device_bytes:
+            gib = 2**30
+            raise UserError(f"method.num_heads={k} x method.hidden_dim={h} x method.num_hidden_layers={nh} is too "
+                            f"large: the ENS-MLP heads on {feature_dim}-dim features need {need / gib:.1f} GiB "
+                            "(weights, gradients, AdamW states, anchor copy), more than the device's "
+                            f"{device_bytes / gib:.1f} GiB (as the planner takes it: plan.device_memory_gib); lower "
+                            "one of them")
+
     def _build(self, feature_dim: int) -> None:
         generator = torch.Generator().manual_seed(self.seed)
         self.heads = BatchedMLPHeads(self.num_heads, feature_dim, self.hidden_dim, self.num_hidden_layers,

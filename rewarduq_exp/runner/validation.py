@@ -117,30 +117,20 @@ def check_model_limits(cfg: DictConfig) -> None:
 
 
 def check_head_memory(cfg: DictConfig, shape: dict) -> None:
-    """ENS-MLP holds K MLP heads with their gradients, two AdamW states and the anchor's copy (5 x 4 bytes a
-    parameter, as the planner counts them): K x hidden_dim x num_hidden_layers, each bounded alone, must also fit
-    together in the memory the planner takes the device to have (``plan.device_memory_gib``, else an H100's on a
-    GPU, the host's available memory on a CPU)."""
-    from rewarduq_exp.methods.registry import method_name_of_target
+    """A head whose size is set by its settings must fit the memory the planner takes the device to have
+    (``plan.device_memory_gib``, else an H100's on a GPU, the host's available memory on a CPU): the method's own
+    check (``check_fits`` of its class, e.g. ENS-MLP's K heads), refused before anything is loaded."""
+    from rewarduq_exp.methods.registry import method_class, method_name_of_target
 
-    m = cfg.method
-    if method_name_of_target(m.get("_target_")) != "ens_mlp":
-        return
+    name = method_name_of_target(cfg.method.get("_target_"))
+    check = getattr(method_class(name), "check_fits", None) if name else None
     d = shape.get("hidden_size") or cfg.model.get("hidden_size")
-    k, h, nh = m.get("num_heads"), m.get("hidden_dim"), m.get("num_hidden_layers")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (d, k, h, nh)):
-        return   # refused by the method's own checks
-    per_head = d * h + (nh - 1) * h * h + h + nh * h
-    need = 5 * k * per_head * 4 + (k * per_head * 4 if (m.get("reg_lambda") or 0) > 0 else 0)
+    if check is None or not (isinstance(d, int) and d > 0):
+        return
     from rewarduq_exp.models.backbone import resolve_device
-    from rewarduq_exp.runner.plan import GIB, device_memory
+    from rewarduq_exp.models.memory_plan import device_memory
 
-    have = device_memory(cfg, resolve_device(str(cfg.get("device", "auto"))).type)
-    if need > have:
-        raise UserError(f"method.num_heads={k} x method.hidden_dim={h} x method.num_hidden_layers={nh} is too large: "
-                        f"the ENS-MLP heads on {d}-dim features need {need / GIB:.1f} GiB (weights, gradients, "
-                        f"AdamW states, anchor copy), more than the device's {have / GIB:.1f} GiB (as the planner "
-                        "takes it: plan.device_memory_gib); lower one of them")
+    check(cfg.method, d, device_memory(cfg, resolve_device(str(cfg.get("device", "auto"))).type))
 
 
 def check_seeds(node: DictConfig, prefix: str = "") -> None:
