@@ -133,3 +133,17 @@ def check_n_bins(n_bins: object) -> int:
     if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or not 1 <= n_bins <= MAX_BINS:
         raise UserError(f"n_bins must be an integer in [1, {MAX_BINS}], got {n_bins!r}")
     return int(n_bins)
+
+
+AUTO_FLAGS = {"auto": "auto", "true": True, "false": False}
+
+
+def check_auto_flag(value, key: str):
+    """``"auto"``, True or False from a setting that takes auto, true or false (a bool, or those words in any case,
+    as a command line or a YAML file gives them): the one parser of such settings (gradient checkpointing, the
+    mixed-adapter passes, ...)."""
+    choice = value if isinstance(value, bool) else AUTO_FLAGS.get(str(value).lower())
+    if choice is None:
+        raise UserError(f"{key}={value} is invalid; allowed: auto, true, false")
+    return choice
+

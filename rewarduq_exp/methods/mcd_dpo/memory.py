@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from rewarduq_exp.core.checks import check_auto_flag
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.models.activation_memory import inference_token_bytes, training_token_bytes
 from rewarduq_exp.models.memory_plan import Phase, Plan, PlanContext, attention_flops, budget_tokens
@@ -108,7 +109,7 @@ def plan(ctx: PlanContext) -> Plan:
     chunk = auto_chunk(a.vocab, 1) if chunk_setting == "auto" else chunk_setting
     score_chunk = auto_chunk(a.vocab, k) if chunk_setting == "auto" else chunk_setting
     gc = m.get("gradient_checkpointing", "auto")
-    gc = "auto" if str(gc) == "auto" else bool(gc)
+    gc = check_auto_flag(gc, "method.gradient_checkpointing")
     micro_setting = check_setting(m.get("micro_batch_size", "auto"), "method.micro_batch_size")
     batch = min(int(m.batch_size), n_train)
     memory = ctx.memory()

@@ -28,7 +28,7 @@ import torch
 
 from rewarduq_exp.core import job_signals, training_checkpoint
 from rewarduq_exp.core.atomic_write import atomic_path
-from rewarduq_exp.core.checks import check_max_grad_norm, check_positive
+from rewarduq_exp.core.checks import check_auto_flag, check_max_grad_norm, check_positive
 from rewarduq_exp.core.distributed import is_main, rank, world_size
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.payload_bounds import Expected, check_tensors
@@ -95,10 +95,7 @@ class McdDpo(RewardMethod):
         score_batch_size = check_setting(score_batch_size, "method.score_batch_size")
         self.score_batch_tokens = check_setting(score_batch_tokens, "method.score_batch_tokens")
         self.logprob_chunk = check_setting(logprob_chunk, "method.logprob_chunk")
-        checkpointing = {"auto": "auto", "true": True, "false": False}.get(str(gradient_checkpointing).lower())
-        if checkpointing is None:
-            raise UserError(f"method.gradient_checkpointing={gradient_checkpointing} is invalid; allowed: auto, true, "
-                            "false")
+        checkpointing = check_auto_flag(gradient_checkpointing, "method.gradient_checkpointing")
         # None (no clipping) or a number > 0; it reaches DPOConfig explicitly (see _make_trainer)
         max_grad_norm = check_max_grad_norm(max_grad_norm, "method.max_grad_norm")
         self.schedule = TrainingSchedule(learning_rate=float(learning_rate), batch_size=int(batch_size),
