@@ -32,6 +32,8 @@ TOLERANCE = 0.20
 TINY = {
     "ens_mlp": ["probe.batch_size=128", "method.batch_size=64", "method.num_heads=64", "method.hidden_dim=512"],
     "bay_lin": ["probe.batch_size=128", "method.batch_size=64"],
+    "epinet": ["probe.batch_size=128", "method.batch_size=64", "method.num_index_samples=64",
+               "method.epinet_hidden_dim=512"],
     "ens_lora": ["method.batch_size=64", "method.num_members=4", "method.score_batch_size=64"],
     "mcd_dpo": ["method.batch_size=64", "method.micro_batch_size=64", "method.score_batch_size=64",
                 "method.num_samples=4"],

@@ -21,6 +21,7 @@ from rewarduq_exp.data.synthetic import SyntheticWorld
 from rewarduq_exp.methods.bay_lin import BayLin
 from rewarduq_exp.methods.ens_lora import EnsLoRA
 from rewarduq_exp.methods.ens_mlp import EnsMLP
+from rewarduq_exp.methods.epinet import Epinet
 from rewarduq_exp.methods.label_ranking import PlackettLuceNet, RankClassifierNet
 from rewarduq_exp.ranking.permutations import orderings_to_ranks
 from rewarduq_exp.ranking.plackett_luce import PlackettLuce
@@ -84,6 +85,7 @@ def _ranking(cls):
 CASES = {
     "ens_mlp": lambda backbone: _feature_head(EnsMLP, num_heads=3, hidden_dim=8, learning_rate=1e-2),
     "bay_lin": lambda backbone: _feature_head(BayLin, learning_rate=1e-2),
+    "epinet": lambda backbone: _feature_head(Epinet, hidden_dim=8, index_dim=3, learning_rate=1e-2),
     "ens_lora": _ens_lora,
     "plackett_luce": lambda backbone: _ranking(PlackettLuceNet),
     "rank_classifier": lambda backbone: _ranking(RankClassifierNet),
