@@ -97,7 +97,11 @@ LONGEST_FIRST = ["test_borp_run.py",         # ~60
                  "test_cli_finetune.py",     # ~13
                  "test_ens_lora.py",         # ~12
                  "test_multi_lora.py",       # ~12
-                 "test_config_composition.py"]  # ~12  # ~14
+                 "test_config_composition.py",  # ~12
+                 "test_new_method_in_its_own_files.py",  # ~30
+                 "test_la_lora.py",          # ~20
+                 "test_epinet.py",           # ~15
+                 "test_bay_lin_laplace.py"]  # ~12  # ~14
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -492,7 +492,7 @@ def test_learners_that_cannot_be_retrained_cheaply_or_lack_draws_are_refused_in_
     from rewarduq_exp.downstream.active_learning import check_learner
     from rewarduq_exp.methods.base import FeatureHeadMethod
 
-    with pytest.raises(UserError, match="supports frozen-backbone methods .*; mcd_dpo/x is not one"):
+    with pytest.raises(UserError, match="supports the heads on frozen backbone features .*; mcd_dpo/x is not one"):
         check_learner(object(), "mcd_dpo/x", ["random"])
 
     class NoDraws(FeatureHeadMethod):  # a frozen-backbone learner without model draws

@@ -127,11 +127,24 @@ def check_settings(task) -> list[str]:
 def check_learner(method, label: str, strategies: list[str]) -> None:
     """Refuse, before any work, a learner this task cannot retrain cheaply or that lacks the draws bald needs."""
     if not isinstance(method, FeatureHeadMethod):
-        raise UserError(f"task=active_learning retrains the learner every round and supports frozen-backbone "
-                        f"methods (ens_mlp, bay_lin); {label} is not one")
+        raise UserError(f"task=active_learning retrains the learner every round and supports the heads on frozen "
+                        f"backbone features ({', '.join(feature_head_methods())}); {label} is not one")
     if "bald" in strategies and type(method)._sample_features is FeatureHeadMethod._sample_features:
         raise UserError(f"task.strategies includes bald, which needs draws of the model; {label} has none "
-                        "(ENS-MLP and BAY-LIN have): drop bald or that run")
+                        f"({', '.join(feature_head_methods(with_draws=True))} have): drop bald or that run")
+
+
+def feature_head_methods(with_draws: bool = False) -> list[str]:
+    """The reward methods that are heads on frozen features (that give draws of the model: ``with_draws``)."""
+    from rewarduq_exp.methods.registry import method_class, method_names
+
+    out = []
+    for name in method_names():
+        cls = method_class(name)
+        if issubclass(cls, FeatureHeadMethod) and (not with_draws or
+                                                    cls._sample_features is not FeatureHeadMethod._sample_features):
+            out.append(name)
+    return out
 
 
 def _learner(run: WorldRun, cfg):
