@@ -19,10 +19,10 @@ PY := $(VENV)/bin/python
 # ignored as pip ignores it: a few files in the packages are not Python 3.11 (e.g. torch's py312_intrinsics.py).
 # A .venv that this recipe created and could not finish (no package index, say) is removed, so that nothing later
 # takes a half-installed .venv for a working one.
-# laplace-torch (the extra `laplace`) without torchvision, which it declares but never imports for our methods: PyPI's
-# torchvision does not load beside the local CPU build of torch ('operator torchvision::nms does not exist'), and
-# torchmetrics, a dependency of laplace-torch, imports it whenever it is installed. These are its other requirements.
-LAPLACE_DEPS := 'asdfghjkl==0.1a4' backpack-for-pytorch 'curvlinops-for-pytorch>=3.0.1' opt-einsum torchmetrics
+# laplace-torch (the extra `laplace`), with torch held at the local CPU build (its dependency backpack-for-pytorch
+# asks for torchvision, whose newest release would pull a CUDA torch), then without torchvision: laplace-torch never
+# imports it for our methods, PyPI's torchvision does not load beside the local CPU build ('operator torchvision::nms
+# does not exist'), and torchmetrics, which laplace-torch imports, imports torchvision whenever it is installed.
 
 $(VENV)/.installed: pyproject.toml setup.py
 	@created=; [ -d $(VENV) ] || created=1; \
@@ -31,8 +31,8 @@ $(VENV)/.installed: pyproject.toml setup.py
 	  $(PY) -m pip install --quiet --upgrade pip && \
 	  $(PY) -m pip install --quiet --no-compile torch==2.13.0 && \
 	  $(PY) -m pip install --quiet --no-compile -e '.[dev,wandb,slurm]' && \
-	  $(PY) -m pip install --quiet --no-compile --no-deps 'laplace-torch>=0.3' && \
-	  $(PY) -m pip install --quiet --no-compile $(LAPLACE_DEPS) && \
+	  $(PY) -m pip install --quiet --no-compile 'laplace-torch>=0.3' torch==2.13.0 && \
+	  $(PY) -m pip uninstall --quiet --yes torchvision && \
 	  { $(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true; } && \
 	  touch $@; } || { { set +x; } 2> /dev/null; [ -z "$$created" ] || rm -rf $(VENV); \
 	  echo "make setup failed (is the package index reachable?)$${created:+; the unfinished $(VENV) was removed}"; \
