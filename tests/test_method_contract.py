@@ -83,7 +83,8 @@ def test_load_follows_the_class_in_method_json(tmp_path):
 def test_the_learners_are_the_label_ranking_methods():
     from rewarduq_exp.methods.label_ranking import LEARNERS as REGISTRY
 
-    assert LEARNERS == sorted(REGISTRY) and METHODS == ["bay_lin", "borp", "ens_lora", "ens_mlp", "epinet", "mcd_dpo"]
+    assert LEARNERS == sorted(REGISTRY)
+    assert METHODS == ["bay_lin", "borp", "ens_lora", "ens_mlp", "epinet", "la_lora", "mcd_dpo"]
     for name in LEARNERS:
         cls = get_class(OmegaConf.load(ROOT / "conf" / "method" / f"{name}.yaml")._target_)
         assert cls is REGISTRY[name] and cls.task == "label_ranking" and cls.name == name

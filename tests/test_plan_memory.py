@@ -35,6 +35,7 @@ TINY = {
     "epinet": ["probe.batch_size=128", "method.batch_size=64", "method.num_index_samples=64",
                "method.epinet_hidden_dim=512"],
     "ens_lora": ["method.batch_size=64", "method.num_members=4", "method.score_batch_size=64"],
+    "la_lora": ["method.batch_size=64", "method.score_batch_size=64"],
     "mcd_dpo": ["method.batch_size=64", "method.micro_batch_size=64", "method.score_batch_size=64",
                 "method.num_samples=4"],
 }
@@ -42,6 +43,7 @@ SHAPE = {
     "ens_mlp": ["probe.batch_size=16", "method.batch_size=64"],
     "bay_lin": ["probe.batch_size=16", "method.batch_size=64"],
     "ens_lora": ["method.batch_size=4", "method.num_members=4", "method.score_batch_size=8"],
+    "la_lora": ["method.batch_size=4", "method.score_batch_size=8"],
     "mcd_dpo": ["method.batch_size=8", "method.micro_batch_size=8", "method.score_batch_size=8",
                 "method.num_samples=4"],
 }
@@ -216,8 +218,9 @@ def run_measurement(methods: list[str], cache: Path, shape: str | None = None, l
 
 # At the tiny widths (hidden 256, 4 heads) the plan counts ENS-LoRA's saved activations 25 % high (measured/planned
 # 0.80 with 1 layer, 0.69 with 4), against 0.93 at the Qwen3-0.6B shape: there the +-20 % check holds (slow test);
-# here the plan must be an upper bound within 25 %, so that the measurement is not a coin toss at the edge.
-LOW_TOLERANCE = {("ens_lora", "tiny-qwen3"): 0.25}
+# here the plan must be an upper bound within 25 %, so that the measurement is not a coin toss at the edge. LA-LoRA
+# trains one such member (its peak is training's: 0.81 measured).
+LOW_TOLERANCE = {("ens_lora", "tiny-qwen3"): 0.25, ("la_lora", "tiny-qwen3"): 0.25}
 
 
 def _check(result: dict) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from test_ens_mlp import separable_pairs
+from test_la_lora import la_lora_case
 
 from rewarduq_exp.core import job_signals, training_checkpoint
 from rewarduq_exp.core.training_checkpoint import Phase, TrainingCheckpoints
@@ -87,6 +88,7 @@ CASES = {
     "bay_lin": lambda backbone: _feature_head(BayLin, learning_rate=1e-2),
     "epinet": lambda backbone: _feature_head(Epinet, hidden_dim=8, index_dim=3, learning_rate=1e-2),
     "ens_lora": _ens_lora,
+    "la_lora": la_lora_case,
     "plackett_luce": lambda backbone: _ranking(PlackettLuceNet),
     "rank_classifier": lambda backbone: _ranking(RankClassifierNet),
 }
@@ -112,7 +114,7 @@ def _assert_same(state_a: dict, state_b: dict):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_run_stopped_by_sigterm_resumes_exactly(name, request, tmp_path, monkeypatch, caplog):
-    backbone = request.getfixturevalue("tiny_backbone") if name == "ens_lora" else None
+    backbone = request.getfixturevalue("tiny_backbone") if name.endswith("_lora") else None
     fit, state = CASES[name](backbone)
     torch.manual_seed(0)
     reference = fit()
