@@ -234,3 +234,19 @@ def test_command_line_run_and_plan(tmp_path, shared_cache):
                    shared_cache)
         assert re.search(rf"K-FAC factors \(float32\) +{factors}", proc.stdout), proc.stdout
         assert "expected peak per device" in proc.stdout and "decomposition:" in proc.stdout, proc.stdout
+
+
+@needs_laplace
+@pytest.mark.slow
+def test_two_processes_equal_one(tmp_path, tiny_backbone):
+    """Data-parallel training, the curvature summed over the processes' pairs (one all-reduce per factor), sharded
+    scoring: what one process gives (the smooth anchor, as tests/test_distributed.py's ENS-LoRA check)."""
+    from test_distributed import FORKED_RANKS, ONE, TOL, _assert_one_run_folder, _run, assert_same_predictions
+
+    settings = ("method=la_lora", "method.anchor=mean_squared", "method.lora_rank=4")
+    one = _run(tmp_path / "one", tiny_backbone, "la_lora", ONE, *settings)
+    two = _run(tmp_path / "two", tiny_backbone, "la_lora", FORKED_RANKS, *settings)
+    assert _assert_one_run_folder(two)["fit"]["processes"] == 2
+    assert_same_predictions(one, two, TOL)
+    fits = [json.loads((r / "model" / "method.json").read_text())["fit_summary"] for r in (one, two)]
+    assert fits[1]["prior_precision_used"] == pytest.approx(fits[0]["prior_precision_used"], rel=1e-4)

@@ -34,6 +34,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+import rewarduq_exp.methods.lora.adapters as adapters  # the module, not the package __init__
+import rewarduq_exp.methods.lora.texts as texts  # the module, not the package __init__
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.atomic_write import atomic_dir, atomic_path
 from rewarduq_exp.core.errors import UserError, one_line
@@ -42,7 +44,6 @@ from rewarduq_exp.core.progress import progress
 from rewarduq_exp.core.saved_files import check_safetensors, load_safetensors
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.methods.base import Scores, bradley_terry_nll
-from rewarduq_exp.methods.lora import adapters, texts
 from rewarduq_exp.methods.lora.body import fresh_head, member_seed
 from rewarduq_exp.methods.lora.kfac import KroneckerFactors, RowJacobians
 from rewarduq_exp.methods.lora.la_lora_memory import JACOBIAN_COPIES, laplace_tokens
@@ -193,7 +194,7 @@ class LaLoRA(LoRARewardMethod):
         pairs = np.arange(me, len(chosen), world)
         seqs = [chosen[i] for i in pairs] + [rejected[i] for i in pairs]
         rows = None if shared is None else np.concatenate([shared[0][pairs], shared[1][pairs]])
-        r = self._rewards(seqs, rows)
+        r = self._rewards(seqs, rows) if seqs else torch.zeros(0, dtype=torch.float64)   # fewer pairs than processes
         n = len(pairs)
         margin, weight = r[:n] - r[n:], weight_all[torch.as_tensor(pairs)].double()
         p = torch.sigmoid(margin)
@@ -204,7 +205,7 @@ class LaLoRA(LoRARewardMethod):
         for p_ in params:
             p_.requires_grad_(True)
         try:
-            for idx in progress(self._grad_passes(seqs, jacobians=False), desc=f"{self.name} curvature",
+            for idx in progress(self._grad_passes(seqs, jacobians=False) if seqs else [], desc=f"{self.name} curvature",
                                 unit="batches", show=self.show_progress, quiet=not distributed.is_main()):
                 ids, mask = self._pad([seqs[j] for j in idx])
                 with torch.enable_grad(), factors.recording(mask):

@@ -30,6 +30,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+import rewarduq_exp.methods.lora.body as body  # the module, not the package __init__
+import rewarduq_exp.methods.lora.texts as texts  # the module, not the package __init__
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.checks import check_auto_flag, check_positive
 from rewarduq_exp.core.errors import UserError
@@ -41,7 +43,6 @@ from rewarduq_exp.methods.base import (
     run_training,
     write_method_info,
 )
-from rewarduq_exp.methods.lora import body, texts
 from rewarduq_exp.methods.lora.memory import choose_training
 from rewarduq_exp.methods.lora.steps import ANCHORS, anchor_value, sum_over_processes
 from rewarduq_exp.models.backbone import resolve_device
