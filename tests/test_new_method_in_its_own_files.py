@@ -19,24 +19,32 @@ from conftest import ROOT
 TOY_MODULE = '''
 """A throwaway method for the test: a linear reward head, u = |r| / 10 + 0.1 (made up)."""
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from rewarduq_exp.methods.base import FeatureHeadMethod, TrainingSchedule, bradley_terry_nll, weighted_mean
+from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
+from rewarduq_exp.methods.settings import FeatureHeadSettings, positive, setting
 from rewarduq_exp.models.memory_plan import HeadMemory
+
+
+@dataclass(kw_only=True)
+class ToyHeadSettings(FeatureHeadSettings, config="toy_head"):
+    """Defaults: conf/method/toy_head.yaml."""
+
+    learning_rate: float = setting(check=positive(), doc="AdamW's peak learning rate")
+    beta: float = setting(check=positive(cast=float), doc="bounds reward +- beta * u")
+    batch_size: int = setting(check=positive(integer=True), doc="pairs per step")
 
 
 class ToyHead(FeatureHeadMethod):
     name = "toy_head"
+    settings_class = ToyHeadSettings
 
-    def __init__(self, learning_rate: float = 1e-2, beta: float = 1.0, batch_size: int = 32, **common):
-        super().__init__(**common)
-        self.beta = float(beta)
-        self.schedule = TrainingSchedule(learning_rate, batch_size)
+    def __init__(self, encoder=None, **values):
+        super().__init__(encoder, **values)
         self.head = None
-
-    def hyperparameters(self):
-        return {"beta": self.beta, **vars(self.schedule), "seed": self.seed}
 
     @classmethod
     def head_memory(cls, ctx, feature_dim, batch):

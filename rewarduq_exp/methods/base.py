@@ -12,7 +12,6 @@ in it is imported or called), and a missing or damaged file is one line naming i
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
@@ -28,11 +27,12 @@ import torch.nn.functional as F
 
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
-from rewarduq_exp.core.checks import check_adam_betas, check_choice, check_max_grad_norm, check_positive
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.progress import progress
 from rewarduq_exp.core.saved_files import load_safetensors, read_json_object
 from rewarduq_exp.core.strict_json import dumps_json, nulls_to_nan
+from rewarduq_exp.methods.schedule import LR_SCHEDULES, TrainingSchedule  # noqa: F401  (importable from here too)
+from rewarduq_exp.methods.settings import FeatureHeadSettings, LabelRankingSettings, MethodSettings
 from rewarduq_exp.models.backbone import resolve_device
 
 log = logging.getLogger("rewarduq_exp")
@@ -69,37 +69,6 @@ class Scores:
         return Scores(self.reward[index], self.u[index], self.beta)
 
 
-
-
-LR_SCHEDULES = ("cosine", "constant")
-
-
-@dataclass
-class TrainingSchedule:
-    """AdamW with a cosine schedule and linear warm-up (RewardUQ Appendix B.2), gradients clipped to a total L2 norm
-    of ``max_grad_norm`` before each step (None: no clipping). The authors trained every method with the Hugging Face
-    Trainer, which clips at 1.0 by default, so Table 1's values were tuned with clipping at 1.0."""
-
-    learning_rate: float
-    batch_size: int = 64
-    num_epochs: float = 1.0
-    warmup_ratio: float = 0.05
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-    lr_schedule: str = "cosine"     # or "constant" (the label-ranking learners: plain Adam, appendix C)
-
-    def validate(self, prefix: str = "method") -> None:
-        check_positive(self.learning_rate, f"{prefix}.learning_rate")
-        check_choice(f"{prefix}.lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        check_positive(self.batch_size, f"{prefix}.batch_size", integer=True, minimum=1, inclusive=True)
-        check_positive(self.num_epochs, f"{prefix}.num_epochs")
-        if not 0 <= self.warmup_ratio < 1:
-            raise UserError(f"{prefix}.warmup_ratio={self.warmup_ratio} is invalid: must be in [0, 1)")
-        check_positive(self.weight_decay, f"{prefix}.weight_decay", inclusive=True)
-        check_max_grad_norm(self.max_grad_norm, f"{prefix}.max_grad_norm")
-        check_adam_betas(self.adam_betas, f"{prefix}.adam_betas")
 
 
 def cosine_schedule_with_warmup(optimizer, warmup_steps: int, total_steps: int):
@@ -175,26 +144,10 @@ def feature_dim_bound(info: dict, directory):
     return d, f"feature_dim={d} in method.json"
 
 
-# Constructor settings that change how a method runs, not what it learned or the numbers it gives (within float
-# tolerance); they are not saved in method.json and come from the caller when a saved method is rebuilt.
-# (micro_batch_size, which gives the same step whatever it is, stays saved: run folders written before it became
-# "auto" hold it, and loading refuses a saved setting that is not one.)
-RUNTIME_SETTINGS = frozenset({"encoder", "device", "show_progress", "log_every", "score_batch_size",
-                              "score_batch_tokens", "gradient_checkpointing", "mixed_adapter_training",
-                              "mixed_adapter_scoring", "logprob_chunk", "num_threads", "n_jobs"})
-
-
 def constructor_settings(cls) -> set[str]:
-    """The keyword arguments ``cls(...)`` accepts, following ``**kwargs`` up to the base classes."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if "__init__" not in vars(klass):
-            continue
-        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
-        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            break
-    return names
+    """The keyword arguments ``cls(...)`` accepts: the fields of its settings class (:attr:`Method.settings_class`),
+    and ``encoder`` for a reward model (the backbone, which comes from the caller)."""
+    return set(cls.settings_class.names()) | ({"encoder"} if issubclass(cls, RewardMethod) else set())
 
 
 def load_method(directory: str | os.PathLike, *, encoder=None, **runtime) -> Method:
@@ -253,10 +206,17 @@ class Method(ABC):
     """What every method offers the runner, ``evaluate.py`` and the Python API: the reward models, BoRP and the
     label-ranking learners alike.
 
-    * It is built from ``conf/method/<name>.yaml`` with its hyperparameters, ``seed`` included.
+    * It is built from ``conf/method/<name>.yaml`` with its hyperparameters, ``seed`` included: the fields of its
+      settings dataclass (``settings_class``, :mod:`rewarduq_exp.methods.settings`: defaults from that YAML, each
+      field checked, the runtime-only ones flagged). The constructor takes them as keywords and keeps the checked
+      settings as ``self.settings``; to keep the methods' code short, each field is also copied onto the instance
+      (``self.num_heads``; not where the class has a method of that name, such as BoRP's ``baselines()``), and a
+      method replaces the copies it derives something from (``self.device``: the resolved device; a scoring batch
+      of ``auto``: None).
     * ``fit(...)`` trains it and returns the method itself, with ``fit_summary`` (what the run reports) and
       ``history`` (the training log) filled in.
-    * ``hyperparameters()`` is what rebuilds it; ``save(dir)`` writes them to ``method.json`` beside what was trained,
+    * ``hyperparameters()`` is what rebuilds it (the settings that are not runtime-only, plus what :meth:`records`
+      adds beside them); ``save(dir)`` writes them to ``method.json`` beside what was trained,
       in formats that load without executing code (safetensors, ``.npz`` read with ``allow_pickle=False``, JSON;
       scikit-learn estimators through skops with a fixed list of trusted types), and ``load(dir)`` reads it back into
       a constructed method. :func:`load_method` rebuilds one from the folder alone.
@@ -266,15 +226,30 @@ class Method(ABC):
 
     name = "method"
     task = "preferences"            # what it trains on: preferences (pairs), pointwise (BoRP) or label_ranking
+    settings_class: type[MethodSettings] = MethodSettings
     fit_summary: dict
     history: list
+
+    def __init__(self, **values):
+        self.settings = self.settings_class.build(values)
+        for name in self.settings.names():
+            if not callable(getattr(type(self), name, None)):   # BoRP's baselines() keeps its name
+                setattr(self, name, getattr(self.settings, name))
+        self.history: list[dict] = []
+        self.fit_summary: dict = {}
 
     @abstractmethod
     def fit(self, *data) -> Method: ...
 
-    @abstractmethod
     def hyperparameters(self) -> dict:
-        """The configuration that rebuilds this method (saved beside what it learned)."""
+        """The configuration that rebuilds this method (saved beside what it learned): its settings that are not
+        runtime-only, and :meth:`records`."""
+        return {**self.settings.saved(), **self.records()}
+
+    def records(self) -> dict:
+        """What ``method.json`` records beside the settings (never passed back to the constructor): values derived
+        from them, such as the schedule's ``lr_schedule`` or the head initialisation a run used."""
+        return {}
 
     @abstractmethod
     def save(self, directory: str | os.PathLike) -> None: ...
@@ -299,6 +274,10 @@ class RewardMethod(Method):
     #                                 otherwise it runs the backbone itself, per row (ENS-LoRA, MCD-DPO)
     fine_tunes_backbone = False     # trains (adapters of) the backbone, not only a head on its features
     uses_eval_set = False           # fit(train, eval) reads eval (the runner passes the first pairwise eval set)
+
+    def __init__(self, encoder=None, **values):
+        self.encoder = encoder
+        super().__init__(**values)
 
     @abstractmethod
     def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> RewardMethod: ...  # noqa: A002
@@ -332,14 +311,11 @@ class LabelRankingMethod(Method):
     (RPC's trees) add their own file."""
 
     task = "label_ranking"
+    settings_class = LabelRankingSettings
 
-    def __init__(self, seed: int = 0, show_progress: bool = False, log_every: int = 10):
-        self.seed = int(seed)
-        self.show_progress = bool(show_progress)
-        self.log_every = int(log_every)
+    def __init__(self, **values):
+        super().__init__(**values)
         self.m: int | None = None
-        self.fit_summary: dict = {}
-        self.history: list[dict] = []
 
     @abstractmethod
     def fit(self, X, ranks) -> LabelRankingMethod: ...
@@ -412,28 +388,27 @@ class LabelRankingMethod(Method):
 
 
 class FeatureHeadMethod(RewardMethod):
-    """A head trained on frozen backbone features read through the shared :class:`FeatureEncoder`."""
+    """A head trained on frozen backbone features read through the shared :class:`FeatureEncoder`. Its settings
+    subclass :class:`~rewarduq_exp.methods.settings.FeatureHeadSettings` and hold the fields of its training schedule
+    (``learning_rate`` at least; :class:`~rewarduq_exp.methods.settings.AdamWSettings` has them all)."""
 
     name = "feature_head"
     uses_feature_cache = True
     uses_eval_set = True            # reports the eval set's Bradley-Terry loss and win rate in the fit summary
 
-    def __init__(self, encoder=None, seed: int = 0, device: str = "auto", score_batch_size: int = 4096,
-                 show_progress: bool = True, log_every: int = 10):
-        self.encoder = encoder
-        self.seed = int(seed)
-        self.device = resolve_device(device)
-        self.score_batch_size = int(score_batch_size)
-        self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
-        self.log_every = int(log_every)
-        self.history: list[dict] = []
-        self.fit_summary: dict = {}
+    settings_class = FeatureHeadSettings
+
+    def __init__(self, encoder=None, **values):
+        super().__init__(encoder, **values)
+        self.device = resolve_device(self.settings.device)
+        self.show_progress = self.settings.show_progress and not os.environ.get("TQDM_DISABLE")
+        # every head trains by run_training: its schedule from the settings' learning_rate, batch_size, ...
+        self.schedule = TrainingSchedule.of(self.settings)
+
+    def records(self) -> dict:
+        return {"lr_schedule": self.schedule.lr_schedule}
 
     # ------------------------------------------------------------------ subclass hooks
-    @abstractmethod
-    def hyperparameters(self) -> dict:
-        """The configuration that rebuilds this method (saved beside the weights)."""
-
     @abstractmethod
     def _build(self, feature_dim: int) -> None:
         """Create the trainable parts for features of size ``feature_dim``."""

@@ -43,18 +43,23 @@ rank 0 fits on all cached features and broadcasts the head and H, see FeatureHea
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rewarduq_exp.core.checks import check_choice, check_integer, check_positive
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.methods.base import (
-    FeatureHeadMethod,
-    TrainingSchedule,
-    bradley_terry_nll,
-    weighted_mean,
+from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
+from rewarduq_exp.methods.settings import (
+    AdamWSettings,
+    FeatureHeadSettings,
+    cast,
+    listed,
+    one_of,
+    positive,
+    setting,
+    whole,
 )
 
 HESSIAN_MODES = ("unweighted", "weighted")
@@ -84,41 +89,39 @@ def quadratic_form_sqrt(cholesky_lower: torch.Tensor, z: torch.Tensor) -> torch.
     return v.pow(2).sum(0).sqrt()
 
 
+@dataclass(kw_only=True)
+class BayLinSettings(FeatureHeadSettings, AdamWSettings, config="bay_lin"):
+    """Defaults and comments: ``conf/method/bay_lin.yaml``."""
+
+    reg_lambda: float = setting(check=positive(), doc="lambda: L2 of the MAP fit, prior precision (> 0: H must be "
+                                                      "positive definite)")
+    beta: float = setting(check=positive(), doc="bounds reward +- beta * u")
+    hessian: str = setting(check=listed(HESSIAN_MODES), doc="unweighted (paper) | weighted (BT curvature per pair)")
+    center_features: bool = setting(check=cast(bool), doc="u at z - mean(z_train) (ablation)")
+    prior_precision: str = setting(check=one_of(PRIOR_PRECISION_MODES), doc="fixed | marglik")
+    marglik_refits: int = setting(check=whole(0, 100), doc="marglik: rounds of refitting theta and lambda")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.marglik_refits and self.prior_precision != "marglik":
+            raise UserError(f"method.marglik_refits={self.marglik_refits} needs method.prior_precision=marglik "
+                            f"(with prior_precision={self.prior_precision} lambda is reg_lambda and nothing is "
+                            "refitted)")
+
+
 class BayLin(FeatureHeadMethod):
     name = "bay_lin"
     POSTERIOR_SAMPLES = 64  # Laplace posterior draws for disagreement-based acquisition (BALD)
 
-    def __init__(self, learning_rate: float = 1e-2, reg_lambda: float = 1e-2, beta: float = 0.5,
-                 hessian: str = "unweighted", center_features: bool = False, prior_precision: str = "fixed",
-                 marglik_refits: int = 0, batch_size: int = 64, num_epochs: float = 1.0,
-                 warmup_ratio: float = 0.05, weight_decay: float = 0.0, adam_betas=(0.9, 0.999),
-                 adam_eps: float = 1e-8, max_grad_norm: float | None = 1.0, **common):
-        super().__init__(**common)
-        self.reg_lambda = check_positive(reg_lambda, "method.reg_lambda")  # > 0: H must be positive definite
-        self.beta = check_positive(beta, "method.beta")
-        if hessian not in HESSIAN_MODES:
-            raise UserError(f"method.hessian={hessian!r} is invalid; allowed: {', '.join(HESSIAN_MODES)}")
-        self.hessian = hessian
-        self.center_features = bool(center_features)
-        self.prior_precision = check_choice("method.prior_precision", prior_precision, PRIOR_PRECISION_MODES)
-        self.marglik_refits = check_integer("method.marglik_refits", marglik_refits, 0, 100)
-        if self.marglik_refits and self.prior_precision != "marglik":
-            raise UserError(f"method.marglik_refits={marglik_refits} needs method.prior_precision=marglik "
-                            f"(with prior_precision={prior_precision} lambda is reg_lambda and nothing is refitted)")
-        self.schedule = TrainingSchedule(learning_rate, batch_size, num_epochs, warmup_ratio, weight_decay,
-                                         tuple(adam_betas), adam_eps, max_grad_norm)
-        self.schedule.validate()
+    settings_class = BayLinSettings
+
+    def __init__(self, encoder=None, **values):
+        super().__init__(encoder, **values)
         self.head: nn.Linear | None = None
         self.precision: torch.Tensor | None = None
         self.cholesky: torch.Tensor | None = None
         self.feature_mean: torch.Tensor | None = None
         self.laplace_summary: dict = {}   # prior_precision=marglik: the fitted lambda and evidence (fit_summary)
-
-    def hyperparameters(self) -> dict:
-        return {"reg_lambda": self.reg_lambda, "beta": self.beta, "hessian": self.hessian,
-                "center_features": self.center_features, "prior_precision": self.prior_precision,
-                "marglik_refits": self.marglik_refits, **vars(self.schedule),
-                "seed": self.seed}
 
     def _build(self, feature_dim: int) -> None:
         with torch.random.fork_rng(devices=[]):

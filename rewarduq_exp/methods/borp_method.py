@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from rewarduq_exp.core.checks import check_choice
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.hashing import stable_hash
 from rewarduq_exp.methods.base import RewardMethod, Scores, read_method_info, saved_size, write_method_info
@@ -37,6 +37,7 @@ from rewarduq_exp.methods.borp import (
     render_prefixes,
 )
 from rewarduq_exp.methods.score_judge import JUDGE_SCALE, JUDGE_SCORINGS, ScoreOnlyJudge, judge_instruction
+from rewarduq_exp.methods.settings import MethodSettings, cast, one_of, setting
 
 PROBE_KIND = "borp_contrastive"
 RUBRIC = "{rubric}"
@@ -71,6 +72,43 @@ def prompt_groups(prompts) -> np.ndarray:
     return pd.factorize(pd.Series(keys))[0]
 
 
+def _beta(value, key):
+    if not float(value) > 0:
+        raise UserError(f"{key}={value} is invalid: must be a number > 0")
+    return float(value)
+
+
+@dataclass(kw_only=True)
+class BorpSettings(MethodSettings, config="borp"):
+    """Defaults and comments: ``conf/method/borp.yaml``. The probe's own settings are checked by
+    :class:`~rewarduq_exp.methods.borp.BorpProbe` (its messages)."""
+
+    regressor: str = setting(doc="pls | pca")
+    n_components: int | None = setting(doc="null: chosen by cross-validation")
+    cv_folds: int = setting(check=cast(int), doc="folds of the cross-validation")
+    extra_features: bool = setting(check=cast(bool), doc="append ||d|| and the distance to the centroid")
+    resample: bool = setting(check=cast(bool), doc="geometric resampling of the training set")
+    resample_power: float = setting(check=cast(float), doc="0: no change .. 1: flat histogram")
+    score_range: list = setting(check=cast(lambda v: [float(x) for x in v], "a list of numbers"),
+                               doc="[low, high] of the ratings")
+    beta: float = setting(check=_beta, doc="bounds score +- beta * u")
+    baselines: bool = setting(check=cast(bool), doc="also score with the judge and a mean-pooled ridge")
+    judge_scoring: str = setting(check=one_of(JUDGE_SCORINGS), doc="digit | expected")
+    seed: int = setting(default=0, check=cast(int), doc="cross-validation folds, resampling")
+    device: str = setting(default="auto", runtime=True, doc="auto | cpu | cuda | cuda:<i>")
+    show_progress: bool = setting(default=True, runtime=True, doc="progress bars")
+
+    def probe_settings(self) -> dict:
+        """The keywords of :class:`~rewarduq_exp.methods.borp.BorpProbe` these settings give."""
+        return {"regressor": self.regressor, "n_components": self.n_components, "cv_folds": self.cv_folds,
+                "extra_features": self.extra_features, "resample": self.resample,
+                "resample_power": self.resample_power, "score_range": tuple(self.score_range), "seed": self.seed}
+
+    def validate(self) -> None:
+        super().validate()
+        BorpProbe(**self.probe_settings())  # its one-line errors, before any data or model
+
+
 class BorpMethod(RewardMethod):
     name = "borp"
     task = "pointwise"               # trains on rated responses (prompt, response, score)
@@ -79,35 +117,18 @@ class BorpMethod(RewardMethod):
     # backbone once, and under torchrun the processes split that work.
     uses_feature_cache = True
 
-    def __init__(self, encoder=None, regressor: str = "pls", n_components: int | None = None, cv_folds: int = 5,
-                 extra_features: bool = True, resample: bool = True, resample_power: float = 0.5,
-                 score_range=(1.0, 5.0), beta: float = 1.0, baselines: bool = True, judge_scoring: str = "digit",
-                 seed: int = 0,
-                 device: str = "auto", show_progress: bool = True):
-        self.encoder = encoder
-        self.settings = {"regressor": regressor, "n_components": n_components, "cv_folds": int(cv_folds),
-                         "extra_features": bool(extra_features), "resample": bool(resample),
-                         "resample_power": float(resample_power),
-                         "score_range": tuple(float(v) for v in score_range), "seed": int(seed)}
-        BorpProbe(**self.settings)  # validates the settings (one-line errors) before any data or model
-        if not float(beta) > 0:
-            raise UserError(f"method.beta={beta} is invalid: must be a number > 0")
-        self.beta = float(beta)
-        self.use_baselines = bool(baselines)
-        self.judge_scoring = check_choice("method.judge_scoring", judge_scoring, JUDGE_SCORINGS)
-        self.device, self.show_progress = device, show_progress and not os.environ.get("TQDM_DISABLE")
+    settings_class = BorpSettings
+
+    def __init__(self, encoder=None, **values):
+        super().__init__(encoder, **values)
+        self.use_baselines = self.settings.baselines
+        self.show_progress = self.settings.show_progress and not os.environ.get("TQDM_DISABLE")
         self.probe: BorpProbe | None = None
         self._num_layers: int | None = None
-        self.history: list[dict] = []
-        self.fit_summary: dict = {}
         self._extractor = None
         self._ridge: MeanPoolRidge | None = None
         self._length_ridge: RidgeBaseline | None = None
         self._judge = None
-
-    def hyperparameters(self) -> dict:
-        return {**self.settings, "score_range": list(self.settings["score_range"]), "beta": self.beta,
-                "baselines": self.use_baselines, "judge_scoring": self.judge_scoring}
 
     # ------------------------------------------------------------------ the probe config and the backbone
     def _probe_cfg(self):
@@ -241,8 +262,8 @@ class BorpMethod(RewardMethod):
         return length_covariates(self.response_lengths(responses))
 
     def _ridge_baseline(self, inputs: str) -> RidgeBaseline:
-        return RidgeBaseline(score_range=self.settings["score_range"], cv_folds=self.settings["cv_folds"],
-                             seed=self.settings["seed"], inputs=inputs)
+        return RidgeBaseline(score_range=tuple(self.settings.score_range), cv_folds=self.cv_folds,
+                             seed=self.seed, inputs=inputs)
 
     # ------------------------------------------------------------------ contract
     def fit(self, train: pd.DataFrame, eval: pd.DataFrame | None = None) -> BorpMethod:  # noqa: A002
@@ -253,7 +274,7 @@ class BorpMethod(RewardMethod):
         final, intermediate = self.layers()
         features = self.features(train["prompt"], train["response"])
         t_features = time.perf_counter() - t0
-        self.probe = BorpProbe(final_layer=final, intermediate_layer=intermediate, **self.settings)
+        self.probe = BorpProbe(final_layer=final, intermediate_layer=intermediate, **self.settings.probe_settings())
         # Folds grouped by prompt: responses to one prompt share its level (HelpSteer2: ~2 per prompt). Data whose
         # prompt is a template says what belongs together itself (vader_ratings: the sentences of one article).
         groups = (pd.factorize(train[CV_GROUP].astype(str))[0] if CV_GROUP in train.columns
@@ -295,7 +316,7 @@ class BorpMethod(RewardMethod):
         rubrics = [str(r).strip() for r in (cfg.get("rubrics") or [])]
         basis = (str(cfg.rubric_instruction).replace(RUBRIC, "\n\n".join(rubrics)) if rubrics
                  else str(cfg.instruction))
-        low, high = (int(round(v)) for v in self.settings["score_range"])
+        low, high = (int(round(v)) for v in self.settings.score_range)
         return judge_instruction(basis, low=low, high=high, negative=str(cfg.negative), positive=str(cfg.positive),
                                  scale=str(cfg.get("judge_scale") or JUDGE_SCALE))
 
@@ -310,7 +331,7 @@ class BorpMethod(RewardMethod):
         if not self.use_baselines:
             return out
         if self._judge is None:  # the causal LM is loaded once per run, and only if a judgment is not cached
-            low, high = (int(round(v)) for v in self.settings["score_range"])
+            low, high = (int(round(v)) for v in self.settings.score_range)
             self._judge = ScoreOnlyJudge.from_backbone(
                 self.encoder.backbone, self.judge_instruction(), scores=[str(v) for v in range(low, high + 1)],
                 batch_size=int(self._probe_cfg().batch_size), think=str(self._probe_cfg().think))

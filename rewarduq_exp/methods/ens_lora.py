@@ -31,6 +31,7 @@ reward = mean over members, u = unbiased std over members, bounds reward ± beta
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,6 @@ from torch import nn
 
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.atomic_write import atomic_dir, atomic_path
-from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.payload_bounds import MAX_FEATURE_DIM, AtMost, Expected
 from rewarduq_exp.core.progress import progress
@@ -50,33 +50,44 @@ from rewarduq_exp.methods.base import Scores, bradley_terry_nll
 from rewarduq_exp.methods.lora import adapters
 from rewarduq_exp.methods.lora.body import fresh_head, member_seed
 from rewarduq_exp.methods.lora.memory import mixed_setting
-from rewarduq_exp.methods.lora.method import LoRARewardMethod
+from rewarduq_exp.methods.lora.method import LoRARewardMethod, LoRASettings
+from rewarduq_exp.methods.settings import auto_flag, positive, setting
 from rewarduq_exp.models.multi_lora import MultiLoRAModel, from_peft, quiet_peft
 
 __all__ = ["EnsLoRA", "member_seed"]
+
+
+@dataclass(kw_only=True)
+class EnsLoRASettings(LoRASettings, config="ens_lora"):
+    """Defaults and comments: ``conf/method/ens_lora.yaml``."""
+
+    num_members: int = setting(check=positive(cast=int, integer=True, minimum=2, inclusive=True), doc="K")
+    mixed_adapter_training: bool | str = setting(runtime=True, check=auto_flag, doc="all members in one batched "
+                                                                                  "forward in training")
+    mixed_adapter_scoring: bool | str = setting(runtime=True, check=auto_flag, doc="... and in scoring")
 
 
 class EnsLoRA(LoRARewardMethod):
     name = "ens_lora"
     label = "ENS-LoRA"
 
-    def __init__(self, encoder=None, num_members: int = 8, mixed_adapter_training="auto",
-                 mixed_adapter_scoring="auto", **settings):
-        """``settings``: those of every LoRA reward model (:class:`~rewarduq_exp.methods.lora.method.
-        LoRARewardMethod`: rank, alpha, learning rate, anchor, batches, device, ...)."""
-        self.num_members = int(check_positive(num_members, "method.num_members", integer=True, minimum=2,
-                                              inclusive=True))
-        super().__init__(encoder, **settings)
+    settings_class = EnsLoRASettings
+
+    def __init__(self, encoder=None, **values):
+        """``values``: the settings (:class:`EnsLoRASettings`; those of every LoRA reward model: rank, alpha,
+        learning rate, anchor, batches, device, ...)."""
+        super().__init__(encoder, **values)
         # auto = all members in one batched forward, on every device: it runs the FLOPs of K passes in larger GEMMs
         # and saves K-1 launches of every other op (in training also K-1 backward passes). scripts/bench_lora.py on a
         # 2-core CPU (K=8, the tiny Qwen3, batches of 16 texts or pairs): scoring 1.04-1.38x and training 1.57-1.84x
         # with the default 2 threads; on one thread training 1.09x but scoring 0.74-0.82x at 128 rows a forward (the
         # body's elementwise ops fall out of the cache; 1.63x at 32 rows). Memory is the micro-batch's business: a
         # batched micro-batch of m pairs holds what one member's pass of K x m pairs holds (the token budget).
-        self.mixed_adapter_training = mixed_setting(mixed_adapter_training, "method.mixed_adapter_training")
+        training = self.settings.mixed_adapter_training
+        self.mixed_adapter_training = mixed_setting(training, "method.mixed_adapter_training")
         # auto also falls back to one member per pass where K members of one pair do not fit even checkpointed
-        self._mixed_training_auto = mixed_adapter_training == "auto"
-        self.mixed_adapter_scoring = mixed_setting(mixed_adapter_scoring, "method.mixed_adapter_scoring")
+        self._mixed_training_auto = training == "auto"
+        self.mixed_adapter_scoring = mixed_setting(self.settings.mixed_adapter_scoring, "method.mixed_adapter_scoring")
         self.model: MultiLoRAModel | None = None  # the frozen body with the K members' stacked LoRA weights
 
     @classmethod
@@ -88,9 +99,6 @@ class EnsLoRA(LoRARewardMethod):
     @property
     def member_names(self) -> list[str]:
         return [f"m{k}" for k in range(self.num_members)]
-
-    def hyperparameters(self) -> dict:
-        return {"num_members": self.num_members, **self._lora_hyperparameters()}
 
     def _summary_members(self) -> dict:
         return {"num_members": self.num_members}

@@ -14,18 +14,14 @@ reward = mean over heads, u = unbiased standard deviation over heads, bounds rew
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.methods.base import (
-    FeatureHeadMethod,
-    TrainingSchedule,
-    bradley_terry_nll,
-    weighted_mean,
-)
+from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
+from rewarduq_exp.methods.settings import AdamWSettings, FeatureHeadSettings, positive, setting
 
 
 class BatchedMLPHeads(nn.Module):
@@ -69,34 +65,27 @@ class BatchedMLPHeads(nn.Module):
         return torch.bmm(h, self.weights[-1]).squeeze(-1)
 
 
+@dataclass(kw_only=True)
+class EnsMLPSettings(FeatureHeadSettings, AdamWSettings, config="ens_mlp"):
+    """Defaults and comments: ``conf/method/ens_mlp.yaml``."""
+
+    num_heads: int = setting(check=positive(integer=True, minimum=2, inclusive=True), doc="K")
+    hidden_dim: int = setting(check=positive(integer=True, minimum=1, inclusive=True))
+    num_hidden_layers: int = setting(check=positive(integer=True, minimum=1, inclusive=True))
+    init_gain: float = setting(check=positive(), doc="Xavier-uniform gain")
+    reg_lambda: float = setting(check=positive(inclusive=True), doc="lambda: anchor to the initial parameters")
+    center_gamma: float = setting(check=positive(inclusive=True), doc="gamma: mean (r_c + r_r)^2")
+    beta: float = setting(check=positive(), doc="bounds reward +- beta * u")
+
+
 class EnsMLP(FeatureHeadMethod):
     name = "ens_mlp"
+    settings_class = EnsMLPSettings
 
-    def __init__(self, num_heads: int = 20, hidden_dim: int = 128, num_hidden_layers: int = 2, init_gain: float = 1.0,
-                 learning_rate: float = 1e-3, reg_lambda: float = 0.1, center_gamma: float = 0.01,
-                 beta: float = 2.0, batch_size: int = 64, num_epochs: float = 1.0, warmup_ratio: float = 0.05,
-                 weight_decay: float = 0.0, adam_betas=(0.9, 0.999), adam_eps: float = 1e-8,
-                 max_grad_norm: float | None = 1.0, **common):
-        super().__init__(**common)
-        self.num_heads = check_positive(num_heads, "method.num_heads", integer=True, minimum=2, inclusive=True)
-        self.hidden_dim = check_positive(hidden_dim, "method.hidden_dim", integer=True, minimum=1, inclusive=True)
-        self.num_hidden_layers = check_positive(num_hidden_layers, "method.num_hidden_layers", integer=True,
-                                                minimum=1, inclusive=True)
-        self.init_gain = check_positive(init_gain, "method.init_gain")
-        self.reg_lambda = check_positive(reg_lambda, "method.reg_lambda", inclusive=True)
-        self.center_gamma = check_positive(center_gamma, "method.center_gamma", inclusive=True)
-        self.beta = check_positive(beta, "method.beta")
-        self.schedule = TrainingSchedule(learning_rate, batch_size, num_epochs, warmup_ratio, weight_decay,
-                                         tuple(adam_betas), adam_eps, max_grad_norm)
-        self.schedule.validate()
+    def __init__(self, encoder=None, **values):
+        super().__init__(encoder, **values)
         self.heads: BatchedMLPHeads | None = None
         self.initial: list[torch.Tensor] = []
-
-    def hyperparameters(self) -> dict:
-        return {"num_heads": self.num_heads, "hidden_dim": self.hidden_dim,
-                "num_hidden_layers": self.num_hidden_layers, "init_gain": self.init_gain,
-                "reg_lambda": self.reg_lambda, "center_gamma": self.center_gamma, "beta": self.beta,
-                **vars(self.schedule), "seed": self.seed}
 
     @classmethod
     def head_memory(cls, ctx, feature_dim: int, batch: int):

@@ -46,15 +46,15 @@ also the draws BALD acquisition reads.
 
 from __future__ import annotations
 
-import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from rewarduq_exp.core.checks import check_choice, check_integer, check_positive
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.methods.base import FeatureHeadMethod, TrainingSchedule, bradley_terry_nll, weighted_mean
+from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
+from rewarduq_exp.methods.settings import AdamWSettings, FeatureHeadSettings, one_of, positive, setting, whole
 
 INDEX_DISTRIBUTIONS = ("gaussian", "sphere", "one_hot")
 EPINET_INPUTS = ("features_and_hidden", "hidden")   # x~ = [z, phi(z)] | phi(z)
@@ -128,49 +128,39 @@ class EpinetHead(nn.Module):
         return mu[None] + sigma_learn + prior_scale * (xi @ prior)                 # + h(x~)^T xi
 
 
-class Epinet(FeatureHeadMethod):
-    name = "epinet"
+@dataclass(kw_only=True)
+class EpinetSettings(FeatureHeadSettings, AdamWSettings, config="epinet"):
+    """Defaults and comments: ``conf/method/epinet.yaml``."""
 
-    def __init__(self, hidden_dim: int = 128, num_hidden_layers: int = 2, index_dim: int = 8,
-                 index_distribution: str = "gaussian", epinet_hidden_dim: int = 64, epinet_num_hidden_layers: int = 2,
-                 prior_hidden_dim: int = 16, prior_scale: float = 1.0, epinet_input: str = "features_and_hidden",
-                 num_index_samples: int = 8, num_eval_indices: int = 64, learning_rate: float = 1e-3,
-                 reg_lambda: float = 0.1, center_gamma: float = 0.01, beta: float = 0.4, batch_size: int = 64,
-                 num_epochs: float = 1.0, warmup_ratio: float = 0.05, weight_decay: float = 0.0,
-                 adam_betas=(0.9, 0.999), adam_eps: float = 1e-8, max_grad_norm: float | None = 1.0, **common):
-        super().__init__(**common)
-        self.hidden_dim = check_integer("method.hidden_dim", hidden_dim, 1, 65_536)
-        self.num_hidden_layers = check_integer("method.num_hidden_layers", num_hidden_layers, 1, 256)
-        self.index_dim = check_integer("method.index_dim", index_dim, 1, MAX_INDEX_DIM)
-        self.index_distribution = check_choice("method.index_distribution", index_distribution, INDEX_DISTRIBUTIONS)
-        self.epinet_hidden_dim = check_integer("method.epinet_hidden_dim", epinet_hidden_dim, 1, 65_536)
-        self.epinet_num_hidden_layers = check_integer("method.epinet_num_hidden_layers", epinet_num_hidden_layers,
-                                                      1, 256)
-        self.prior_hidden_dim = check_integer("method.prior_hidden_dim", prior_hidden_dim, 1, 65_536)
-        self.prior_scale = check_positive(prior_scale, "method.prior_scale", inclusive=True)  # 0: no prior (ablation)
-        self.epinet_input = check_choice("method.epinet_input", epinet_input, EPINET_INPUTS)
-        self.num_index_samples = check_integer("method.num_index_samples", num_index_samples, 1, MAX_INDEX_DRAWS)
-        self.num_eval_indices = check_integer("method.num_eval_indices", num_eval_indices, 2, MAX_INDEX_DRAWS)
-        self.reg_lambda = check_positive(reg_lambda, "method.reg_lambda", inclusive=True)
-        self.center_gamma = check_positive(center_gamma, "method.center_gamma", inclusive=True)
-        self.beta = check_positive(beta, "method.beta")
+    hidden_dim: int = setting(check=whole(1, 65_536), doc="base head mu's width")
+    num_hidden_layers: int = setting(check=whole(1, 256), doc="base head mu's depth")
+    index_dim: int = setting(check=whole(1, MAX_INDEX_DIM), doc="D: size of the epistemic index xi")
+    index_distribution: str = setting(check=one_of(INDEX_DISTRIBUTIONS), doc="reference distribution of xi")
+    epinet_hidden_dim: int = setting(check=whole(1, 65_536), doc="width of the learnable epinet g")
+    epinet_num_hidden_layers: int = setting(check=whole(1, 256), doc="hidden layers of g")
+    prior_hidden_dim: int = setting(check=whole(1, 65_536), doc="width of each fixed prior MLP")
+    prior_scale: float = setting(check=positive(inclusive=True), doc="weight of the prior network (0: none)")
+    epinet_input: str = setting(check=one_of(EPINET_INPUTS), doc="what the epinet and the prior read")
+    num_index_samples: int = setting(check=whole(1, MAX_INDEX_DRAWS), doc="indices drawn per training batch")
+    num_eval_indices: int = setting(check=whole(2, MAX_INDEX_DRAWS), doc="fixed indices for prediction")
+    reg_lambda: float = setting(check=positive(inclusive=True), doc="L2 x mean squared trainable parameter")
+    center_gamma: float = setting(check=positive(inclusive=True), doc="gamma: mean (r_c + r_r)^2 over indices")
+    beta: float = setting(check=positive(), doc="bounds reward +- beta * u")
+
+    def validate(self) -> None:
+        super().validate()
         if self.index_distribution == "one_hot" and self.index_dim < 2:
             raise UserError("method.index_dim=1 with method.index_distribution=one_hot is one member, which has no "
                             "spread: use index_dim >= 2")
-        self.schedule = TrainingSchedule(learning_rate, batch_size, num_epochs, warmup_ratio, weight_decay,
-                                         tuple(adam_betas), adam_eps, max_grad_norm)
-        self.schedule.validate()
-        self.net: EpinetHead | None = None
 
-    def hyperparameters(self) -> dict:
-        return {"hidden_dim": self.hidden_dim, "num_hidden_layers": self.num_hidden_layers,
-                "index_dim": self.index_dim, "index_distribution": self.index_distribution,
-                "epinet_hidden_dim": self.epinet_hidden_dim, "epinet_num_hidden_layers": self.epinet_num_hidden_layers,
-                "prior_hidden_dim": self.prior_hidden_dim, "prior_scale": self.prior_scale,
-                "epinet_input": self.epinet_input,
-                "num_index_samples": self.num_index_samples, "num_eval_indices": self.num_eval_indices,
-                "reg_lambda": self.reg_lambda, "center_gamma": self.center_gamma, "beta": self.beta,
-                **vars(self.schedule), "seed": self.seed}
+
+class Epinet(FeatureHeadMethod):
+    name = "epinet"
+    settings_class = EpinetSettings
+
+    def __init__(self, encoder=None, **values):
+        super().__init__(encoder, **values)
+        self.net: EpinetHead | None = None
 
     @property
     def eval_draws(self) -> int:
@@ -215,8 +205,7 @@ class Epinet(FeatureHeadMethod):
             parts["L2 penalty (p^2, kept for backward)"] = trainable * 4
         rows = 2 * batch
         train = (rows * (feature_dim + 2 * h * nh) + s * rows * ((ne + 2) * e + 2 * k) + 2 * k * rows * p) * 4
-        chunk = int(m.get("score_batch_size") or inspect.signature(FeatureHeadMethod).parameters[
-            "score_batch_size"].default)
+        chunk = int(m.get("score_batch_size") or EpinetSettings.__dataclass_fields__["score_batch_size"].default)
         chunk = min(chunk, ctx.n_eval) if ctx.n_eval else chunk
         score = (chunk * (feature_dim + 2 * h) + cls._eval_count(m) * chunk * ((min(ne, 2) + 1) * e + 2 * k)
                  + 2 * k * chunk * p) * 4

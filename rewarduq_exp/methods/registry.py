@@ -22,7 +22,6 @@ from collections.abc import Mapping
 
 from rewarduq_exp.core.config_dir import CONF_DIR
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.methods.base import RUNTIME_SETTINGS, constructor_settings
 
 PACKAGE_METHODS = "rewarduq_exp.methods."
 # A config's class line, read without composing (Hydra is not needed to list the methods, and a YAML parser costs
@@ -102,14 +101,15 @@ def saved_only_keys(name: str) -> frozenset[str]:
     schedule's ``lr_schedule``, ENS-LoRA's ``head_init_used``): allowed in ``method.json``, never passed to the
     constructor."""
     cls = method_class(name)
-    return frozenset(set(cls().hyperparameters()) - constructor_settings(cls))
+    return frozenset(set(cls().hyperparameters()) - set(cls.settings_class.names()))
 
 
 def settings_of(name: str, *, runtime: bool) -> frozenset[str]:
-    """The constructor settings of method ``name`` a file may give (``runtime``: the runtime ones too, as a run's
-    config holds them; ``method.json`` never does). The backbone (``encoder``) always comes from the caller."""
-    names = constructor_settings(method_class(name)) - {"encoder"}
-    return frozenset(names if runtime else names - RUNTIME_SETTINGS)
+    """The settings of method ``name`` a file may give: the fields of its settings dataclass (``runtime``: the
+    runtime-only ones too, as a run's config holds them; ``method.json`` never does). The backbone (``encoder``)
+    always comes from the caller."""
+    settings = method_class(name).settings_class
+    return frozenset(settings.names() if runtime else settings.saved_names())
 
 
 def field_name(key) -> str:

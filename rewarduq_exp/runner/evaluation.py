@@ -224,7 +224,7 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
     y = data["score"].to_numpy(dtype=float)
     scores = method.score(list(data["prompt"]), list(data["response"]))
     u = scores.u
-    score_range = tuple(method.settings["score_range"])
+    score_range = tuple(method.settings.score_range)
     metrics = probe_metrics(y, scores.reward, u, score_range=score_range)
     predictions = pd.DataFrame({"id": data["id"].astype(str).to_numpy(), "subset": data["subset"].to_numpy(),
                                 "score": y, "prediction": scores.reward, "lower": scores.lower,

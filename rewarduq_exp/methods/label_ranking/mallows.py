@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from scipy.optimize import brentq
 
 from rewarduq_exp.methods.base import LabelRankingMethod
 from rewarduq_exp.methods.label_ranking._common import check_xy
+from rewarduq_exp.methods.settings import LabelRankingSettings, cast, setting
 from rewarduq_exp.ranking.mallows import Mallows, expected_distance
+
+
+@dataclass(kw_only=True)
+class MallowsSettings(LabelRankingSettings, config="mallows"):
+    """Defaults and comments: ``conf/method/mallows.yaml``."""
+
+    max_iter: int = setting(check=cast(int), doc="local-search steps at most")
+    theta_max: float = setting(check=cast(float), doc="upper bound of theta")
+    mc_samples: int = setting(check=cast(int), doc="Monte-Carlo samples of sub-k marginals")
+    exact_max_m: int = setting(check=cast(int), doc="up to this many items, exact enumeration")
 
 
 class MallowsLearner(LabelRankingMethod):
@@ -29,15 +42,7 @@ class MallowsLearner(LabelRankingMethod):
 
     name = "mallows"
 
-    def __init__(self, max_iter: int = 10000, theta_max: float = 50.0, mc_samples: int = 20000,
-                 exact_max_m: int = 7, **common):
-        super().__init__(**common)
-        self.max_iter, self.theta_max = int(max_iter), float(theta_max)
-        self.mc_samples, self.exact_max_m = int(mc_samples), int(exact_max_m)
-
-    def hyperparameters(self) -> dict:
-        return {"max_iter": self.max_iter, "theta_max": self.theta_max, "mc_samples": self.mc_samples,
-                "exact_max_m": self.exact_max_m, "seed": self.seed}
+    settings_class = MallowsSettings
 
     def fit(self, X, ranks) -> MallowsLearner:
         _, ranks = check_xy(X, ranks)

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import LabelRankingMethod, TrainingSchedule, run_training, saved_size
 from rewarduq_exp.methods.label_ranking._common import check_xy
 from rewarduq_exp.methods.label_ranking.temperature import fit_temperature
+from rewarduq_exp.methods.settings import LabelRankingSettings, cast, positive, setting
 from rewarduq_exp.ranking.categorical import RankCategorical
 from rewarduq_exp.ranking.permutations import ranks_to_orderings
 from rewarduq_exp.ranking.plackett_luce import PlackettLuce
@@ -52,30 +53,48 @@ def plackett_luce_nll(scores: torch.Tensor, orderings: torch.Tensor) -> torch.Te
     return (suffix - s).sum(1).mean()
 
 
+def _widths(value, key):
+    try:
+        widths = [int(h) for h in value]
+    except (TypeError, ValueError):
+        widths = []
+    if not widths or min(widths) < 1:
+        raise UserError(f"{key}={value!r} is invalid: a list of layer widths >= 1, e.g. [100, 100]")
+    return widths
+
+
+@dataclass(kw_only=True)
+class NetSettings(LabelRankingSettings):
+    """What PL and RC share; the defaults are each learner's (``conf/method/plackett_luce.yaml``,
+    ``conf/method/rank_classifier.yaml``)."""
+
+    hidden: list = setting(check=_widths, doc="hidden layer widths")
+    learning_rate: float = setting(doc="Adam's constant learning rate")
+    num_epochs: int = setting(check=positive(cast=int, integer=True), doc="passes over the training rows")
+    batch_size: int = setting(doc="rows per step")
+    weight_decay: float = setting(doc="AdamW's decoupled weight decay (0: Adam)")
+    num_threads: int | None = setting(runtime=True, doc="torch threads while fitting (null: torch's default)")
+
+    def schedule(self) -> TrainingSchedule:
+        """Appendix C: Adam with a constant learning rate and no clipping."""
+        return TrainingSchedule.of(self, warmup_ratio=0.0, max_grad_norm=None, lr_schedule="constant")
+
+    def validate(self) -> None:
+        super().validate()
+        self.schedule().validate()
+
+
 class _NetLearner(LabelRankingMethod):
     """A learner whose model is an MLP from the features (PL, RC): its settings, training and weights."""
 
-    def __init__(self, hidden=(100, 100), learning_rate: float = 1e-3, num_epochs: int = 50, batch_size: int = 64,
-                 weight_decay: float = 0.0, num_threads: int | None = 1, **common):
-        super().__init__(**common)
-        try:
-            self.hidden = tuple(int(h) for h in hidden)
-        except (TypeError, ValueError):
-            self.hidden = ()
-        if not self.hidden or min(self.hidden) < 1:
-            raise UserError(f"method.hidden={hidden!r} is invalid: a list of layer widths >= 1, e.g. [100, 100]")
-        check_positive(num_epochs, "method.num_epochs", integer=True)
-        # Appendix C: Adam with a constant learning rate and no clipping.
-        self.schedule = TrainingSchedule(learning_rate, batch_size, int(num_epochs), warmup_ratio=0.0,
-                                         weight_decay=weight_decay, max_grad_norm=None, lr_schedule="constant")
-        self.schedule.validate()
-        self.num_threads = num_threads
-        self.net: nn.Sequential | None = None
+    settings_class = NetSettings
 
-    def hyperparameters(self) -> dict:
-        s = self.schedule
-        return {"hidden": list(self.hidden), "learning_rate": s.learning_rate, "num_epochs": s.num_epochs,
-                "batch_size": s.batch_size, "weight_decay": s.weight_decay, "seed": self.seed}
+    def __init__(self, **values):
+        super().__init__(**values)
+        self.hidden = tuple(self.settings.hidden)
+        # Appendix C: Adam with a constant learning rate and no clipping.
+        self.schedule = self.settings.schedule()
+        self.net: nn.Sequential | None = None
 
     def _build_net(self, d: int, out: int) -> None:
         """The MLP initialised from the seed without touching torch's global random state."""
@@ -145,6 +164,11 @@ class _NetLearner(LabelRankingMethod):
         self.net.eval()
 
 
+@dataclass(kw_only=True)
+class PlackettLuceSettings(NetSettings, config="plackett_luce"):
+    """Defaults and comments: ``conf/method/plackett_luce.yaml``."""
+
+
 class PlackettLuceNet(_NetLearner):
     """PL: an MLP from features to m item log-weights, trained by the PL negative log-likelihood.
 
@@ -154,6 +178,7 @@ class PlackettLuceNet(_NetLearner):
     """
 
     name = "plackett_luce"
+    settings_class = PlackettLuceSettings
 
     def fit(self, X, ranks) -> PlackettLuceNet:
         X, ranks = check_xy(X, ranks)
@@ -165,6 +190,27 @@ class PlackettLuceNet(_NetLearner):
     def predict_distribution(self, X) -> PlackettLuce:
         self._require_fit()
         return PlackettLuce(self._outputs(X))
+
+
+def _fraction(value, key):
+    if not 0 < float(value) < 1:
+        raise UserError(f"{key}={value!r} is invalid: must be in (0, 1)")
+    return float(value)
+
+
+def _unseen_mass(value, key):
+    if not (value == "good_turing" or (isinstance(value, (int, float)) and 0 <= float(value) < 1)):
+        raise UserError(f"{key}={value!r} is invalid: good_turing or a number in [0, 1)")
+    return value
+
+
+@dataclass(kw_only=True)
+class RankClassifierSettings(NetSettings, config="rank_classifier"):
+    """Defaults and comments: ``conf/method/rank_classifier.yaml``."""
+
+    calibrate: bool = setting(check=cast(bool), doc="temperature scaling on a held-out share of the fold")
+    calibration_fraction: float = setting(check=_fraction, doc="that share")
+    unseen_mass: str | float = setting(check=_unseen_mass, doc="good_turing or a number in [0, 1)")
 
 
 class RankClassifierNet(_NetLearner):
@@ -195,21 +241,11 @@ class RankClassifierNet(_NetLearner):
 
     name = "rank_classifier"
 
-    def __init__(self, calibrate: bool = True, calibration_fraction: float = 0.2, unseen_mass="good_turing",
-                 **settings):
-        super().__init__(**settings)
-        self.calibrate, self.calibration_fraction = bool(calibrate), float(calibration_fraction)
-        if not 0 < self.calibration_fraction < 1:
-            raise UserError(f"method.calibration_fraction={calibration_fraction!r} is invalid: must be in (0, 1)")
-        if not (unseen_mass == "good_turing" or (isinstance(unseen_mass, (int, float))
-                                                 and 0 <= float(unseen_mass) < 1)):
-            raise UserError(f"method.unseen_mass={unseen_mass!r} is invalid: good_turing or a number in [0, 1)")
-        self.unseen_mass = unseen_mass
-        self.temperature = 1.0
+    settings_class = RankClassifierSettings
 
-    def hyperparameters(self) -> dict:
-        return {**super().hyperparameters(), "calibrate": self.calibrate,
-                "calibration_fraction": self.calibration_fraction, "unseen_mass": self.unseen_mass}
+    def __init__(self, **values):
+        super().__init__(**values)
+        self.temperature = 1.0
 
     def fit(self, X, ranks) -> RankClassifierNet:
         X, ranks = check_xy(X, ranks)

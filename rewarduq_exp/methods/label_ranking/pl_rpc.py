@@ -4,12 +4,14 @@ Bradley-Terry maximum-likelihood weights or the reference code's improved-Zermel
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.special import expit, logsumexp
 
-from rewarduq_exp.core.checks import check_choice, check_positive
-from rewarduq_exp.methods.label_ranking.rpc import RPCLearner
+from rewarduq_exp.core.checks import check_positive
+from rewarduq_exp.methods.label_ranking.rpc import PairwiseSettings, RPCLearner
+from rewarduq_exp.methods.settings import one_of, positive, setting
 from rewarduq_exp.ranking.plackett_luce import PlackettLuce
 
 log = logging.getLogger("rewarduq_exp.methods.label_ranking")
@@ -155,6 +157,15 @@ def _normalise_rows(w: np.ndarray) -> np.ndarray:
         return np.where(s > 0.0, w / s, 1.0 / max(w.shape[1], 1))
 
 
+@dataclass(kw_only=True)
+class PLRPCSettings(PairwiseSettings, config="pl_rpc"):
+    """Defaults and comments: ``conf/method/pl_rpc.yaml``."""
+
+    aggregation: str = setting(check=one_of(PL_RPC_AGGREGATIONS), doc="mle | zermelo_reference")
+    n_iter: int = setting(check=positive(cast=int, integer=True), doc="Zermelo steps, or Newton steps at most")
+    tol: float = setting(check=positive(cast=float), doc="mle: Newton's stopping tolerance")
+
+
 class PLRPCLearner(RPCLearner):
     """PL-RPC: RPC's pairwise probabilities per sample, read as Bradley-Terry probabilities and turned into
     Plackett-Luce weights.
@@ -169,14 +180,7 @@ class PLRPCLearner(RPCLearner):
 
     name = "pl_rpc"
 
-    def __init__(self, aggregation: str = "mle", n_iter: int = 100, tol: float = 1e-10, **settings):
-        super().__init__(**settings)
-        self.aggregation = check_choice("method.aggregation", aggregation, PL_RPC_AGGREGATIONS)
-        self.n_iter = int(check_positive(n_iter, "method.n_iter", integer=True))
-        self.tol = float(check_positive(tol, "method.tol"))
-
-    def hyperparameters(self) -> dict:
-        return {**super().hyperparameters(), "aggregation": self.aggregation, "n_iter": self.n_iter, "tol": self.tol}
+    settings_class = PLRPCSettings
 
     def plackett_luce_log_weights(self, X) -> np.ndarray:
         """Per-sample PL log-weights (n, m) by the configured aggregation of ``predict_pairwise(X)``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.core.errors import UserError, first_line
 from rewarduq_exp.methods.base import LabelRankingMethod, saved_size
 from rewarduq_exp.methods.label_ranking._common import check_xy
+from rewarduq_exp.methods.settings import LabelRankingSettings, cast, setting
 from rewarduq_exp.ranking.pairwise import PairwiseOnly
 
 # What an RPC model file may hold besides plain containers and numpy arrays: the fitted calibrated trees. skops
@@ -39,6 +41,20 @@ def _damaged_models_file(path: Path, err: Exception) -> UserError:
                      "folder is damaged: copy it again or retrain")
 
 
+@dataclass(kw_only=True)
+class PairwiseSettings(LabelRankingSettings):
+    """What RPC and PL-RPC share (``conf/method/rpc.yaml``, ``conf/method/pl_rpc.yaml``)."""
+
+    cv: int = setting(check=cast(int), doc="Platt scaling's cross-validation folds")
+    eps: float = setting(check=cast(float), doc="pairwise probabilities clipped to [eps, 1 - eps]")
+    n_jobs: int | None = setting(runtime=True, doc="pairs fitted in parallel (joblib)")
+
+
+@dataclass(kw_only=True)
+class RPCSettings(PairwiseSettings, config="rpc"):
+    """Defaults and comments: ``conf/method/rpc.yaml``."""
+
+
 class RPCLearner(LabelRankingMethod):
     """RPC: for each item pair a < b, a binary classifier for "a is ranked before b".
 
@@ -52,12 +68,7 @@ class RPCLearner(LabelRankingMethod):
 
     name = "rpc"
 
-    def __init__(self, cv: int = 2, eps: float = 1e-6, n_jobs: int | None = 1, **common):
-        super().__init__(**common)
-        self.cv, self.eps, self.n_jobs = int(cv), float(eps), n_jobs
-
-    def hyperparameters(self) -> dict:
-        return {"cv": self.cv, "eps": self.eps, "seed": self.seed}
+    settings_class = RPCSettings
 
     def fit(self, X, ranks) -> RPCLearner:
         X, ranks = check_xy(X, ranks)

@@ -27,6 +27,7 @@ import copy
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,8 +48,9 @@ from rewarduq_exp.methods.base import Scores, bradley_terry_nll
 from rewarduq_exp.methods.lora.body import fresh_head, member_seed
 from rewarduq_exp.methods.lora.kfac import KroneckerFactors, RowJacobians
 from rewarduq_exp.methods.lora.la_lora_memory import JACOBIAN_COPIES, laplace_tokens
-from rewarduq_exp.methods.lora.method import LoRARewardMethod
+from rewarduq_exp.methods.lora.method import LoRARewardMethod, LoRASettings
 from rewarduq_exp.methods.lora.posterior import KronPosterior, require_laplace
+from rewarduq_exp.methods.settings import setting
 from rewarduq_exp.models.multi_lora import quiet_peft
 from rewarduq_exp.models.shared_prefix import token_batches
 
@@ -80,19 +82,30 @@ class RewardNetwork(nn.Module):
         return torch.stack([r[n:], r[:n]], 1)
 
 
+def _prior_precision(value, key):
+    if value != "marglik" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                               or not 0 < value < math.inf):
+        raise UserError(f"{key}={value!r} is invalid; allowed: marglik or a number > 0")
+    return value if value == "marglik" else float(value)
+
+
+@dataclass(kw_only=True)
+class LaLoRASettings(LoRASettings, config="la_lora"):
+    """Defaults and comments: ``conf/method/la_lora.yaml``."""
+
+    prior_precision: str | float = setting(check=_prior_precision, doc="delta of the prior: marglik or a number")
+
+
 class LaLoRA(LoRARewardMethod):
     name = "la_lora"
     label = "LA-LoRA"
 
-    def __init__(self, encoder=None, prior_precision="marglik", **settings):
-        """``settings``: those of every LoRA reward model (:class:`~rewarduq_exp.methods.lora.method.
-        LoRARewardMethod`); ``prior_precision``: ``marglik`` or a number > 0 (module docstring)."""
-        super().__init__(encoder, **settings)
-        if prior_precision != "marglik" and (isinstance(prior_precision, bool)
-                                             or not isinstance(prior_precision, (int, float))
-                                             or not 0 < prior_precision < math.inf):
-            raise UserError(f"method.prior_precision={prior_precision!r} is invalid; allowed: marglik or a number > 0")
-        self.prior_precision = prior_precision if prior_precision == "marglik" else float(prior_precision)
+    settings_class = LaLoRASettings
+
+    def __init__(self, encoder=None, **values):
+        """``values``: the settings (:class:`LaLoRASettings`: those of every LoRA reward model and
+        ``prior_precision``, ``marglik`` or a number > 0; module docstring)."""
+        super().__init__(encoder, **values)
         self.network: RewardNetwork | None = None
         self.posterior: KronPosterior | None = None
 
@@ -101,9 +114,6 @@ class LaLoRA(LoRARewardMethod):
         from rewarduq_exp.methods.lora.la_lora_memory import plan
 
         return plan(ctx)
-
-    def hyperparameters(self) -> dict:
-        return {**self._lora_hyperparameters(), "prior_precision": self.prior_precision}
 
     # ------------------------------------------------------------------ building
     def _build(self) -> None:

@@ -24,6 +24,7 @@ import math
 import os
 import time
 from abc import abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,21 +34,54 @@ import torch
 import rewarduq_exp.methods.lora.body as body  # the module, not the package __init__
 import rewarduq_exp.methods.lora.texts as texts  # the module, not the package __init__
 from rewarduq_exp.core import distributed
-from rewarduq_exp.core.checks import check_auto_flag, check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import render_all
-from rewarduq_exp.methods.base import (
-    RewardMethod,
-    TrainingSchedule,
-    read_method_info,
-    run_training,
-    write_method_info,
-)
+from rewarduq_exp.methods.base import RewardMethod, read_method_info, run_training, write_method_info
 from rewarduq_exp.methods.lora.memory import choose_training
 from rewarduq_exp.methods.lora.steps import ANCHORS, anchor_value, sum_over_processes
+from rewarduq_exp.methods.settings import AdamWSettings, auto_flag, auto_or_whole, cast, listed, positive, setting
 from rewarduq_exp.models.backbone import resolve_device
 from rewarduq_exp.models.shared_prefix import shared_prefix_hidden, token_batches
-from rewarduq_exp.models.token_budget import check_setting
+
+
+def _dropout(value, key):
+    if not 0 <= value < 1:
+        raise UserError(f"{key}={value} is invalid: must be in [0, 1)")
+    return float(value)
+
+
+def _target_modules(value, key):
+    if isinstance(value, str):
+        return value
+    modules = [str(m) for m in value]
+    if not modules:
+        raise UserError(f"{key} is empty: use all-linear or a list of module names")
+    return modules
+
+
+@dataclass(kw_only=True)
+class LoRASettings(AdamWSettings):
+    """What every LoRA reward model has; the defaults are each method's own (``conf/method/ens_lora.yaml``,
+    ``conf/method/la_lora.yaml``)."""
+
+    lora_rank: int = setting(check=positive(cast=int, integer=True, minimum=1, inclusive=True), doc="r")
+    lora_alpha: float = setting(check=positive(cast=float), doc="LoRA scaling alpha / r")
+    lora_dropout: float = setting(check=_dropout, doc="LoRA dropout (training only)")
+    target_modules: str | list = setting(check=_target_modules, doc="all-linear or a list of module names")
+    reg_lambda: float = setting(check=positive(cast=float, inclusive=True), doc="lambda: weight of the anchor")
+    anchor: str = setting(check=listed(ANCHORS), doc="l2 | mean_squared")
+    center_gamma: float = setting(check=positive(cast=float, inclusive=True), doc="gamma: mean (r_c + r_r)^2")
+    beta: float = setting(check=positive(cast=float), doc="bounds reward +- beta * u")
+    head_init: str = setting(check=listed(body.HEAD_INITS), doc="auto | pretrained | fresh")
+    micro_batch_size: int | str = setting(check=auto_or_whole, doc="pairs per forward + backward (auto: what fits)")
+    gradient_checkpointing: bool | str = setting(runtime=True, check=auto_flag, doc="auto | true | false")
+    score_batch_size: int | str = setting(runtime=True, check=auto_or_whole, doc="texts per scoring forward")
+    score_batch_tokens: int | str = setting(runtime=True, check=auto_or_whole, doc="tokens per scoring forward")
+    log_every: int = setting(runtime=True, check=positive(cast=int, integer=True, minimum=1, inclusive=True),
+                             doc="a training-log record every this many steps")
+    seed: int = setting(default=0, check=cast(int), doc="initialisation, minibatch order, dropout")
+    device: str = setting(default="auto", runtime=True, doc="auto | cpu | cuda | cuda:<i>")
+    show_progress: bool = setting(default=True, runtime=True, doc="progress bars")
 
 
 class LoRARewardMethod(RewardMethod):
@@ -59,62 +93,22 @@ class LoRARewardMethod(RewardMethod):
     mixed_adapter_training = False   # all members in one batched forward (ENS-LoRA's setting)
     _mixed_training_auto = False
 
-    def __init__(self, encoder=None, lora_rank: int = 16, lora_alpha: float = 32, lora_dropout: float = 0.0,
-                 target_modules="all-linear", learning_rate: float = 1e-4, reg_lambda: float = 0.01,
-                 anchor: str = "l2", center_gamma: float = 0.01, beta: float = 2.0, batch_size: int = 16,
-                 num_epochs: float = 1.0, warmup_ratio: float = 0.05, weight_decay: float = 0.0,
-                 adam_betas=(0.9, 0.999), adam_eps: float = 1e-8, max_grad_norm: float | None = 1.0,
-                 head_init: str = "auto", gradient_checkpointing="auto", micro_batch_size="auto",
-                 score_batch_size="auto", score_batch_tokens="auto", seed: int = 0, device: str = "auto",
-                 show_progress: bool = True, log_every: int = 10):
-        self.encoder = encoder
-        self.lora_rank = int(check_positive(lora_rank, "method.lora_rank", integer=True, minimum=1, inclusive=True))
-        self.lora_alpha = float(check_positive(lora_alpha, "method.lora_alpha"))
-        if not 0 <= lora_dropout < 1:
-            raise UserError(f"method.lora_dropout={lora_dropout} is invalid: must be in [0, 1)")
-        self.lora_dropout = float(lora_dropout)
-        if isinstance(target_modules, str):
-            self.target_modules = target_modules
-        else:
-            self.target_modules = [str(m) for m in target_modules]
-            if not self.target_modules:
-                raise UserError("method.target_modules is empty: use all-linear or a list of module names")
-        self.reg_lambda = float(check_positive(reg_lambda, "method.reg_lambda", inclusive=True))
-        if anchor not in ANCHORS:
-            raise UserError(f"method.anchor={anchor!r} is invalid; allowed: {', '.join(ANCHORS)}")
-        self.anchor = anchor
-        self.center_gamma = float(check_positive(center_gamma, "method.center_gamma", inclusive=True))
-        self.beta = float(check_positive(beta, "method.beta"))
-        self.schedule = TrainingSchedule(learning_rate, batch_size, num_epochs, warmup_ratio, weight_decay,
-                                         tuple(adam_betas), adam_eps, max_grad_norm)
-        self.schedule.validate()
-        if head_init not in body.HEAD_INITS:
-            raise UserError(f"method.head_init={head_init!r} is invalid; allowed: {', '.join(body.HEAD_INITS)}")
-        self.head_init = head_init
-        # auto: on where a micro-batch of one pair needs it to fit
-        self.gradient_checkpointing = check_auto_flag(gradient_checkpointing, "method.gradient_checkpointing")
-        self.micro_setting = check_setting(micro_batch_size, "method.micro_batch_size")
-        rows = check_setting(score_batch_size, "method.score_batch_size")
-        self.score_batch_size = None if rows == "auto" else rows   # texts per scoring forward at most
-        self.score_batch_tokens = check_setting(score_batch_tokens, "method.score_batch_tokens")
+    settings_class = LoRASettings
+
+    def __init__(self, encoder=None, **values):
+        super().__init__(encoder, **values)
+        self.schedule = self.settings.schedule()
+        self.micro_setting = self.settings.micro_batch_size   # auto: chosen at fit (choose_training)
+        self.score_batch_size = None if self.score_batch_size == "auto" else self.score_batch_size  # texts at most
         self.training_plan: dict = {}
-        self.seed = int(seed)
-        self.device = resolve_device(device)
-        self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
-        self.log_every = int(check_positive(log_every, "method.log_every", integer=True, minimum=1, inclusive=True))
-        self.history: list[dict] = []
-        self.fit_summary: dict = {}
+        self.device = resolve_device(self.settings.device)
+        self.show_progress = self.settings.show_progress and not os.environ.get("TQDM_DISABLE")
         self.model = None      # the frozen body with the members' LoRA weights
         self.head: torch.nn.Parameter | None = None  # (K, d) linear heads, no bias (a shift cancels in every margin)
         self.head_init_used: str | None = None
 
-    def _lora_hyperparameters(self) -> dict:
-        """The settings every LoRA member has (``hyperparameters()`` puts the method's own around them)."""
-        return {"lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
-                "target_modules": self.target_modules, "reg_lambda": self.reg_lambda, "anchor": self.anchor,
-                "center_gamma": self.center_gamma, "beta": self.beta, **vars(self.schedule),
-                "micro_batch_size": self.micro_setting, "head_init": self.head_init,
-                "head_init_used": self.head_init_used, "seed": self.seed}
+    def records(self) -> dict:
+        return {"lr_schedule": self.schedule.lr_schedule, "head_init_used": self.head_init_used}
 
     # ------------------------------------------------------------------ what a subclass says
     @abstractmethod

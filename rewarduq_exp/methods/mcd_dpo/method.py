@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,6 @@ import torch
 
 from rewarduq_exp.core import job_signals, training_checkpoint
 from rewarduq_exp.core.atomic_write import atomic_path
-from rewarduq_exp.core.checks import check_auto_flag, check_max_grad_norm, check_positive
 from rewarduq_exp.core.distributed import is_main, rank, world_size
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.payload_bounds import Expected, check_tensors
@@ -59,19 +59,70 @@ from rewarduq_exp.methods.mcd_dpo.memory import (
 )
 from rewarduq_exp.methods.mcd_dpo.trainer import _checkpointing_key, _history, _make_trainer_class
 from rewarduq_exp.methods.mcd_dpo.weights import _load_params, _param_tensors, full_weights, load_causal_lm
+from rewarduq_exp.methods.settings import (
+    MethodSettings,
+    auto_flag,
+    auto_or_whole,
+    cast,
+    grad_norm,
+    positive,
+    setting,
+)
 from rewarduq_exp.models.backbone import resolve_device
 from rewarduq_exp.models.shared_prefix import shared_prefix_hidden, token_batches
-from rewarduq_exp.models.token_budget import budget_from_memory, check_setting
+from rewarduq_exp.models.token_budget import budget_from_memory
 
 log = logging.getLogger("rewarduq_exp")
 
 WEIGHTS_FILE = "policy.safetensors"
 
 
+def _dropout(value, key):
+    if not (isinstance(value, (int, float)) and 0 <= value < 1):
+        raise UserError(f"{key}={value} is invalid: must be in [0, 1)")
+    return float(value)
+
+
+@dataclass(kw_only=True)
+class McdDpoSettings(MethodSettings, config="mcd_dpo"):
+    """Defaults and comments: ``conf/method/mcd_dpo.yaml``. The schedule: AdamW as TRL's DPOTrainer runs it."""
+
+    learning_rate: float = setting(check=cast(float), doc="eta")
+    dpo_beta: float = setting(check=positive(cast=float), doc="beta of the DPO loss and the implicit reward")
+    dropout: float = setting(check=_dropout, doc="p: dropout before the LM head (train and MC inference)")
+    num_samples: int = setting(check=positive(cast=int, integer=True, minimum=2, inclusive=True), doc="K masks")
+    beta: float = setting(check=positive(cast=float), doc="bounds reward +- beta * u (0 leaves no interval)")
+    batch_size: int = setting(check=cast(int), doc="effective batch")
+    micro_batch_size: int | str = setting(check=auto_or_whole, doc="pairs per forward (auto: what fits)")
+    num_epochs: float = setting(check=cast(float))
+    warmup_ratio: float = setting(check=cast(float))
+    weight_decay: float = setting(check=cast(float))
+    # None (no clipping) or a number > 0; it reaches DPOConfig explicitly (see _make_trainer)
+    max_grad_norm: float | None = setting(check=grad_norm, doc="clip the total gradient norm (null: off)")
+    score_batch_size: int | str = setting(runtime=True, check=auto_or_whole, doc="sequences per scoring forward")
+    score_batch_tokens: int | str = setting(runtime=True, check=auto_or_whole, doc="padded tokens per forward")
+    logprob_chunk: int | str = setting(runtime=True, check=auto_or_whole, doc="positions per log-softmax chunk")
+    gradient_checkpointing: bool | str = setting(runtime=True, check=auto_flag, doc="auto | true | false")
+    seed: int = setting(default=0, check=cast(int), doc="initialisation, data order, dropout masks")
+    device: str = setting(default="auto", runtime=True, doc="auto | cpu | cuda | cuda:<i>")
+    show_progress: bool = setting(default=True, runtime=True, doc="progress bars")
+    log_every: int = setting(default=1, runtime=True, check=cast(int), doc="a training-log record every this many "
+                                                                           "steps")
+
+    def validate(self) -> None:
+        super().validate()
+        TrainingSchedule.of(self).validate()
+        micro, batch = self.micro_batch_size, self.batch_size
+        if micro != "auto" and batch % micro and batch > micro:
+            raise UserError(f"method.batch_size={batch} must be a multiple of method.micro_batch_size={micro} "
+                            "(gradient accumulation)")
+
+
 class McdDpo(RewardMethod):
     """MCD-DPO: DPO full fine-tune + MC dropout on the final hidden states (RewardUQ eq. 13)."""
 
     name = "mcd_dpo"
+    settings_class = McdDpoSettings
     fine_tunes_backbone = True  # the whole causal LM, with DPO
 
     @classmethod
@@ -80,61 +131,22 @@ class McdDpo(RewardMethod):
 
         return plan(ctx)
 
-    def __init__(self, encoder=None, learning_rate: float = 1e-6, dpo_beta: float = 0.1, dropout: float = 0.1,
-                 num_samples: int = 20, beta: float = 2.0, batch_size: int = 64, micro_batch_size="auto",
-                 num_epochs: float = 1.0, warmup_ratio: float = 0.05, weight_decay: float = 0.0,
-                 seed: int = 0, device: str = "auto", show_progress: bool = True, score_batch_size="auto",
-                 score_batch_tokens="auto", logprob_chunk="auto", gradient_checkpointing: bool | str = "auto",
-                 log_every: int = 1, max_grad_norm: float | None = 1.0):
-        if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
-            raise UserError(f"method.dropout={dropout} is invalid: must be in [0, 1)")
-        check_positive(num_samples, "method.num_samples", integer=True, minimum=2, inclusive=True)
-        check_positive(dpo_beta, "method.dpo_beta")
-        check_positive(beta, "method.beta")   # bounds r +- beta u: beta 0 leaves no interval and no u
-        micro_batch_size = check_setting(micro_batch_size, "method.micro_batch_size")
-        score_batch_size = check_setting(score_batch_size, "method.score_batch_size")
-        self.score_batch_tokens = check_setting(score_batch_tokens, "method.score_batch_tokens")
-        self.logprob_chunk = check_setting(logprob_chunk, "method.logprob_chunk")
-        checkpointing = check_auto_flag(gradient_checkpointing, "method.gradient_checkpointing")
-        # None (no clipping) or a number > 0; it reaches DPOConfig explicitly (see _make_trainer)
-        max_grad_norm = check_max_grad_norm(max_grad_norm, "method.max_grad_norm")
-        self.schedule = TrainingSchedule(learning_rate=float(learning_rate), batch_size=int(batch_size),
-                                         num_epochs=float(num_epochs), warmup_ratio=float(warmup_ratio),
-                                         weight_decay=float(weight_decay), max_grad_norm=max_grad_norm)
-        self.schedule.validate()
-        if micro_batch_size != "auto" and int(batch_size) % micro_batch_size and int(batch_size) > micro_batch_size:
-            raise UserError(f"method.batch_size={batch_size} must be a multiple of method.micro_batch_size="
-                            f"{micro_batch_size} (gradient accumulation)")
-        self.encoder = encoder
-        self.dpo_beta = float(dpo_beta)
-        self.dropout = float(dropout)
-        self.num_samples = int(num_samples)
-        self.beta = float(beta)
+    def __init__(self, encoder=None, **values):
+        super().__init__(encoder, **values)
+        self.schedule = TrainingSchedule.of(self.settings)
         # "auto": chosen at fit from the device's free memory (:meth:`_training_batches`); a number: as given
-        self.micro_setting = micro_batch_size
-        self.micro_batch_size = None if micro_batch_size == "auto" else min(micro_batch_size, int(batch_size))
-        self.seed = int(seed)
-        self.device = resolve_device(device)
-        self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
-        self.score_batch_size = None if score_batch_size == "auto" else score_batch_size   # rows cap (None: none)
-        self.gradient_checkpointing = checkpointing   # "auto" (from the plan of the micro-batch), True or False
+        self.micro_setting = self.settings.micro_batch_size
+        self.micro_batch_size = None if self.micro_setting == "auto" else min(self.micro_setting, self.batch_size)
+        self.device = resolve_device(self.settings.device)
+        self.show_progress = self.settings.show_progress and not os.environ.get("TQDM_DISABLE")
+        self.score_batch_size = None if self.score_batch_size == "auto" else self.score_batch_size  # rows cap
+        # gradient_checkpointing: "auto" (from the plan of the micro-batch), True or False
         self.training_plan: dict = {}                 # what fit chose: micro-batch, checkpointing, chunk, budget
         self._arch = None                             # the policy's sizes, for the token budgets
-        self.log_every = int(log_every)
-        self.history: list[dict] = []
-        self.fit_summary: dict = {}
         self.policy = None
         self.reference = None
         self.stats = {"reference_pairs_precomputed": 0}
         self._shared_dir: str | None = None  # torchrun: the ranks' common datasets cache (see _shared_dataset)
-
-    def hyperparameters(self) -> dict:
-        s = self.schedule
-        return {"learning_rate": s.learning_rate, "dpo_beta": self.dpo_beta, "dropout": self.dropout,
-                "num_samples": self.num_samples, "beta": self.beta, "batch_size": s.batch_size,
-                "micro_batch_size": self.micro_setting, "num_epochs": s.num_epochs,
-                "warmup_ratio": s.warmup_ratio, "weight_decay": s.weight_decay, "max_grad_norm": s.max_grad_norm,
-                "seed": self.seed}
 
     # ------------------------------------------------------------------ models
     @property
