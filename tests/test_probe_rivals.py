@@ -4,6 +4,7 @@ correlation given length. Scored here through the runner's own ``evaluate_pointw
 backbone), on rated texts whose score is a function of their length."""
 
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -66,7 +67,7 @@ class LengthWorld:
     part of the ratings that length explains (``rated_by_length``) plus ``ridge_noise``."""
 
     beta = 1.0
-    settings = {"score_range": [1, 5]}
+    settings = SimpleNamespace(score_range=[1, 5])   # a method's settings dataclass, as far as evaluation reads it
 
     def __init__(self, data: pd.DataFrame, probe_noise: float, ridge_noise: float, seed: int = 0):
         rng = np.random.default_rng(seed)
