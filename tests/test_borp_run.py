@@ -14,7 +14,8 @@ from tolerances import OTHER_BATCHES
 
 # A 4-layer tiny Qwen3, so the intermediate layer (3/8 of the depth) differs from the final one.
 ARGS = ["method=borp", "probe=borp_contrastive", "dataset=synthetic_ratings", "model.build.num_layers=4",
-        "dataset.n_train=400", "dataset.n_eval=200", "dataset.n_ood=100", "also_evaluate=[synthetic_eval]"]
+        "dataset.n_train=400", "dataset.n_eval=200", "dataset.n_ood=100", "dataset.n_cal=100",
+        "also_evaluate=[synthetic_eval]"]
 
 
 def run(script, args, cwd, cache, check=True, flags=()):
