@@ -119,8 +119,8 @@ def test_bad_settings_fail_in_one_line(tmp_path, data_dir, args, message):
 def test_learner_on_preference_data_fails_in_one_line(tmp_path):
     proc = run("train.py", ["method=plackett_luce"], tmp_path, check=False)
     assert proc.returncode == 2
-    assert "dataset=synthetic is preference data; allowed methods here: bay_lin, ens_lora, ens_mlp, epinet, la_lora, mcd_dpo" \
-        in proc.stderr
+    assert ("dataset=synthetic is preference data; allowed methods here: bay_lin, ens_lora, ens_mlp, epinet, la_lora, "
+            "mcd_dpo") in proc.stderr
 
 
 def test_labels_that_are_not_permutations_fail_in_one_line(tmp_path):
