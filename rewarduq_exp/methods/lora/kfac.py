@@ -41,6 +41,17 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
             if isinstance(m, nn.Linear) and m.weight.requires_grad}
 
 
+
+@contextlib.contextmanager
+def forward_hooks(layers: dict[str, nn.Linear], hook):
+    """``hook(name, module, inputs, output)`` on every layer's forward while the block runs, removed after it."""
+    handles = [m.register_forward_hook(partial(hook, name)) for name, m in layers.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
 class KroneckerFactors:
     """Running sums of each layer's K-FAC factors (module docstring): ``G[name]`` (out x out), ``A[name]``
     (in x in), ``positions[name]``, float32 on the layers' device."""
@@ -60,12 +71,10 @@ class KroneckerFactors:
         """Accumulate over the forwards and backwards run inside; ``mask`` (rows, positions) marks the real tokens of
         the batch (a layer fed one vector per row, the head, counts every row)."""
         self._mask = mask.bool()
-        handles = [m.register_forward_hook(partial(self._forward, name)) for name, m in self.layers.items()]
         try:
-            yield self
+            with forward_hooks(self.layers, self._forward):
+                yield self
         finally:
-            for h in handles:
-                h.remove()
             self._mask = None
 
     def _real(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,12 +130,8 @@ class RowJacobians:
 
     @contextlib.contextmanager
     def recording(self):
-        handles = [m.register_forward_hook(partial(self._forward, name)) for name, m in self.layers.items()]
-        try:
+        with forward_hooks(self.layers, self._forward):
             yield self
-        finally:
-            for h in handles:
-                h.remove()
 
     def _forward(self, name: str, module, inputs, output) -> None:
         if output.requires_grad:
