@@ -10,7 +10,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-check demo-real downstream-real downstream-real-finetuned test test-all test-slurm bench bench-gpu gpu-check wheels \
+.PHONY: setup demo demo-check demo-real downstream-real downstream-real-finetuned test test-e2e test-all test-slurm bench bench-gpu gpu-check wheels \
 	offline-install offline-node-check clean
 
 # torch==2.13.0 first: a bare "torch" requirement would pull several GB of CUDA wheels on a CPU machine.
@@ -129,7 +129,12 @@ PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test: setup
 	$(PY) -m ruff check .
-	$(PYTEST) -m "not slow and not slurm"
+	$(PYTEST) -m "not slow and not slurm and not e2e"
+
+# The end-to-end tests (marked e2e: train.py / evaluate.py / downstream.py runs, sweeps, signals, installs, the planner
+# against measured memory), which .ci/run runs after make test: about 8 min on 2 cores.
+test-e2e: setup
+	$(PYTEST) -m "e2e and not slow and not slurm"
 
 # Everything but the Slurm tests, slow end-to-end checks included (torchrun launches, default-size acceptance runs).
 test-all: setup

@@ -68,40 +68,40 @@ def pytest_runtest_teardown(item, nextitem):
     return (yield from _fail_on_fork("teardown"))
 
 
-# `make test` runs pytest-xdist with --dist loadfile --no-loadscope-reorder: whole files go to the two workers in
-# collection order. The files that run end-to-end commands go first, longest first (seconds on 2 cores, measured with
-# --durations), so that the short files fill in at the end and the two workers finish together; in alphabetical order
-# one worker idled for the last ~35 s of the run.
-LONGEST_FIRST = ["test_borp_run.py",         # ~60
-                 "test_interrupts.py",       # ~50 (subprocesses signalled mid-run)
-                 "test_degenerate_data.py",  # ~45
-                 "test_remaining_tracebacks.py",  # ~40
-                 "test_setting_bounds.py",   # ~35
-                 "test_write_time_links.py",  # ~30
-                 "test_label_ranking_run.py",  # ~45
-                 "test_cli.py",              # ~40
-                 "test_plain_install.py",    # ~30
-                 "test_run_ownership.py",    # ~25
-                 "test_downstream.py",       # ~25
-                 "test_vader_gold.py",       # ~20
-                 "test_cli_resume.py",       # ~15
-                 "test_cli_datasets.py",     # ~23
-                 "test_sweep_multitask.py",  # ~20
-                 "test_foreign_configs.py",  # ~20
-                 "test_sweep.py",            # ~18
-                 "test_mcd_dpo.py",          # ~18
-                 "test_api_real_use.py",     # ~18
-                 "test_distributed.py",      # ~15
-                 "test_acceptance.py",       # ~15
-                 "test_untrusted_run_folders.py",  # ~15
-                 "test_cli_finetune.py",     # ~13
-                 "test_ens_lora.py",         # ~12
-                 "test_multi_lora.py",       # ~12
-                 "test_config_composition.py",  # ~12
-                 "test_new_method_in_its_own_files.py",  # ~30
-                 "test_la_lora.py",          # ~20
-                 "test_epinet.py",           # ~15
-                 "test_bay_lin_laplace.py"]  # ~12  # ~14
+# `make test` and `make test-e2e` run pytest-xdist with --dist loadfile --no-loadscope-reorder: whole files go to the
+# two workers in collection order. The longest files go first (seconds on 2 cores, measured with --durations on
+# 2026-11-28; both tiers in one list, each run keeps its own), so that the short files fill in at the end and the two
+# workers finish together; in alphabetical order one worker idled for the last ~35 s of the run.
+LONGEST_FIRST = [
+    # make test-e2e
+    "test_borp_run.py",                     # ~105
+    "test_plan_memory.py",                  # ~55
+    "test_new_method_in_its_own_files.py",  # ~40
+    "test_run_ownership.py",                # ~37
+    "test_cli_datasets.py",                 # ~36
+    "test_plain_install.py",                # ~35
+    "test_sweep_multitask.py",              # ~33
+    "test_cli_finetune.py",                 # ~30
+    "test_downstream.py",                   # ~30 (its units stay in make test)
+    "test_label_ranking_run.py",            # ~30
+    "test_cli_resume.py",                   # ~29
+    "test_acceptance.py",                   # ~26
+    "test_interrupts.py",                   # ~26
+    "test_distributed.py",                  # ~25
+    "test_sweep.py",                        # ~21
+    "test_vader_ratings.py",                # ~17
+    # make test (test_cli.py: both)
+    "test_cli.py",                          # ~28 + ~42
+    "test_bench_scripts.py",                # ~28
+    "test_config_composition.py",           # ~23
+    "test_mcd_dpo.py",                      # ~15
+    "test_result_writes.py",                # ~12
+    "test_ens_lora.py",                     # ~12
+    "test_plan.py",                         # ~9
+    "test_api_real_use.py",                 # ~8
+    "test_la_lora.py",                      # ~8
+    "test_offline_node.py",                 # ~7
+]
 
 
 def pytest_collection_modifyitems(session, config, items):

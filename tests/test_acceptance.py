@@ -14,6 +14,8 @@ import json
 import pytest
 from test_cli import run
 
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
+
 SIZES = {
     "half_size": ["dataset.n_train=4000", "dataset.n_eval=800", "dataset.n_ood=800"],
     "full_size": [],

@@ -12,10 +12,12 @@ from entry_points import run_entry_point
 from strict_files import assert_strict_json_files
 from tolerances import OTHER_BATCHES
 
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
+
 # A 4-layer tiny Qwen3, so the intermediate layer (3/8 of the depth) differs from the final one.
 ARGS = ["method=borp", "probe=borp_contrastive", "dataset=synthetic_ratings", "model.build.num_layers=4",
         "dataset.n_train=400", "dataset.n_eval=200", "dataset.n_ood=100", "dataset.n_cal=100",
-        "also_evaluate=[synthetic_eval]"]
+        "also_evaluate=[{name:synthetic_eval,n_eval:200}]"]  # a preference eval set, sized like the run's own
 
 
 def run(script, args, cwd, cache, check=True, flags=()):
@@ -101,7 +103,8 @@ def test_probe_scores_preferences_with_rewarduq_metrics(borp_run):
     pairs = json.loads((folder / "metrics.json").read_text())["synthetic_eval"]
     assert pairs["win_rate"] > 0.6 and pairs["bound_width"] > 0
     assert {"ct_rate", "cf_rate", "rs_0.2", "ece", "ebce"} <= set(pairs)
-    assert (folder / "predictions" / "synthetic_eval.parquet").exists()
+    # the entry's own n_eval sized the default world's eval split (1000 pairs without it)
+    assert len(pd.read_parquet(folder / "predictions" / "synthetic_eval.parquet")) == 200
 
 
 def test_evaluate_and_the_python_api_rebuild_the_probe(borp_run, shared_cache):
@@ -113,7 +116,7 @@ def test_evaluate_and_the_python_api_rebuild_the_probe(borp_run, shared_cache):
     written = json.loads((folder / "metrics.json").read_text())["synthetic_eval"]
     from rewarduq_exp.data.synthetic import SyntheticWorld
 
-    data = SyntheticWorld(n_eval=1000).load("eval").set_index("id").loc[frame["id"][:20]]
+    data = SyntheticWorld(n_eval=200).load("eval").set_index("id").loc[frame["id"][:20]]
     pairs = model.score_pairs(list(data["prompt"]), list(data["chosen"]), list(data["rejected"]))
     written_margin = (frame["chosen_reward"] - frame["rejected_reward"])[:20].to_numpy()
     # float32 hidden states in other batches (other padding)

@@ -128,6 +128,7 @@ def test_python_api_scores_as_evaluate_does(trained, method, tmp_path, shared_ca
     assert_api_scores_as_evaluate(folder, "synthetic_eval", SyntheticWorld(n_train=600, n_eval=200).load("eval"))
 
 
+@pytest.mark.e2e
 def test_multirun_and_relaunch_skips_completed(tmp_path, shared_cache):
     args = ["method=ens_mlp,bay_lin", "method.beta=1.0,2.0", *SMALL, *NO_FIGURES]
     run("train.py", args, tmp_path, shared_cache, flags=["-m"])
@@ -141,6 +142,7 @@ def test_multirun_and_relaunch_skips_completed(tmp_path, shared_cache):
     assert all(f.stat().st_mtime_ns == stamps[f] for f in folders)  # nothing was re-run or rewritten
 
 
+@pytest.mark.e2e
 def test_failed_run_in_sweep_is_recorded_and_others_complete(tmp_path, shared_cache):
     # reg_lambda=-1 passes the command line's kind check (a number) and fails the run's own validation (>= 0); a
     # bounded size such as num_heads=1 is refused before the sweep starts (tests/test_setting_bounds.py)
@@ -260,6 +262,7 @@ def test_data_file_missing_a_column(tmp_path, shared_cache):
     assert not (folder / "metrics.json").exists()
 
 
+@pytest.mark.e2e
 def test_wandb_offline_logging(tmp_path, shared_cache):
     pytest.importorskip("wandb")
     folder = tmp_path / "outputs" / "runs" / "wb"
@@ -283,6 +286,7 @@ def test_wandb_run_is_finished_when_the_run_fails(tmp_path, shared_cache):
     assert "finishing run" in log
 
 
+@pytest.mark.e2e
 def test_without_network_a_hub_model_fails_at_once(tmp_path, shared_cache):
     """No network: one probe of the endpoint switches the hub libraries offline, so there are no retries with
     back-off (a minute and ten warning lines before) and the error says why in one line."""

@@ -7,6 +7,8 @@ import pytest
 from hub_fixtures import write_all
 from test_cli import run
 
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
+
 
 @pytest.fixture(scope="module")
 def hub_root(tmp_path_factory):

@@ -64,6 +64,7 @@ def test_values_of_the_right_kind_pass(tmp_path, args):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.e2e
 def test_wandb_without_login_is_one_line(tmp_path, shared_cache):
     """No API key anywhere wandb looks (environment, netrc, its settings) and no terminal to ask: one line saying
     how to log in or log offline. wandb stops before any network call."""

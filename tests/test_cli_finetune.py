@@ -10,6 +10,8 @@ from test_cli import run
 
 from rewarduq_exp.data.synthetic import SyntheticWorld
 
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
+
 SMALL = ["progress=false", "dataset.n_train=160", "dataset.n_eval=60", "dataset.n_ood=60"]
 FAST = {"ens_lora": ["method.num_members=3", "method.lora_rank=4"], "mcd_dpo": ["method.num_samples=5"]}
 

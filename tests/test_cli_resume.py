@@ -8,8 +8,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import ROOT
 from entry_points import run_entry_point
+
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
 
 ARGS = ["progress=false", "method=ens_mlp", "method.num_heads=3", "dataset.n_train=600", "dataset.n_eval=100",
         "dataset.n_ood=100", "method.num_epochs=5", "method.batch_size=16", "metric.diagrams=false"]

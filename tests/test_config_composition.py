@@ -41,13 +41,17 @@ def _check(cfg, model, method, dataset):
 
 
 def test_every_model_method_pair_and_every_dataset_compose():
-    """The groups interact only through conf/tuned/<method>/<model>.yaml: every (model, method) pair, and every
-    dataset and other group option once (the full model x method x dataset product is the slow test below)."""
+    """The groups interact only through conf/tuned/<method>/<model>.yaml: every model and every method once, every
+    (model, method) pair with a tuned file, and every dataset and other group option once (the full model x method x
+    dataset product is the slow test below)."""
     register_resolvers()
+    tuned = {(p.stem, p.parent.name) for p in (CONF / "tuned").glob("*/*.yaml")}
+    pairs = ({(model, "ens_mlp") for model in options("model")} | {("tiny-qwen3", m) for m in options("method")}
+             | tuned)
+    assert {model for model, _ in tuned} <= set(options("model")), "a tuned file for a model that is no option"
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        for model in options("model"):
-            for method in options("method"):
-                _check(compose("train", overrides=[f"model={model}", f"method={method}"]), model, method, "synthetic")
+        for model, method in sorted(pairs):
+            _check(compose("train", overrides=[f"model={model}", f"method={method}"]), model, method, "synthetic")
         for dataset in options("dataset"):
             _check(compose("train", overrides=[f"dataset={dataset}"]), "tiny-qwen3", "ens_mlp", dataset)
         for group in ("probe", "metric", "logger", "sweep"):

@@ -18,6 +18,8 @@ from entry_points import run_entry_point, run_ranks
 
 from rewarduq_exp.core.distributed import launcher_overrides
 
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # probe.batch_size: several extraction batches per split (the token budget would take each split in one), so a rank

@@ -255,6 +255,7 @@ def best_of_n_default(sweep, shared_cache):
     return proc, cwd / "outputs" / "ds_bon"
 
 
+@pytest.mark.e2e
 def test_posterior_draws_agree_with_the_reported_uncertainty(sweep):
     import rewarduq_exp as r
 
@@ -282,6 +283,7 @@ def test_posterior_draws_agree_with_the_reported_uncertainty(sweep):
                                        acquisition_scores(strategy, method, flipped, None), atol=1e-9)
 
 
+@pytest.mark.e2e
 def test_best_of_n_end_to_end_on_a_sweep(best_of_n_default):
     proc, out = best_of_n_default
     curves, summary = pd.read_csv(out / "curves.csv"), pd.read_csv(out / "summary.csv")
@@ -328,6 +330,7 @@ def _within(frame: pd.DataFrame, name: str) -> None:
     assert ((frame[f"{name}_lo"] <= frame[name] + 1e-12) & (frame[name] <= frame[f"{name}_hi"] + 1e-12)).all(), name
 
 
+@pytest.mark.e2e
 def test_best_of_n_scores_through_each_runs_recalibration(best_of_n_default, sweep):
     import json
 
@@ -369,6 +372,7 @@ def test_best_of_n_scores_through_each_runs_recalibration(best_of_n_default, swe
     assert "conservative_cal_vs_raw" in proc.stdout   # a column of the printed summary
 
 
+@pytest.mark.e2e
 def test_best_of_n_raw_is_the_old_study_and_a_run_without_calibration_scores_raw(sweep, shared_cache,
                                                                                   best_of_n_default):
     import shutil
@@ -422,6 +426,7 @@ def test_best_of_n_raw_is_the_old_study_and_a_run_without_calibration_scores_raw
     assert "none: every run was scored raw" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_active_learning_end_to_end(sweep, shared_cache):
     cwd, folder = sweep
     downstream(cwd, shared_cache, "task=active_learning", f"run={folder}", "task.pool=120", "task.initial=20",
@@ -446,6 +451,7 @@ def test_active_learning_end_to_end(sweep, shared_cache):
     assert (out / "active_learning.png").stat().st_size > 10_000
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, message", [
     ([], "run= is missing; give a run folder or a sweep folder"),
     (["run=RUNS", "task=best_of_n", "task.ks=[-1]"], r"task.ks=\[-1\] is invalid: must be a non-empty list"),

@@ -85,6 +85,7 @@ def copy_of(folder: Path, tmp_path: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------------------- train.py
+@pytest.mark.e2e
 def test_ctrl_c_saves_the_training_state_and_the_same_command_resumes_to_the_same_metrics(reference, shared_cache,
                                                                                           tmp_path):
     command = [sys.executable, str(ROOT / "train.py"), *ARGS, f"paths.cache_dir={shared_cache}",
@@ -147,6 +148,7 @@ def finished(proc, results) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_evaluate_scores_keeps_nothing(signum, reference, shared_cache, tmp_path):
     run_dir = copy_of(reference, tmp_path)
@@ -167,6 +169,7 @@ def test_a_signal_while_evaluate_scores_keeps_nothing(signum, reference, shared_
     assert snapshot(run_dir) == before   # metrics.json, predictions, figures: untouched
 
 
+@pytest.mark.e2e
 def test_evaluate_waits_out_loud_for_a_held_lock_and_removes_only_the_staging_of_dead_evaluations(
         reference, shared_cache, tmp_path):
     run_dir = copy_of(reference, tmp_path)
@@ -205,6 +208,7 @@ def test_evaluate_waits_out_loud_for_a_held_lock_and_removes_only_the_staging_of
 
 
 # ------------------------------------------------------------------------------------------------------ downstream.py
+@pytest.mark.e2e
 def test_ctrl_c_of_downstream_is_one_line(reference, shared_cache, tmp_path):
     task_dir = tmp_path / "ds"
     proc, results = start_in_child("downstream.py", ["task=best_of_n", f"run={reference}", "progress=false",

@@ -13,6 +13,8 @@ from conftest import ROOT
 from entry_points import run_entry_point
 from strict_files import assert_strict_json_files
 
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
+
 # Two of the paper's CSVs ship with the tests; the others are checked too where REWARDUQ_LABEL_RANKING_DIR holds them.
 PAPER_CSVS = ROOT / "tests" / "fixtures" / "label_ranking"
 

@@ -17,6 +17,8 @@ from rewarduq_exp.core.training_checkpoint import TrainingCheckpoints
 from rewarduq_exp.data.synthetic import SyntheticWorld
 from rewarduq_exp.methods import mcd_dpo as mod
 
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
+
 # 12 pairs in micro-batches of 2, 2 per optimizer step (accumulation), 2 epochs: 3 steps per epoch, 6 in all; a log
 # record every 2nd step, so a stop at an odd step falls between two log steps (the Trainer's running loss sum must
 # come back too).

@@ -14,7 +14,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import ROOT
+
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
 
 TOY_MODULE = '''
 """A throwaway method for the test: a linear reward head, u = |r| / 10 + 0.1 (made up)."""
@@ -87,6 +90,7 @@ show_progress: ${progress}
 SCORE = """
 import sys
 from rewarduq_exp.api import load_run
+
 model = load_run(sys.argv[1], device="cpu", progress=False)
 table = model.score(["Name a colour."], ["Blue."], raw=True)
 print(model.method.name, table.to_json(orient="records", double_precision=15))

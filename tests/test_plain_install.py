@@ -36,9 +36,12 @@ from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import ROOT, cache_with_tiny_model
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
 
 SMALL = ["progress=false", "dataset.n_train=200", "dataset.n_eval=100", "dataset.n_ood=100", "metric.diagrams=false"]
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
+
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.20
 

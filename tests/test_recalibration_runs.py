@@ -12,6 +12,8 @@ from test_cli import NO_FIGURES, run
 import rewarduq_exp as r
 from rewarduq_exp.recalibration import read_calibration
 
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
+
 SMALL = ["progress=false", "dataset.n_train=400", "dataset.n_eval=200", "dataset.n_ood=100", "dataset.n_cal=300"]
 
 

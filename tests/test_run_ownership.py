@@ -24,6 +24,8 @@ from rewarduq_exp.runs.run_folder import RunFolder, RunFolderBusy
 from rewarduq_exp.runs.run_identity import config_hash
 from rewarduq_exp.runs.run_records import find_runs
 
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
+
 SMALL = ["progress=false", "dataset.n_train=200", "dataset.n_eval=60", "dataset.n_ood=60", "metric.diagrams=false"]
 
 

@@ -57,10 +57,12 @@ def assert_grid_outcome(status: dict, proc) -> None:
             assert not (path / "metrics.json").exists()
 
 
+@pytest.mark.e2e
 def test_grid_runs_every_point_and_records_the_failed_one(sweep):
     assert_grid_outcome(sweep["status"], sweep["first"])
 
 
+@pytest.mark.e2e
 def test_relaunch_reruns_only_what_did_not_complete(sweep):
     log = sweep["second"].stdout + sweep["second"].stderr
     assert log.count("completed, same config") == 2
@@ -83,6 +85,7 @@ def test_grid_as_separate_submitit_jobs(tmp_path, shared_cache):
     assert_grid_outcome(sweep_status(folder), proc)
 
 
+@pytest.mark.e2e
 def test_sweep_turns_tuned_values_off_and_uses_the_grid(sweep):
     import yaml
 
@@ -108,6 +111,7 @@ def sbatch_dry_run(tmp_path, cache, args, flags=("-m",)) -> str:
     return record.read_text()
 
 
+@pytest.mark.e2e
 def test_slurm_script_from_submitit(tmp_path, shared_cache):
     args = ["sweep=bay_lin", "model=qwen3-0.6b", "hydra/launcher=slurm", "hydra.launcher.partition=gpu",
             "hydra.launcher.account=my_lab", "hydra.launcher.timeout_min=240",
@@ -120,6 +124,7 @@ def test_slurm_script_from_submitit(tmp_path, shared_cache):
     assert "srun" in script and "submitit.core._submit" in script
 
 
+@pytest.mark.e2e
 def test_launcher_settings_shown_without_launching(tmp_path, shared_cache):
     proc = run("train.py", ["sweep=ens_mlp", "model=qwen3-0.6b", "hydra/launcher=slurm", "--cfg", "hydra", "-p",
                             "hydra.launcher"], tmp_path, shared_cache)
@@ -127,6 +132,7 @@ def test_launcher_settings_shown_without_launching(tmp_path, shared_cache):
     assert not (tmp_path / "outputs" / "multirun").exists()
 
 
+@pytest.mark.e2e
 def test_selection_on_the_real_sweep_lists_failures_and_its_tuned_file_is_picked_up(sweep, tmp_path,
                                                                                    shared_cache):
     from conftest import ROOT
@@ -175,6 +181,7 @@ def test_run_folder_name_hashes_the_resolved_config():
     assert run_name("seed=0", _root_=root(**{"hydra.job.num": 7})) == name
 
 
+@pytest.mark.e2e
 def test_table1_and_figures_on_the_real_sweep(sweep, tmp_path):
     from conftest import ROOT
 
@@ -197,3 +204,26 @@ def test_tuned_paper_config_adds_reward_bench_to_the_default_evaluation():
     assert names == ["ultrafeedback_test", "reward_bench_filtered"]
     explicit = [es.name for es in resolve_eval_sets(["ultrafeedback_test"], train_cfg, 0, also=tuned.also_evaluate)]
     assert explicit == ["ultrafeedback_test"]  # an explicit list replaces the default one
+
+
+def test_an_also_evaluate_entry_can_size_its_dataset_and_the_plan_counts_it():
+    from omegaconf import OmegaConf
+
+    from rewarduq_exp.core.errors import UserError
+    from rewarduq_exp.data.registry import load_dataset_config, resolve_eval_sets
+    from rewarduq_exp.runner.plan import dataset_sizes
+
+    train_cfg = load_dataset_config("synthetic_ratings", seed=0)
+    also = OmegaConf.create([{"name": "synthetic_eval", "n_eval": 200}, {"name": "reward_bench",
+                                                                          "eval_num_samples": 500}])
+    sets = resolve_eval_sets(None, train_cfg, 0, also=also)
+    assert [es.name for es in sets][-2:] == ["synthetic_eval", "reward_bench_filtered"]
+    assert sets[-2].config.n_eval == 200 and sets[-1].config.eval_num_samples == 500
+    assert load_dataset_config("synthetic", seed=0).n_eval == 1000   # the option did not leak into the dataset's file
+    cfg = OmegaConf.create({"dataset": {"name": "synthetic_ratings", "n_train": 400, "n_eval": 100, "n_ood": 50},
+                            "also_evaluate": also})
+    assert dataset_sizes(cfg) == (400, 100 + 50 + 200 + 500)
+    with pytest.raises(UserError, match="n_evl is not a setting of dataset 'synthetic'"):
+        resolve_eval_sets(None, train_cfg, 0, also=[{"name": "synthetic_eval", "n_evl": 200}])
+    with pytest.raises(UserError, match="needs its dataset as name"):
+        resolve_eval_sets(None, train_cfg, 0, also=[{"n_eval": 200}])

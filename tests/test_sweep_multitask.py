@@ -5,9 +5,12 @@ torch.distributed run of N processes (rank 0 writes the run folder). Tested on C
 import json
 import os
 
+import pytest
 from conftest import ROOT
 from test_cli import run
 from test_sweep import sbatch_dry_run
+
+pytestmark = pytest.mark.e2e  # end to end: make test-e2e (.ci/run), not make test
 
 TINY = ["method=bay_lin", "seed=0", "device=cpu", "progress=false", "dataset.n_train=96", "dataset.n_eval=32",
         "dataset.n_ood=32", "metric.diagrams=false"]

@@ -95,6 +95,7 @@ def test_world_of_dispatches_vader_runs_and_finds_their_cached_sdist_offline(tmp
             in str(err.value)) and "'synthetic_ratings'" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.e2e
 def test_downstream_on_a_vader_run_end_to_end(tmp_path, shared_cache, sdist):
     folder, _ = train_run(tmp_path, shared_cache, ["method=ens_mlp", "dataset=vader_pairs", f"dataset.path={sdist}",
                                                    "dataset.min_gap=0.5", "dataset.eval_fraction=0.4"])

@@ -232,6 +232,7 @@ def train_run(tmp_path, cache, args):
     return folder, proc
 
 
+@pytest.mark.e2e
 def test_ens_mlp_on_vader_pairs_through_train_py(tmp_path, shared_cache):
     sdist = larger_sdist(tmp_path / vader_ratings.SDIST)
     folder, proc = train_run(tmp_path, shared_cache, ["method=ens_mlp", "dataset=vader_pairs", f"dataset.path={sdist}",
@@ -242,6 +243,7 @@ def test_ens_mlp_on_vader_pairs_through_train_py(tmp_path, shared_cache):
     assert "truth/bayes_win_rate" not in metrics["vader_pairs_eval"]  # human data: no hidden true reward
 
 
+@pytest.mark.e2e
 def test_borp_sentiment_probe_on_vader_ratings_through_train_py(tmp_path, shared_cache):
     sdist = larger_sdist(tmp_path / vader_ratings.SDIST)
     folder, proc = train_run(tmp_path, shared_cache, [

@@ -162,8 +162,11 @@ def resolve_eval_sets(names, train_cfg: DictConfig | None, seed: int, paths=None
     if names is None:
         if train_cfg is None:
             raise UserError("no dataset to evaluate: pass dataset=<name> (or <name>_<split>)")
-        own = [EvalSet(f"{train_cfg.name}_{s}", train_cfg, s) for s in train_cfg.eval_splits]
-        return own + (resolve_eval_sets(list(also), train_cfg, seed, paths, (), conf_dir) if also else [])
+        out = [EvalSet(f"{train_cfg.name}_{s}", train_cfg, s) for s in train_cfg.eval_splits]
+        for entry in also:
+            name, options = also_evaluate_entry(entry)
+            out += with_options(resolve_eval_sets([name], train_cfg, seed, paths, (), conf_dir), options or None)
+        return out
     if isinstance(names, str):
         names = [names]
     known = set(available("dataset", conf_dir))
@@ -184,6 +187,22 @@ def resolve_eval_sets(names, train_cfg: DictConfig | None, seed: int, paths=None
         for s in splits:
             out.append(EvalSet(f"{cfg.name}_{s}", cfg, s))
     return out
+
+
+def also_evaluate_entry(entry) -> tuple[str, dict]:
+    """One ``also_evaluate`` entry as (eval dataset name, its loader options): ``reward_bench``, or, to size or subset
+    it, ``{name: synthetic_eval, n_eval: 200}`` (on the command line:
+    ``'also_evaluate=[{name:synthetic_eval,n_eval:200}]'``)."""
+    if isinstance(entry, DictConfig):
+        entry = OmegaConf.to_container(entry, resolve=True)
+    if isinstance(entry, dict):
+        options = dict(entry)
+        name = options.pop("name", None)
+        if not isinstance(name, str) or not name:
+            raise UserError(f"an also_evaluate entry with options needs its dataset as name: "
+                            f"{{name: <dataset>[_<split>], <key>: <value>, ...}}, got {entry}")
+        return name, options
+    return str(entry), {}
 
 
 def _check_option_keys(node: DictConfig, options: dict, prefix: str, dataset: str) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.models.memory_plan import (  # noqa: F401  (part of the planner's API)
@@ -123,8 +123,18 @@ def dataset_sizes(cfg: DictConfig) -> tuple[int, int]:
         n_eval = int(ds.get("n_eval") or 0) + int(ds.get("n_ood") or 0)
         if not n_eval:
             n_eval = _sampled(ds.get("eval_num_samples", "all"), KNOWN_EVAL_PAIRS.get(name, 0))
-        n_eval += sum(KNOWN_EVAL_PAIRS.get(str(e), 0) for e in (cfg.get("also_evaluate") or []))
+        n_eval += sum(_also_evaluated_pairs(e) for e in (cfg.get("also_evaluate") or []))
     return int(n_train), int(n_eval)
+
+
+def _also_evaluated_pairs(entry) -> int:
+    """The pairs of one ``also_evaluate`` entry: its own n_eval or eval_num_samples option, else a known size."""
+    from rewarduq_exp.data.registry import also_evaluate_entry
+
+    name, options = also_evaluate_entry(entry)
+    if options.get("n_eval") is not None:
+        return int(options["n_eval"])
+    return _sampled(options.get("eval_num_samples", "all"), KNOWN_EVAL_PAIRS.get(name, 0))
 
 
 def _sampled(num_samples, total: int) -> int:
@@ -251,7 +261,13 @@ def compose_points(args: list[str], config_name: str = "train") -> list[tuple[li
             first = compose(config_name, overrides=fixed, return_hydra_config=True)
             task_args = [a for a in args if not a.split("=", 1)[0].lstrip("+~").startswith("hydra")]
             for point in sweep_points(first, task_args, GlobalHydra.instance().config_loader()):
-                points.append((point, compose(config_name, overrides=[*fixed, *point])))
+                if not set(point) <= set(fixed):
+                    points.append((point, compose(config_name, overrides=[*fixed, *point])))
+                else:  # nothing beyond the config composed above: it, less the hydra node (what compose() returns)
+                    cfg = first.copy()
+                    with open_dict(cfg):
+                        del cfg["hydra"]
+                    points.append((point, cfg))
     finally:
         GlobalHydra.instance().clear()
     return points
