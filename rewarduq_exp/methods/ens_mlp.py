@@ -22,6 +22,12 @@ from torch import nn
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
 from rewarduq_exp.methods.settings import AdamWSettings, FeatureHeadSettings, positive, setting
+from rewarduq_exp.methods.training import run_training
+
+
+def squared_deviation(diff: torch.Tensor) -> torch.Tensor:
+    """Per head, the sum of squares of ``diff`` (K, ...): one reduction without a squared copy."""
+    return torch.linalg.vector_norm(diff.flatten(1), dim=1).square()
 
 
 class BatchedMLPHeads(nn.Module):
@@ -89,7 +95,8 @@ class EnsMLP(FeatureHeadMethod):
 
     @classmethod
     def head_memory(cls, ctx, feature_dim: int, batch: int):
-        """K stacked MLPs with gradients, AdamW states and the anchor copy; the anchor's p - p0 kept for backward;
+        """K stacked MLPs with gradients, AdamW states and the anchor copy; the anchor's p - p0 of one parameter
+        tensor at a time, after the backward pass has freed the activations (:meth:`add_anchor_gradient`);
         each hidden layer's ReLU output kept for backward and two more (K, 2B, h) tensors alive in the forward."""
         from rewarduq_exp.models.memory_plan import HeadMemory
 
@@ -97,21 +104,24 @@ class EnsMLP(FeatureHeadMethod):
         k, h, nh = int(m.num_heads), int(m.hidden_dim), int(m.num_hidden_layers)
         trainable = k * (d * h + (nh - 1) * h * h + h + nh * h)
         parts = {"ENS-MLP heads (weights, grads, AdamW x2, anchor copy)": 5 * trainable * 4}
+        parts["head activations"] = activations = 2 * batch * (d + k * h * (nh + 2)) * 4
         if float(m.reg_lambda) > 0:
-            parts["anchor penalty (p - p0, kept for backward)"] = trainable * 4
-        parts["head activations"] = 2 * batch * (d + k * h * (nh + 2)) * 4
+            # after the backward pass has freed the activations: only what exceeds them raises the peak
+            diff = k * max(d, h if nh > 1 else 1) * h * 4
+            parts["anchor gradient (one tensor's p - p0, beyond the freed activations)"] = max(0, diff - activations)
         return HeadMemory(trainable, parts, 6 * trainable * 2 * ctx.n_train * float(m.num_epochs))
 
     @classmethod
     def check_fits(cls, settings, feature_dim: int, device_bytes: float) -> None:
         """K x hidden_dim x num_hidden_layers, each bounded alone, must also fit together: the heads with their
-        gradients, two AdamW states and the anchor's copy (and p - p0 with an anchor), as :meth:`head_memory`
-        counts them, within ``device_bytes``. Settings the constructor refuses are left to it."""
+        gradients, two AdamW states and the anchor's copy (and one tensor's p - p0 with an anchor), as
+        :meth:`head_memory` counts them, within ``device_bytes``. Settings the constructor refuses are left to it."""
         k, h, nh = settings.get("num_heads"), settings.get("hidden_dim"), settings.get("num_hidden_layers")
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (k, h, nh)):
             return
         trainable = k * (feature_dim * h + (nh - 1) * h * h + h + nh * h)
-        need = 5 * trainable * 4 + (trainable * 4 if (settings.get("reg_lambda") or 0) > 0 else 0)
+        anchor = k * max(feature_dim, h if nh > 1 else 1) * h * 4 if (settings.get("reg_lambda") or 0) > 0 else 0
+        need = 5 * trainable * 4 + anchor
         if need > device_bytes:
             gib = 2**30
             raise UserError(f"method.num_heads={k} x method.hidden_dim={h} x method.num_hidden_layers={nh} is too "
@@ -128,25 +138,69 @@ class EnsMLP(FeatureHeadMethod):
         self.initial = [p.detach().clone() for p in self.heads.parameters()]
 
     def anchor_penalty(self) -> torch.Tensor:
-        """Mean over heads of the per-parameter mean squared deviation from the initial parameters."""
-        sq = sum((p - p0).pow(2).flatten(1).sum(1) for p, p0 in zip(self.heads.parameters(), self.initial))
+        """Mean over heads of the per-parameter mean squared deviation from the initial parameters (eq. 11's anchor):
+        a value without a graph, since training adds its gradient directly (:meth:`add_anchor_gradient`)."""
+        with torch.no_grad():
+            sq = sum(squared_deviation(p - p0) for p, p0 in zip(self.heads.parameters(), self.initial))
+            return (sq / self.heads.params_per_head).mean()
+
+    def add_anchor_gradient(self) -> torch.Tensor:
+        """Add lambda times the anchor's gradient to every parameter's ``.grad``; returns the anchor's value.
+
+        anchor = (1/K) sum_k (1/P) sum_i (p_ki - p0_ki)^2 (:meth:`anchor_penalty`, P parameters per head), so
+        d anchor / d p_ki = 2 (p_ki - p0_ki) / (K P): one subtraction and one in-place add per parameter tensor,
+        where autograd of the anchor built a second graph (subtract, square, sum, mean) over every parameter and
+        kept every p - p0 alive through the backward pass (the autograd path took 8-10 ms of a 26 ms step). Called
+        after the backward pass of the other terms and before clipping, so the step is today's to float rounding
+        (tests/test_ens_mlp_anchor_gradient.py). Each p - p0 lives only while its own tensor is handled.
+        """
+        scale = 2.0 * self.reg_lambda / (self.num_heads * self.heads.params_per_head)
+        sq = 0.0
+        with torch.no_grad():
+            for p, p0 in zip(self.heads.parameters(), self.initial):
+                diff = p - p0
+                sq = sq + squared_deviation(diff)
+                if p.grad is None:
+                    p.grad = diff.mul_(scale)
+                else:
+                    p.grad.add_(diff, alpha=scale)
         return (sq / self.heads.params_per_head).mean()
 
-    def loss(self, zc: torch.Tensor, zr: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def _fit_terms(self, zc: torch.Tensor, zr: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Bradley-Terry and centring terms of eq. 11 (differentiable)."""
         n = zc.shape[0]
         rewards = self.heads(torch.cat([zc, zr]))  # one pass for chosen and rejected: (K, 2B)
         rc, rr = rewards[:, :n], rewards[:, n:]
         bt = weighted_mean(bradley_terry_nll(rc - rr).mean(0), weight)
         center = weighted_mean((rc + rr).pow(2).mean(0), weight)
+        return bt, center
+
+    def _total(self, bt: torch.Tensor, anchor: torch.Tensor, center: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        total = bt.detach() + self.reg_lambda * anchor + self.center_gamma * center.detach()
+        return total, {"loss_bt": bt.detach(), "loss_anchor": anchor, "loss_center": center.detach()}
+
+    def loss(self, zc: torch.Tensor, zr: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The value of eq. 11 on a batch and its three terms, without a graph (training: :meth:`_fit_features`)."""
+        with torch.no_grad():
+            bt, center = self._fit_terms(zc, zr, weight)
         anchor = self.anchor_penalty() if self.reg_lambda > 0 else torch.zeros((), device=zc.device)
-        total = bt + self.reg_lambda * anchor + self.center_gamma * center
-        return total, {"loss_bt": bt.detach(), "loss_anchor": anchor.detach(), "loss_center": center.detach()}
+        return self._total(bt, anchor, center)
 
     def _fit_features(self, zc, zr, weight) -> None:
-        def batch_loss(index):
-            return self.loss(zc[index], zr[index], weight[index])
+        """AdamW on eq. 11 by :func:`~rewarduq_exp.methods.training.run_training`: each step runs backward on the BT
+        and centring terms, then adds the anchor's gradient directly (:meth:`add_anchor_gradient`) before the loop
+        clips the total gradient norm over the K heads together and steps."""
+        def step(index: torch.Tensor) -> dict:
+            index = index.to(self.device)
+            bt, center = self._fit_terms(zc[index], zr[index], weight[index])
+            (bt + self.center_gamma * center).backward()
+            anchor = self.add_anchor_gradient() if self.reg_lambda > 0 else torch.zeros((), device=zc.device)
+            total, parts = self._total(bt, anchor, center)
+            return {"loss": total, **parts}
 
-        self._train_loop(self.heads.parameters(), batch_loss, len(zc), self.schedule, desc=f"{self.name} training")
+        run_training(self.heads.parameters(), len(zc), self.schedule, step, seed=self.seed,
+                     desc=f"{self.name} training", history=self.history, show_progress=self.show_progress,
+                     log_every=self.log_every, fused=self.device.type == "cpu")
 
     def _score_features(self, z):
         rewards = self.heads(z)  # (K, B)
