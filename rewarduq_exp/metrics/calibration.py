@@ -71,13 +71,34 @@ def binned_curve(q: np.ndarray, y: np.ndarray, w: np.ndarray, n_bins: int) -> Ca
     """
     n_bins = check_n_bins(n_bins)
     edges = np.linspace(0.0, 1.0, n_bins + 1)
-    # Assigned after rounding to 12 decimals: a probability on an edge and its flip (1 - 0.7 = 0.30000000000000004
-    # for 0.3) must land in the same bin, or a step map (isotonic recalibration outputs exactly 0.3) splits its rows
-    # by label between two bins. Bin means use the probabilities as they are.
-    b = np.digitize(np.round(q, 12), edges[1:-1])
+    return _curve(edges, bin_index(q, edges), q, w * y, w)
+
+
+def bin_index(q: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The bin of each probability ``q`` in [0, 1] under ``edges`` (``np.linspace(0, 1, n_bins + 1)``): the bins
+    of ``np.digitize(np.round(q, 12), edges[1:-1])``, computed directly (floor of q times n_bins) at a fifth of
+    its cost, value for value (tests/test_calibration_bins.py).
+
+    Assigned after rounding to 12 decimals: a probability on an edge and its flip (1 - 0.7 = 0.30000000000000004
+    for 0.3) must land in the same bin, or a step map (isotonic recalibration outputs exactly 0.3) splits its rows
+    by label between two bins. Bin means use the probabilities as they are.
+    """
+    n_bins = len(edges) - 1
+    qr = np.round(q, 12)
+    b = np.minimum((qr * n_bins).astype(np.intp), n_bins - 1)   # 1.0 in the last bin
+    # q * n_bins and linspace's edges round differently, so the floor can be one bin off where q sits on (or within
+    # rounding of) an edge: move it to the bin the edges themselves give (left-closed, as np.digitize).
+    b -= qr < edges[b]
+    b += qr >= np.append(edges[1:-1], np.inf)[b]
+    return b
+
+
+def _curve(edges: np.ndarray, b: np.ndarray, q: np.ndarray, wy: np.ndarray, w: np.ndarray) -> CalibrationCurve:
+    """The curve of rows in bins ``b`` (``wy``: weight times label, which the three curves of a set share)."""
+    n_bins = len(edges) - 1
     sw = np.bincount(b, weights=w, minlength=n_bins)
     swq = np.bincount(b, weights=w * q, minlength=n_bins)
-    swy = np.bincount(b, weights=w * y, minlength=n_bins)
+    swy = np.bincount(b, weights=wy, minlength=n_bins)
     # A bin holding only zero-weight rows is empty: weight w must equal repeating the row w times.
     occ = sw > 0
     conf = np.full(n_bins, np.nan)
@@ -103,7 +124,7 @@ def symmetrise(
 def _validate_probabilities(p, p_lo, p_hi, y, weight) -> tuple[np.ndarray, ...]:
     arrays = {}
     for name, v in (("p", p), ("p_lo", p_lo), ("p_hi", p_hi), ("y", y)):
-        a = np.array(v, dtype=float).reshape(-1)
+        a = np.asarray(v, dtype=float).reshape(-1)   # read only: no copy
         if not np.isfinite(a).all() or (a < 0).any() or (a > 1).any():
             raise UserError(f"{name} must hold finite values in [0, 1]")
         arrays[name] = a
@@ -111,7 +132,7 @@ def _validate_probabilities(p, p_lo, p_hi, y, weight) -> tuple[np.ndarray, ...]:
     if n == 0:
         raise UserError("no preference pairs: calibration metrics need at least one pair")
     lengths = {k: len(a) for k, a in arrays.items()}
-    w = np.ones(n) if weight is None else np.array(weight, dtype=float).reshape(-1)
+    w = np.ones(n) if weight is None else np.asarray(weight, dtype=float).reshape(-1)
     lengths["weight"] = len(w)
     if len(set(lengths.values())) != 1:
         raise UserError(f"p, p_lo, p_hi, y and weight must have the same length, got {lengths}")
@@ -126,11 +147,9 @@ def _validate_probabilities(p, p_lo, p_hi, y, weight) -> tuple[np.ndarray, ...]:
 
 def _curves(p, p_lo, p_hi, y, w, n_bins: int) -> dict[str, CalibrationCurve]:
     q, q_lo, q_hi, ys, ws = symmetrise(p, p_lo, p_hi, y, w)
-    return {
-        "pred": binned_curve(q, ys, ws, n_bins),
-        "lower": binned_curve(q_lo, ys, ws, n_bins),
-        "upper": binned_curve(q_hi, ys, ws, n_bins),
-    }
+    edges, wy = np.linspace(0.0, 1.0, n_bins + 1), ws * ys
+    return {key: _curve(edges, bin_index(x, edges), x, wy, ws)
+            for key, x in (("pred", q), ("lower", q_lo), ("upper", q_hi))}
 
 
 def _calibration(p, p_lo, p_hi, y, w, n_bins: int) -> dict[str, float]:
