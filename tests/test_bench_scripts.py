@@ -18,6 +18,7 @@ SMOKE = {
     "bench_heads.py": (["--pairs", "128", "--dim", "16", "--heads", "3", "--repeats", "1"], "speed-up"),
     "bench_lora.py": (["--members", "2", "--texts", "4", "--repeats", "1", "--train-pairs", "4"], "training speed-up"),
     "bench_mcd.py": (["--samples", "2", "--batch", "2", "--length", "12", "--repeats", "1"], "ratio"),
+    "bench_metrics_and_heads.py": (["--smoke"], "training speed-up"),
     "bench_probe.py": (["--smoke"], "fraction of ideal"),
     "bench_ranking.py": (["--smoke"], "speed-up"),
     "bench_shared_prefix.py": (["--smoke"], "speed-up"),

@@ -1,0 +1,173 @@
+"""Time, in one run, the metric call and an ENS-MLP training epoch against their naive forms (issue 45).
+
+    python scripts/bench_metrics_and_heads.py                 # 100k pairs; K=20 heads on d=1024, 8000 pairs
+    python scripts/bench_metrics_and_heads.py --smoke         # tiny sizes (tests/test_bench_scripts.py)
+
+1. The calibration and accuracy metric families of ``metric=rewarduq`` (win rate, CT/UT/CF/UF, RS_alpha, ECE/MCE,
+   ELCE/EUCE/EBCE, Brier) on a predictions table of ``--pairs`` pairs: ``compute_metrics`` against the same
+   computation with the former binning (``np.digitize`` of the rounded probabilities, written here) and the former
+   copies of the validation, checked equal.
+2. One ENS-MLP epoch on random features of the backbone's size (the features come from the cache, so the backbone
+   is not part of an epoch), K heads d-128-128-1, batch 64, lr 1e-3, lambda 0.1, gamma 0.01, float32: the training
+   step as it is (the anchor's gradient added directly, fused AdamW on a CPU) against the naive step (the anchor's
+   value and gradient through autograd, torch's default AdamW), same init and data order.
+
+Medians over ``--repeats``, the two variants alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+
+from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.methods.base import bradley_terry_nll, weighted_mean
+from rewarduq_exp.methods.ens_mlp import EnsMLP
+from rewarduq_exp.methods.training import run_training
+from rewarduq_exp.metrics import preference
+from rewarduq_exp.metrics.calibration import CalibrationCurve, symmetrise
+from rewarduq_exp.metrics.rewarduq import compute_metrics
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+def naive_curve(q, y, w, n_bins: int) -> CalibrationCurve:
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    b = np.digitize(np.round(q, 12), edges[1:-1])   # the former binning: a binary search per value
+    sw = np.bincount(b, weights=w, minlength=n_bins)
+    swq = np.bincount(b, weights=w * q, minlength=n_bins)
+    swy = np.bincount(b, weights=w * y, minlength=n_bins)
+    occ = sw > 0
+    conf, acc = np.full(n_bins, np.nan), np.full(n_bins, np.nan)
+    conf[occ], acc[occ] = swq[occ] / sw[occ], swy[occ] / sw[occ]
+    return CalibrationCurve(edges=edges, confidence=conf, accuracy=acc, weight=sw)
+
+
+def naive_metrics(table: pd.DataFrame, n_bins: int = 20) -> dict[str, float]:
+    """The same families as :func:`compute_metrics`, the former way."""
+    c, r, w = preference.pairs_from_table(table)
+    p, p_lo, p_hi = preference.preference_probabilities(c, r)
+    arrays = [np.array(v, dtype=float).reshape(-1) for v in (p, p_lo, p_hi, np.ones_like(p))]   # former copies
+    w = np.array(w, dtype=float).reshape(-1)
+    if not all(np.isfinite(a).all() and (a >= 0).all() and (a <= 1).all() for a in arrays):
+        raise UserError("bad probabilities")
+    p, p_lo, p_hi, y = arrays
+    out = preference._accuracy(c, r, w, preference.DEFAULT_ALPHAS)
+    q, q_lo, q_hi, ys, ws = symmetrise(p, p_lo, p_hi, y, w)
+    pred, lower, upper = (naive_curve(x, ys, ws, n_bins) for x in (q, q_lo, q_hi))
+    elce, euce = lower.lower_error(), upper.upper_error()
+    out |= {"ece": pred.ece(), "mce": pred.mce(), "elce": elce, "euce": euce, "ebce": 0.5 * (elce + euce),
+            "brier": float(np.dot(w, (p - y) ** 2) / w.sum())}
+    return out
+
+
+def predictions_table(n: int, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    cr, rr = rng.normal(size=n), rng.normal(size=n)
+    cu, ru = rng.uniform(0, 1, n), rng.uniform(0, 1, n)
+    return pd.DataFrame({"weight": rng.uniform(0, 2, n), "chosen_reward": cr, "chosen_lower": cr - cu,
+                         "chosen_upper": cr + cu, "rejected_reward": rr, "rejected_lower": rr - ru,
+                         "rejected_upper": rr + ru})
+
+
+def bench_metrics(pairs: int, repeats: int) -> None:
+    table = predictions_table(pairs)
+    new, old = compute_metrics(table), naive_metrics(table)
+    for key, value in old.items():   # the benchmark compares equal work
+        assert new[key] == value, (key, new[key], value)
+    times = {"new": [], "naive": []}
+    for _ in range(repeats):
+        for name, fn in (("new", compute_metrics), ("naive", naive_metrics)):
+            t0 = time.perf_counter()
+            fn(table)
+            times[name].append(time.perf_counter() - t0)
+    new_s, old_s = statistics.median(times["new"]), statistics.median(times["naive"])
+    print(f"metrics (calibration + accuracy families), {pairs} pairs, median of {repeats}: every value equal")
+    print(f"  compute_metrics (bins computed directly):   {new_s * 1e3:8.2f} ms  (min {min(times['new']) * 1e3:.2f})")
+    print(f"  naive (np.digitize, validation copies):    {old_s * 1e3:8.2f} ms  (min {min(times['naive']) * 1e3:.2f})")
+    print(f"  metrics speed-up (naive / new): {old_s / new_s:.2f}x")
+
+
+# ---------------------------------------------------------------------------------------------------- ENS-MLP
+def naive_fit(m: EnsMLP, zc, zr, weight) -> None:
+    """The former ENS-MLP step: eq. 11 with the anchor in the autograd graph, one backward, default AdamW."""
+
+    def step(index):
+        c, r, w = zc[index], zr[index], weight[index]
+        n = c.shape[0]
+        rewards = m.heads(torch.cat([c, r]))
+        rc, rr = rewards[:, :n], rewards[:, n:]
+        bt = weighted_mean(bradley_terry_nll(rc - rr).mean(0), w)
+        center = weighted_mean((rc + rr).pow(2).mean(0), w)
+        sq = sum((p - p0).pow(2).flatten(1).sum(1) for p, p0 in zip(m.heads.parameters(), m.initial))
+        anchor = (sq / m.heads.params_per_head).mean()
+        total = bt + m.reg_lambda * anchor + m.center_gamma * center
+        total.backward()
+        return {"loss": total.detach(), "loss_bt": bt.detach(), "loss_anchor": anchor.detach(),
+                "loss_center": center.detach()}
+
+    run_training(m.heads.parameters(), len(zc), m.schedule, step, seed=m.seed, desc="naive", history=m.history,
+                 show_progress=False, log_every=m.log_every)
+
+
+def bench_heads(pairs: int, dim: int, heads: int, repeats: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    zc, zr = torch.randn(pairs, dim, generator=g), torch.randn(pairs, dim, generator=g)
+    weight = torch.ones(pairs)
+    make = functools.partial(EnsMLP, num_heads=heads, hidden_dim=128, num_hidden_layers=2, batch_size=64,
+                             learning_rate=1e-3, reg_lambda=0.1, center_gamma=0.01, num_epochs=1,
+                             max_grad_norm=1.0, device="cpu", show_progress=False, seed=0)
+
+    def epoch(fit) -> tuple[float, EnsMLP]:
+        m = make()
+        m._build(dim)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            t0 = time.perf_counter()
+            fit(m, zc, zr, weight)
+            return time.perf_counter() - t0, m
+
+    variants = {"new": EnsMLP._fit_features, "naive": naive_fit}
+    for fit in variants.values():   # untimed warm-up: allocator and thread pools
+        epoch(fit)
+    times, models = {"new": [], "naive": []}, {}
+    for _ in range(repeats):
+        for name, fit in variants.items():
+            seconds, models[name] = epoch(fit)
+            times[name].append(seconds)
+    with torch.no_grad():
+        diff = max(float((a - b).abs().max()) for a, b in zip(models["new"].heads.parameters(),
+                                                              models["naive"].heads.parameters()))
+    steps = -(-pairs // 64)
+    new_s, old_s = statistics.median(times["new"]), statistics.median(times["naive"])
+    print(f"ENS-MLP, one epoch: {pairs} pairs ({steps} steps of 64), d={dim}, K={heads}, torch threads "
+          f"{torch.get_num_threads()}, median of {repeats}; parameters differ by at most {diff:.1e}")
+    print(f"  direct anchor gradient, fused AdamW: {new_s:8.3f} s  ({new_s / steps * 1e3:6.1f} ms a step, "
+          f"min {min(times['new']):.3f} s)")
+    print(f"  naive (anchor through autograd):      {old_s:8.3f} s  ({old_s / steps * 1e3:6.1f} ms a step, "
+          f"min {min(times['naive']):.3f} s)")
+    print(f"  training speed-up (naive / new): {old_s / new_s:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--metric-pairs", type=int, default=100_000)
+    parser.add_argument("--pairs", type=int, default=8000, help="ENS-MLP training pairs")
+    parser.add_argument("--dim", type=int, default=1024, help="backbone hidden size (Qwen3-0.6B: 1024)")
+    parser.add_argument("--heads", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks that the script runs")
+    args = parser.parse_args()
+    if args.smoke:
+        args.metric_pairs, args.pairs, args.dim, args.heads, args.repeats = 500, 128, 16, 3, 1
+    bench_metrics(args.metric_pairs, args.repeats)
+    bench_heads(args.pairs, args.dim, args.heads, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
