@@ -9,7 +9,7 @@
    copies of the validation, checked equal.
 2. One ENS-MLP epoch on random features of the backbone's size (the features come from the cache, so the backbone
    is not part of an epoch), K heads d-128-128-1, batch 64, lr 1e-3, lambda 0.1, gamma 0.01, float32: the training
-   step as it is (the anchor's gradient added directly, fused AdamW on a CPU) against the naive step (the anchor's
+   step as it is (the anchor's gradient added directly) against the naive step (the anchor's
    value and gradient through autograd, torch's default AdamW), same init and data order.
 
 Medians over ``--repeats``, the two variants alternating.
@@ -147,7 +147,7 @@ def bench_heads(pairs: int, dim: int, heads: int, repeats: int) -> None:
     new_s, old_s = statistics.median(times["new"]), statistics.median(times["naive"])
     print(f"ENS-MLP, one epoch: {pairs} pairs ({steps} steps of 64), d={dim}, K={heads}, torch threads "
           f"{torch.get_num_threads()}, median of {repeats}; parameters differ by at most {diff:.1e}")
-    print(f"  direct anchor gradient, fused AdamW: {new_s:8.3f} s  ({new_s / steps * 1e3:6.1f} ms a step, "
+    print(f"  direct anchor gradient:              {new_s:8.3f} s  ({new_s / steps * 1e3:6.1f} ms a step, "
           f"min {min(times['new']):.3f} s)")
     print(f"  naive (anchor through autograd):      {old_s:8.3f} s  ({old_s / steps * 1e3:6.1f} ms a step, "
           f"min {min(times['naive']):.3f} s)")

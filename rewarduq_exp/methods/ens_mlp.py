@@ -200,7 +200,9 @@ class EnsMLP(FeatureHeadMethod):
 
         run_training(self.heads.parameters(), len(zc), self.schedule, step, seed=self.seed,
                      desc=f"{self.name} training", history=self.history, show_progress=self.show_progress,
-                     log_every=self.log_every, fused=self.device.type == "cpu")
+                     log_every=self.log_every)
+        # AdamW's fused kernel made a step about 10 ms faster on a CPU, but it rounds differently: over the default
+        # run the drift moved the demo table's recalibrated rows past its tolerance, so the default loop stays.
 
     def _score_features(self, z):
         rewards = self.heads(z)  # (K, B)

@@ -34,8 +34,7 @@ def cosine_schedule_with_warmup(optimizer, warmup_steps: int, total_steps: int):
 
 
 def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int, desc: str, history: list,
-                 show_progress: bool, log_every: int, clip=None, synchronized: bool = False,
-                 fused: bool = False) -> int:
+                 show_progress: bool, log_every: int, clip=None, synchronized: bool = False) -> int:
     """The one training loop of every method we train ourselves (MCD-DPO trains through TRL's DPOTrainer, BoRP
     fits closed-form regressors, Mallows and RPC are not trained by gradients): AdamW with cosine warm-up (or a
     constant learning rate) over ``ceil(n / batch_size * num_epochs)`` steps, one seeded permutation of the ``n`` rows
@@ -51,8 +50,6 @@ def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int,
     scheduler, data order and every RNG state), saves on the run's schedule and when the job is signalled
     (:mod:`rewarduq_exp.core.job_signals`), and keeps its final state once done. ``synchronized``: every process of a
     distributed run runs this loop in step (ENS-LoRA's data parallelism), so they agree on when to stop.
-    ``fused``: AdamW's fused kernel, one pass over each parameter tensor where torch's default on a CPU runs about
-    ten elementwise passes (ENS-MLP's 3M parameters: about 3x faster a step, equal to float rounding).
     """
     from rewarduq_exp.core import job_signals, training_checkpoint
 
@@ -60,8 +57,7 @@ def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int,
     steps_per_epoch = math.ceil(n / schedule.batch_size)
     total = max(1, math.ceil(steps_per_epoch * schedule.num_epochs))
     optimizer = torch.optim.AdamW(params, lr=schedule.learning_rate, betas=tuple(schedule.adam_betas),
-                                  eps=schedule.adam_eps, weight_decay=schedule.weight_decay,
-                                  **({"fused": True} if fused else {}))
+                                  eps=schedule.adam_eps, weight_decay=schedule.weight_decay)
     if schedule.lr_schedule == "constant":
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     else:
