@@ -30,6 +30,7 @@ H100's dense bf16 peak (989 TFLOPS), is 396 TFLOPS.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -264,7 +265,7 @@ def compose_points(args: list[str], config_name: str = "train") -> list[tuple[li
                 if not set(point) <= set(fixed):
                     points.append((point, compose(config_name, overrides=[*fixed, *point])))
                 else:  # nothing beyond the config composed above: it, less the hydra node (what compose() returns)
-                    cfg = first.copy()
+                    cfg = copy.deepcopy(first)   # its own nodes: interpolations resolve against this root
                     with open_dict(cfg):
                         del cfg["hydra"]
                     points.append((point, cfg))
