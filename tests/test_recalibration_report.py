@@ -23,3 +23,54 @@ def test_table_pairs_raw_and_recalibrated_over_seeds(tmp_path):
     proc = run_script("recalibration_table.py", root, "--csv", tmp_path / "rows.csv")
     assert proc.returncode == 0, proc.stderr
     assert "0.030 (0.020-0.040) → 0.015 (0.010-0.020)" in proc.stdout and (tmp_path / "rows.csv").exists()
+
+
+def _run_with_predictions(folder, table, temperature: float, scale: float):
+    from rewarduq_exp.recalibration import Calibration, save_calibration
+
+    (folder / "predictions").mkdir(parents=True)
+    table.to_parquet(folder / "predictions" / "synthetic_eval.parquet")
+    save_calibration(folder, Calibration(kind="pairs", temperature=temperature, scales={"rule": scale},
+                                         interval="rule"))
+    return folder
+
+
+def _pairs(seed: int, n: int = 300):
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    c, r, u = rng.normal(size=n), rng.normal(size=n), rng.uniform(0.1, 1.0, size=(2, n))
+    return pd.DataFrame({"id": [f"p{i}" for i in range(n)], "weight": 1.0,
+                         "chosen_reward": c + 0.5, "chosen_lower": c + 0.5 - u[0], "chosen_upper": c + 0.5 + u[0],
+                         "rejected_reward": r, "rejected_lower": r - u[1], "rejected_upper": r + u[1]})
+
+
+def test_difference_intervals_are_paired_and_zero_for_an_identity_recalibration(tmp_path):
+    from omegaconf import OmegaConf
+
+    from rewarduq_exp.analysis.recalibration_intervals import difference_intervals
+    from rewarduq_exp.metrics.scoring import score_predictions
+    from rewarduq_exp.recalibration import read_calibration
+    from rewarduq_exp.recalibration.fit import recalibrated_metrics
+
+    table = _pairs(0)
+    same = _run_with_predictions(tmp_path / "identity", table, 1.0, 1.0)
+    found = difference_intervals([(same, "synthetic_eval")], draws=20)
+    assert all(v == (0.0, 0.0, 0.0) for v in found.values())   # recalibrated = raw on every resample: paired
+
+    sharp = _run_with_predictions(tmp_path / "sharp", table, 0.5, 0.4)
+    found = difference_intervals([(sharp, "synthetic_eval")], draws=60)
+    cfg = OmegaConf.create({"n_bins": 20, "alphas": [0.0, 0.2, 1.0], "scoring": "pairs"})
+    raw, recal = score_predictions(table, cfg), recalibrated_metrics(table, read_calibration(sharp), cfg)
+    for m, (d, lo, hi) in found.items():
+        assert abs(d - (recal[f"recal/{m}"] - raw[m])) < 1e-12 and lo <= hi
+    assert found["ct_rate"][1] > 0   # a scale of 0.4 makes more pairs certain in every resample
+
+    # A second run on the same pairs in another row order: aligned by id, it shares each draw's resample, so the
+    # row's interval is the single run's.
+    shuffled = _run_with_predictions(tmp_path / "shuffled", table.sample(frac=1.0, random_state=1), 0.5, 0.4)
+    both = difference_intervals([(sharp, "synthetic_eval"), (shuffled, "synthetic_eval")], draws=60)
+    for m in found:
+        assert abs(both[m][0] - found[m][0]) < 1e-12
+        assert abs(both[m][1] - found[m][1]) < 1e-12 and abs(both[m][2] - found[m][2]) < 1e-12

@@ -23,7 +23,7 @@ def recalibration_rows(records: list[RunRecord]) -> pd.DataFrame:
             if not isinstance(block, dict) or not any(str(k).startswith("recal/") for k in block):
                 continue
             row = {"method": r.method, "model": r.model, "train": r.dataset, "dataset": name, "seed": r.seed,
-                   "run": r.path.name}
+                   "run": r.path.name, "path": str(r.path)}
             keys = PAIR_METRICS if "ece" in block else POINTWISE_METRICS
             for key in keys:
                 row[f"{key} raw"] = block.get(key)
