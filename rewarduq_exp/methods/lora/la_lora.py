@@ -37,7 +37,7 @@ from torch import nn
 
 import rewarduq_exp.methods.lora.adapters as adapters  # the module, not the package __init__
 import rewarduq_exp.methods.lora.texts as texts  # the module, not the package __init__
-from rewarduq_exp.core import distributed
+from rewarduq_exp.core import distributed, heap
 from rewarduq_exp.core.atomic_write import atomic_dir, atomic_path
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.payload_bounds import MAX_FEATURE_DIM, AtMost, Expected
@@ -184,6 +184,8 @@ class LaLoRA(LoRARewardMethod):
 
     def _grad_passes(self, seqs, jacobians: bool) -> list[np.ndarray]:
         """Batches of texts for passes with a backward: plain forwards, longest first, the token budget."""
+        if self.device.type == "cpu":
+            heap.return_large_frees_to_os()   # the budget counts on one pass's frees being free for the next
         tokens = self._pass_tokens(max(map(len, seqs)), jacobians)
         return token_batches(seqs, np.zeros(len(seqs), dtype=np.int64), tokens, self.score_batch_size)
 
