@@ -22,6 +22,7 @@ SMOKE = {
     "bench_probe.py": (["--smoke"], "fraction of ideal"),
     "bench_ranking.py": (["--smoke"], "speed-up"),
     "bench_shared_prefix.py": (["--smoke"], "speed-up"),
+    "bench_whole_process.py": (["--smoke"], "speed-up (baseline / this)"),
 }
 
 
