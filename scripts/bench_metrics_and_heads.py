@@ -3,16 +3,18 @@
     python scripts/bench_metrics_and_heads.py                 # 100k pairs; K=20 heads on d=1024, 8000 pairs
     python scripts/bench_metrics_and_heads.py --smoke         # tiny sizes (tests/test_bench_scripts.py)
 
-1. The calibration and accuracy metric families of ``metric=rewarduq`` (win rate, CT/UT/CF/UF, RS_alpha, ECE/MCE,
-   ELCE/EUCE/EBCE, Brier) on a predictions table of ``--pairs`` pairs: ``compute_metrics`` against the same
-   computation with the former binning (``np.digitize`` of the rounded probabilities, written here) and the former
-   copies of the validation, checked equal.
+1. ``compute_metrics`` (``metric=rewarduq``'s families: win rate, CT/UT/CF/UF, RS_alpha, ECE/MCE, ELCE/EUCE/EBCE,
+   Brier, and the bound widths) on a predictions table of ``--metric-pairs`` pairs, against the former way written
+   here (``former_metrics``: the path of commit 9fad1af step for step, its values to the bit: the table's columns
+   stacked and copied twice, validated on strided views, the symmetrised set concatenated, ``np.digitize`` bins,
+   weighted sums by one BLAS dot each), checked equal within 1e-12 (the weighted sums now add BLAS dots of 8192
+   values, which leaves them a few ulps from one threaded dot; every binned value is equal to the bit).
 2. One ENS-MLP epoch on random features of the backbone's size (the features come from the cache, so the backbone
    is not part of an epoch), K heads d-128-128-1, batch 64, lr 1e-3, lambda 0.1, gamma 0.01, float32: the training
    step as it is (the anchor's gradient added directly) against the naive step (the anchor's
    value and gradient through autograd, torch's default AdamW), same init and data order.
 
-Medians over ``--repeats``, the two variants alternating.
+Medians over ``--metric-repeats`` and ``--repeats``, the two variants alternating.
 """
 
 from __future__ import annotations
@@ -36,9 +38,39 @@ from rewarduq_exp.metrics.rewarduq import compute_metrics
 
 
 # ---------------------------------------------------------------------------------------------------- metrics
-def naive_curve(q, y, w, n_bins: int) -> CalibrationCurve:
+def former_pairs(table: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The former pairs_from_table and validate_pairs: the columns stacked, copied again as (N, 3) arrays, checked
+    column by column on strided views, the bounds clipped in place."""
+    def column(name):
+        return pd.to_numeric(table[name], errors="coerce").to_numpy(dtype=float)
+
+    missing = [c for c in preference.REQUIRED_COLUMNS if c not in table.columns]
+    if missing:
+        raise UserError(f"missing column(s) {', '.join(missing)}")
+    values = np.column_stack([column(c) for c in preference.REWARD_COLUMNS])
+    c, r = np.array(values[:, :3], dtype=float), np.array(values[:, 3:], dtype=float)
+    if len(c) == 0:
+        raise UserError("no preference pairs")
+    w = np.array(column("weight"), dtype=float).reshape(-1)
+    if not np.isfinite(w).all() or (w < 0).any() or not w.sum() > 0:
+        raise UserError("bad weights")
+    for j in range(6):
+        if not np.isfinite((c if j < 3 else r)[:, j % 3]).all():
+            raise UserError("NaN/inf")
+    for arr in (c, r):
+        reward, lower, upper = arr[:, 0], arr[:, 1], arr[:, 2]
+        tol = preference.BOUND_RTOL * np.maximum(1.0, np.abs(reward))
+        if (lower > reward + tol).any() or (reward > upper + tol).any():
+            raise UserError("bounds out of order")
+        arr[:, 1] = np.minimum(lower, reward)
+        arr[:, 2] = np.maximum(upper, reward)
+    return c, r, w
+
+
+def former_curve(q, y, w, n_bins: int) -> CalibrationCurve:
+    """The former binned_curve: np.digitize of the rounded probabilities (a binary search per value)."""
     edges = np.linspace(0.0, 1.0, n_bins + 1)
-    b = np.digitize(np.round(q, 12), edges[1:-1])   # the former binning: a binary search per value
+    b = np.digitize(np.round(q, 12), edges[1:-1])
     sw = np.bincount(b, weights=w, minlength=n_bins)
     swq = np.bincount(b, weights=w * q, minlength=n_bins)
     swy = np.bincount(b, weights=w * y, minlength=n_bins)
@@ -48,21 +80,27 @@ def naive_curve(q, y, w, n_bins: int) -> CalibrationCurve:
     return CalibrationCurve(edges=edges, confidence=conf, accuracy=acc, weight=sw)
 
 
-def naive_metrics(table: pd.DataFrame, n_bins: int = 20) -> dict[str, float]:
-    """The same families as :func:`compute_metrics`, the former way."""
-    c, r, w = preference.pairs_from_table(table)
-    p, p_lo, p_hi = preference.preference_probabilities(c, r)
-    arrays = [np.array(v, dtype=float).reshape(-1) for v in (p, p_lo, p_hi, np.ones_like(p))]   # former copies
-    w = np.array(w, dtype=float).reshape(-1)
-    if not all(np.isfinite(a).all() and (a >= 0).all() and (a <= 1).all() for a in arrays):
-        raise UserError("bad probabilities")
-    p, p_lo, p_hi, y = arrays
-    out = preference._accuracy(c, r, w, preference.DEFAULT_ALPHAS)
+def former_metrics(table: pd.DataFrame, n_bins: int = 20, alphas=preference.DEFAULT_ALPHAS) -> dict[str, float]:
+    """compute_metrics the former way (commit 9fad1af, a table without ``true_margin``), written out here: its
+    values to the bit and its work step for step (checked against that commit's compute_metrics)."""
+    c, r, w = former_pairs(table)
+    p, p_lo, p_hi = (preference.sigmoid(m) for m in (c[:, 0] - r[:, 0], c[:, 1] - r[:, 2], c[:, 2] - r[:, 1]))
+    true, conf_true, conf_false = c[:, 0] > r[:, 0], c[:, 1] > r[:, 2], c[:, 2] < r[:, 1]
+    sums = np.bincount(np.where(conf_true, 0, np.where(true, 1, np.where(conf_false, 2, 3))), weights=w, minlength=4)
+    ct, ut, cf, uf = (float(s) for s in sums / sums.sum())
+    t = float(np.dot(w, true) / w.sum())
+    out = {"win_rate": t, "ct_rate": ct, "ut_rate": ut, "cf_rate": cf, "uf_rate": uf}
+    out |= {f"rs_{a}": preference.ranking_score(ct, cf, t, cf + uf, a) for a in alphas}
+    y = np.ones_like(p)
     q, q_lo, q_hi, ys, ws = symmetrise(p, p_lo, p_hi, y, w)
-    pred, lower, upper = (naive_curve(x, ys, ws, n_bins) for x in (q, q_lo, q_hi))
+    pred, lower, upper = (former_curve(x, ys, ws, n_bins) for x in (q, q_lo, q_hi))
     elce, euce = lower.lower_error(), upper.upper_error()
     out |= {"ece": pred.ece(), "mce": pred.mce(), "elce": elce, "euce": euce, "ebce": 0.5 * (elce + euce),
             "brier": float(np.dot(w, (p - y) ** 2) / w.sum())}
+    out["bound_width"] = float(np.dot(w, (c[:, 2] - c[:, 1]) + (r[:, 2] - r[:, 1])) / (2.0 * w.sum()))
+    out["pref_bound_width"] = float(np.dot(w, p_hi - p_lo) / w.sum())
+    out["n_pairs"] = len(table)
+    out["weight_sum"] = float(w.sum())
     return out
 
 
@@ -77,20 +115,26 @@ def predictions_table(n: int, seed: int = 0) -> pd.DataFrame:
 
 def bench_metrics(pairs: int, repeats: int) -> None:
     table = predictions_table(pairs)
-    new, old = compute_metrics(table), naive_metrics(table)
-    for key, value in old.items():   # the benchmark compares equal work
-        assert new[key] == value, (key, new[key], value)
-    times = {"new": [], "naive": []}
+    new, old = compute_metrics(table), former_metrics(table)
+    assert new.keys() == old.keys(), (new.keys(), old.keys())
+    # The weighted sums are BLAS dot products by chunks now, not one threaded BLAS call: a few ulps apart, no more.
+    diff = max(abs(new[key] - old[key]) for key in old)
+    assert diff <= 1e-12, {key: (new[key], old[key]) for key in old if new[key] != old[key]}
+    same = sum(new[key] == old[key] for key in old)
+    times = {"new": [], "former": []}
     for _ in range(repeats):
-        for name, fn in (("new", compute_metrics), ("naive", naive_metrics)):
+        for name, fn in (("new", compute_metrics), ("former", former_metrics)):
             t0 = time.perf_counter()
             fn(table)
             times[name].append(time.perf_counter() - t0)
-    new_s, old_s = statistics.median(times["new"]), statistics.median(times["naive"])
-    print(f"metrics (calibration + accuracy families), {pairs} pairs, median of {repeats}: every value equal")
-    print(f"  compute_metrics (bins computed directly):   {new_s * 1e3:8.2f} ms  (min {min(times['new']) * 1e3:.2f})")
-    print(f"  naive (np.digitize, validation copies):    {old_s * 1e3:8.2f} ms  (min {min(times['naive']) * 1e3:.2f})")
-    print(f"  metrics speed-up (naive / new): {old_s / new_s:.2f}x")
+    new_s, old_s = statistics.median(times["new"]), statistics.median(times["former"])
+    others = f", the others within {diff:.1e}" if same < len(old) else ""
+    print(f"metrics (every key of compute_metrics), {pairs} pairs, median of {repeats}: {same} of {len(old)} values "
+          f"equal to the bit{others}")
+    print(f"  compute_metrics:                              {new_s * 1e3:8.2f} ms  (min {min(times['new']) * 1e3:.2f})")
+    print(f"  the former way (9fad1af's path, written here): {old_s * 1e3:8.2f} ms  "
+          f"(min {min(times['former']) * 1e3:.2f})")
+    print(f"  metrics speed-up (former / new): {old_s / new_s:.2f}x")
 
 
 # ---------------------------------------------------------------------------------------------------- ENS-MLP
@@ -160,12 +204,13 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=8000, help="ENS-MLP training pairs")
     parser.add_argument("--dim", type=int, default=1024, help="backbone hidden size (Qwen3-0.6B: 1024)")
     parser.add_argument("--heads", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="ENS-MLP epochs per variant")
+    parser.add_argument("--metric-repeats", type=int, default=21, help="metric calls per variant")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks that the script runs")
     args = parser.parse_args()
     if args.smoke:
-        args.metric_pairs, args.pairs, args.dim, args.heads, args.repeats = 500, 128, 16, 3, 1
-    bench_metrics(args.metric_pairs, args.repeats)
+        args.metric_pairs, args.pairs, args.dim, args.heads, args.repeats, args.metric_repeats = 500, 128, 16, 3, 1, 1
+    bench_metrics(args.metric_pairs, args.metric_repeats)
     bench_heads(args.pairs, args.dim, args.heads, args.repeats)
 
 

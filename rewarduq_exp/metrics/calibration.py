@@ -15,10 +15,12 @@ import numpy as np
 import pandas as pd
 
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.metrics.preference import check_n_bins, pairs_from_table, preference_probabilities
+from rewarduq_exp.metrics.preference import check_n_bins, table_columns, weighted_sum
 
 # Probabilities from a valid table are ordered exactly (rounding is monotone); this only absorbs caller noise.
 _ORDER_TOL = 1e-12
+# Rows per step of the calibration curves of a predictions table (_preferred_curves).
+_CHUNK = 16384
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,13 +78,47 @@ def binned_curve(q: np.ndarray, y: np.ndarray, w: np.ndarray, n_bins: int) -> Ca
 
 def bin_index(q: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """The bin of each probability ``q`` in [0, 1] under ``edges`` (``np.linspace(0, 1, n_bins + 1)``): the bins
-    of ``np.digitize(np.round(q, 12), edges[1:-1])``, computed directly (floor of q times n_bins) at a fifth of
-    its cost, value for value (tests/test_calibration_bins.py).
+    of ``np.digitize(np.round(q, 12), edges[1:-1])``, computed directly (floor of q times n_bins), value for value
+    (tests/test_calibration_bins.py).
 
     Assigned after rounding to 12 decimals: a probability on an edge and its flip (1 - 0.7 = 0.30000000000000004
     for 0.3) must land in the same bin, or a step map (isotonic recalibration outputs exactly 0.3) splits its rows
     by label between two bins. Bin means use the probabilities as they are.
     """
+    q = np.asarray(q, dtype=float)
+    return _bin_index_into(q, edges, np.empty(q.shape, np.intp), np.empty(q.shape))
+
+
+# Where q * n_bins is at least _NEAR_EDGE from every integer, its floor is the bin: rounding q to 12 decimals moves
+# q * n_bins by at most n_bins * 5.1e-13 and linspace's edges lie within a few ulps of k / n_bins, both far below
+# _NEAR_EDGE up to _FLOOR_MAX_BINS bins. The other rows (on or near an edge, 0, 1: a few in a million for
+# continuous probabilities) take the rounded form.
+_NEAR_EDGE = 1e-6
+_FLOOR_MAX_BINS = 100_000
+
+
+def _bin_index_into(q: np.ndarray, edges: np.ndarray, b: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """:func:`bin_index` of a float64 ``q`` written into ``b`` (intp), with ``tmp`` (float64, shaped as ``q``) as
+    scratch: buffers used again save the fresh allocations a call would otherwise fault in page by page."""
+    n_bins = len(edges) - 1
+    if n_bins > _FLOOR_MAX_BINS:
+        b[...] = _rounded_bins(q, edges)
+        return b
+    np.multiply(q, n_bins, out=tmp)
+    np.copyto(b, tmp, casting="unsafe")   # truncation toward zero, as astype(np.intp)
+    np.minimum(b, n_bins - 1, out=b)
+    np.subtract(tmp, b, out=tmp)   # in [0, 1) for q in [0, 1); 1 for q = 1; negative, larger or NaN for no probability
+    far = tmp >= _NEAR_EDGE
+    far &= tmp <= 1.0 - _NEAR_EDGE
+    if not far.all():
+        near = np.flatnonzero(~far)
+        b[near] = _rounded_bins(q[near], edges)
+    return b
+
+
+def _rounded_bins(q: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The bins of ``np.digitize(np.round(q, 12), edges[1:-1])`` for any ``q``: the floor of the rounded q times
+    n_bins, moved onto the bin the edges give."""
     n_bins = len(edges) - 1
     qr = np.round(q, 12)
     b = np.minimum((qr * n_bins).astype(np.intp), n_bins - 1)   # 1.0 in the last bin
@@ -99,6 +135,12 @@ def _curve(edges: np.ndarray, b: np.ndarray, q: np.ndarray, wy: np.ndarray, w: n
     sw = np.bincount(b, weights=w, minlength=n_bins)
     swq = np.bincount(b, weights=w * q, minlength=n_bins)
     swy = np.bincount(b, weights=wy, minlength=n_bins)
+    return _curve_of_sums(edges, sw, swq, swy)
+
+
+def _curve_of_sums(edges: np.ndarray, sw: np.ndarray, swq: np.ndarray, swy: np.ndarray) -> CalibrationCurve:
+    """The curve of per-bin sums of weight, weight times probability and weight times label."""
+    n_bins = len(edges) - 1
     # A bin holding only zero-weight rows is empty: weight w must equal repeating the row w times.
     occ = sw > 0
     conf = np.full(n_bins, np.nan)
@@ -146,18 +188,53 @@ def _validate_probabilities(p, p_lo, p_hi, y, weight) -> tuple[np.ndarray, ...]:
 
 
 def _curves(p, p_lo, p_hi, y, w, n_bins: int) -> dict[str, CalibrationCurve]:
+    """The pred/lower/upper curves of the symmetrised set; ``y=None``: every label 1 (a predictions table)."""
+    if y is None:
+        return _preferred_curves(p, p_lo, p_hi, w, n_bins)
     q, q_lo, q_hi, ys, ws = symmetrise(p, p_lo, p_hi, y, w)
     edges, wy = np.linspace(0.0, 1.0, n_bins + 1), ws * ys
     return {key: _curve(edges, bin_index(x, edges), x, wy, ws)
             for key, x in (("pred", q), ("lower", q_lo), ("upper", q_hi))}
 
 
+def _preferred_curves(p, p_lo, p_hi, w, n_bins: int) -> dict[str, CalibrationCurve]:
+    """:func:`_curves` with every label 1, to the bit, without building the symmetrised set.
+
+    Each per-bin sum adds the rows in the order of the symmetrised set (the pairs' rows, then the flipped rows), as
+    ``np.bincount`` over it does: here ``np.add.at``, which adds in index order too, over chunks of ``_CHUNK`` rows
+    taken in that order. The labels, 1 on the pairs' rows and 0 on the flipped ones, add exact zeros after the pairs'
+    rows, so the label sums are those of the pairs' rows alone; these are the weight sums' partial sums too, which
+    the flipped rows then continue.
+    """
+    n = len(p)
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    size = min(n, _CHUNK)
+    # The scratch of one chunk, used by every chunk of the three curves: it stays in the CPU cache, and it is
+    # allocated once instead of arrays of 2N values per step (each faulted in page by page).
+    x, tmp, b = np.empty(size), np.empty(size), np.empty(size, np.intp)
+    curves = {}
+    for key, rows, flipped in (("pred", p, p), ("lower", p_lo, p_hi), ("upper", p_hi, p_lo)):
+        swq, swy = np.zeros(n_bins), np.zeros(n_bins)
+        for flip in (False, True):
+            sw = swy.copy() if flip else swy   # the pairs' rows add their weights to swy, the flipped rows to sw
+            for i in range(0, n, size):
+                k = min(size, n - i)
+                q = np.subtract(1.0, flipped[i:i + k], out=x[:k]) if flip else rows[i:i + k]
+                bins = _bin_index_into(q, edges, b[:k], tmp[:k])
+                np.add.at(swq, bins, np.multiply(w[i:i + k], q, out=tmp[:k]))
+                np.add.at(sw, bins, w[i:i + k])
+        curves[key] = _curve_of_sums(edges, sw, swq, swy)
+    return curves
+
+
 def _calibration(p, p_lo, p_hi, y, w, n_bins: int) -> dict[str, float]:
+    """Calibration metrics of validated probabilities; ``y=None``: every label 1 (a predictions table)."""
     curves = _curves(p, p_lo, p_hi, y, w, n_bins)
     elce = curves["lower"].lower_error()
     euce = curves["upper"].upper_error()
     # The flipped row has the same squared error, so this equals the plain Brier score.
-    brier = float(np.dot(w, (p - y) ** 2) / w.sum())
+    brier = weighted_sum(w, lambda rows, out: np.square(np.subtract(p[rows], 1.0 if y is None else y[rows], out=out),
+                                                        out=out)) / float(w.sum())
     return {
         "ece": curves["pred"].ece(),
         "mce": curves["pred"].mce(),
@@ -165,7 +242,8 @@ def _calibration(p, p_lo, p_hi, y, w, n_bins: int) -> dict[str, float]:
         "euce": euce,
         "ebce": 0.5 * (elce + euce),
         "brier": brier,
-        "pref_bound_width": float(np.dot(w, p_hi - p_lo) / w.sum()),
+        "pref_bound_width": weighted_sum(w, lambda rows, out: np.subtract(p_hi[rows], p_lo[rows], out=out))
+        / float(w.sum()),
     }
 
 
@@ -195,6 +273,5 @@ def calibration_curves(predictions: pd.DataFrame, *, n_bins: int = 20) -> dict[s
     ``curves["upper"].upper_error()`` its EUCE (eq. 8).
     """
     n_bins = check_n_bins(n_bins)
-    c, r, w = pairs_from_table(predictions)
-    p, p_lo, p_hi = preference_probabilities(c, r)
-    return _curves(p, p_lo, p_hi, np.ones_like(p), w, n_bins)
+    pairs = table_columns(predictions)
+    return _curves(*pairs.probabilities(), None, pairs.weight, n_bins)

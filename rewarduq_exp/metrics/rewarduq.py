@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import numpy as np
 import pandas as pd
 
 from rewarduq_exp.metrics.calibration import _calibration
 from rewarduq_exp.metrics.preference import (
     DEFAULT_ALPHAS,
-    _accuracy,
-    bound_width,
     check_alphas,
     check_n_bins,
-    pairs_from_table,
-    preference_probabilities,
+    pair_accuracy,
+    pair_bound_width,
+    table_columns,
 )
 from rewarduq_exp.metrics.truth import TRUTH_COLUMN, _truth, true_margins
 
@@ -51,15 +49,17 @@ def compute_metrics(
     """
     n_bins = check_n_bins(n_bins)
     alphas = check_alphas(alphas)
-    c, r, w = pairs_from_table(predictions)
-    p, p_lo, p_hi = preference_probabilities(c, r)
+    # Columns, not (N, 3) arrays: views of the table, validated in one pass each, and every quantity that several
+    # metrics share (the probabilities, their bins, the symmetrised rows) computed once, in place where it can be.
+    pairs = table_columns(predictions)
+    w = pairs.weight
     out: dict[str, float] = {}
-    out.update(_accuracy(c, r, w, alphas))
-    out.update(_calibration(p, p_lo, p_hi, np.ones_like(p), w, n_bins))
-    out["bound_width"] = bound_width(c, r, w)
+    out.update(pair_accuracy(pairs, alphas))
+    out.update(_calibration(*pairs.probabilities(), None, w, n_bins))
+    out["bound_width"] = pair_bound_width(pairs)
     out["pref_bound_width"] = out.pop("pref_bound_width")
     out["n_pairs"] = len(predictions)
     out["weight_sum"] = float(w.sum())
     if TRUTH_COLUMN in predictions.columns:
-        out.update(_truth(c, r, w, true_margins(predictions), n_bins))
+        out.update(_truth(pairs.margins(), w, true_margins(predictions), n_bins))
     return out

@@ -16,9 +16,8 @@ from rewarduq_exp.metrics.preference import (
     check_n_bins,
     describe_rows,
     numeric_column,
-    pair_margins,
-    pairs_from_table,
     sigmoid,
+    table_columns,
     table_ids,
 )
 
@@ -37,8 +36,9 @@ def true_margins(predictions: pd.DataFrame) -> np.ndarray:
     return tm
 
 
-def _truth(c: np.ndarray, r: np.ndarray, w: np.ndarray, tm: np.ndarray, n_bins: int) -> dict[str, float]:
-    m, m_lo, m_hi = pair_margins(c, r)
+def _truth(margins: tuple[np.ndarray, np.ndarray, np.ndarray], w: np.ndarray, tm: np.ndarray,
+           n_bins: int) -> dict[str, float]:
+    m, m_lo, m_hi = margins
     p, p_star = sigmoid(m), sigmoid(tm)
     total = w.sum()
 
@@ -67,5 +67,5 @@ def truth_metrics(predictions: pd.DataFrame, *, n_bins: int = 20) -> dict[str, f
     - ``truth/margin_coverage``: avg[m_lower <= true_margin <= m_upper] (inclusive: coverage of a closed interval).
     """
     n_bins = check_n_bins(n_bins)
-    c, r, w = pairs_from_table(predictions)
-    return _truth(c, r, w, true_margins(predictions), n_bins)
+    pairs = table_columns(predictions)
+    return _truth(pairs.margins(), pairs.weight, true_margins(predictions), n_bins)
