@@ -22,14 +22,10 @@ import math
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-from matplotlib import colormaps
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
 from omegaconf import OmegaConf
 
 from rewarduq_exp.analysis.selection import Configuration, Selection
@@ -42,10 +38,19 @@ from rewarduq_exp.metrics.preference import ranking_score_weight
 from rewarduq_exp.metrics.scoring import diagram_table, score_predictions
 from rewarduq_exp.runs.run_records import RunRecord
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 FIGURE5_METRICS = (("win_rate", "win rate"), ("ct_rate", "CT rate"), ("cf_rate", "CF rate"), ("ece", "ECE"),
                    ("ebce", "EBCE"))
 FORMATS = ("png", "pdf")
-_COLORS = colormaps["tab10"]
+
+
+def _palette():
+    """The colours of the methods and alphas: tab10 (matplotlib imported here, when a figure is drawn)."""
+    from matplotlib import colormaps
+
+    return colormaps["tab10"]
 
 
 @dataclass
@@ -140,6 +145,8 @@ def _grouped_bars(ax, shown: list[Shown], dataset: str, metric: str, colors: dic
 
 
 def _legend_handles(shown: list[Shown], colors: dict) -> list:
+    from matplotlib.patches import Patch
+
     handles = [Patch(facecolor=colors[m], edgecolor="0.2", label=method_name(m))
                for m in sorted({x.method for x in shown}, key=method_order)]
     if any(not x.selected for x in shown):
@@ -150,7 +157,8 @@ def _legend_handles(shown: list[Shown], colors: dict) -> list:
 
 def _colors(shown: list[Shown]) -> dict:
     methods = sorted({x.method for x in shown}, key=method_order)
-    return {m: _COLORS(i % 10) for i, m in enumerate(methods)}
+    palette = _palette()
+    return {m: palette(i % 10) for i, m in enumerate(methods)}
 
 
 def figure2(shown: list[Shown], dataset: str, out_dir: Path) -> list[Path] | None:
@@ -287,6 +295,8 @@ def figure3(shown: list[Shown], dataset: str, out_dir: Path, models: list[str] |
 def _bound_curves(ax, curves) -> list:
     """Add the lower- and upper-bound reliability curves (each bound binned by its own value, as ELCE/EUCE are);
     remove the panel's legend and return its handles plus the curves' ones, for a figure-level legend."""
+    from matplotlib.lines import Line2D
+
     extra = []
     for key, color, marker, label in (("lower", "tab:green", "v", "lower bound"),
                                       ("upper", "tab:purple", "^", "upper bound")):
@@ -320,9 +330,12 @@ def figure4(out_dir: Path, alphas=FIGURE4_ALPHAS, range_alphas=FIGURE4_RANGE_ALP
     (b) The weights f_alpha(x) = x / (x + alpha (1 - x)) of eq. 20 for each of ``alphas``, with the caption's
     example: at alpha 0.2, w 0.6 -> 0.8 moves f(w) 0.88 -> 0.95 and f(1 - w) 0.77 -> 0.56.
     """
+    from matplotlib.lines import Line2D
+
     x = np.linspace(0.0, 1.0, 401)
     every = sorted({float(a) for a in (*alphas, *range_alphas)})
-    color = {a: _COLORS(i % 10) for i, a in enumerate(every)}
+    palette = _palette()
+    color = {a: palette(i % 10) for i, a in enumerate(every)}
     fig = _figure((11.0, 5.0))
     ax_range, ax_weight = fig.subplots(1, 2)
     for a in range_alphas:
@@ -371,6 +384,9 @@ def figure4(out_dir: Path, alphas=FIGURE4_ALPHAS, range_alphas=FIGURE4_RANGE_ALP
 
 # ---------------------------------------------------------------------------------------------------- output
 def _figure(size: tuple[float, float]) -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=size, layout="constrained")
     FigureCanvasAgg(fig)
     return fig

@@ -1,13 +1,13 @@
 """The figure of ``task=active_learning``, paired by repeat: within a repeat every strategy starts from the same
 initial set and model seed, so each strategy is compared with random of the same repeat, not with random's spread
-over repeats. Built on ``matplotlib.figure.Figure`` (no pyplot) and saved atomically, like :mod:`.figures`."""
+over repeats. Built on ``matplotlib.figure.Figure`` (no pyplot; imported when the figure is drawn) and saved
+atomically, like :mod:`.figures`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pandas as pd
-from matplotlib.figure import Figure
 
 from rewarduq_exp.downstream.figures import _colors
 from rewarduq_exp.downstream.statistics import paired_t_interval
@@ -61,6 +61,8 @@ def plot_active_learning(curves: pd.DataFrame, path: Path) -> None:
     acquisition strategy, the mean over repeats with the min..max over repeats as band (inside the metric's range).
     Bottom: strategy - random within each repeat, its mean over repeats with the 95 % paired t-interval as band
     (none with one repeat), and a dashed line at 0."""
+    from matplotlib.figure import Figure
+
     runs = list(dict.fromkeys(curves.run))
     strategies = list(dict.fromkeys(curves.strategy))
     colors = _colors(strategies)

@@ -1,28 +1,34 @@
 """Figures of the best-of-n task: gold reward vs KL (Gao et al. 2023, figure 1 style), overoptimization, shortcut and
 selection vs loss (active learning's figure is :mod:`.active_learning_figure`, reusing :func:`_colors`). Built on
-``matplotlib.figure.Figure`` (Agg canvas, no pyplot) and saved atomically, like the run figures."""
+``matplotlib.figure.Figure`` (Agg canvas, no pyplot) and saved atomically, like the run figures. matplotlib is
+imported by the functions that draw, not with this module (downstream.py imports it only once it draws)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-from matplotlib import colormaps
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
 
 from rewarduq_exp.metrics.diagrams import save_figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 STYLE = {"mean": "-", "conservative": "--", "optimistic": ":"}
 
 
 def _colors(labels) -> dict:
+    from matplotlib import colormaps
+
     cmap = colormaps["tab10"]
     return {label: cmap(i % 10) for i, label in enumerate(labels)}
 
 
 def _strength_colors(strengths) -> dict:
+    from matplotlib import colormaps
+
     cmap = colormaps["viridis"]
     return {s: cmap(i / max(len(strengths) - 1, 1) * 0.9) for i, s in enumerate(strengths)}
 
@@ -32,6 +38,8 @@ def plot_best_of_n(curves: pd.DataFrame, path: Path, k: float, axis: str | None 
     r - k u dashed, optimistic r + k u dotted), the oracle in grey. With one run per method: one panel per split, one
     colour per run. A sweep (methods repeated over seeds and the shortcut's strength ``axis``): a panel per split and
     method, one colour per strength, each curve the mean over its runs with their range shaded (mean rule)."""
+    from matplotlib.figure import Figure
+
     if axis is not None and curves.groupby("method").run.nunique().max() > 1:
         _plot_best_of_n_sweep(curves, path, k, axis)
         return
@@ -80,6 +88,9 @@ def _top_legend(fig: Figure, handles: list) -> None:
 
 
 def _plot_best_of_n_sweep(curves: pd.DataFrame, path: Path, k: float, axis: str) -> None:
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
     # A row per split and world: runs of different worlds meet different candidates and oracles, so a curve is a mean
     # over the runs (seeds) of one world only.
     worlds = sorted(curves.world.unique()) if "world" in curves.columns else [None]
@@ -137,6 +148,9 @@ def plot_overoptimization(table: pd.DataFrame, axis: str, path: Path) -> None:
     """Rows: splits; columns: peak gold of the mean-selection pick and the largest drop with its 95 % interval,
     against the shortcut's strength ``axis``, one point per cell (a world's runs of a method pooled; markers tell the
     worlds apart, colours the methods). A drop is drawn filled where its interval excludes 0 (it overoptimizes)."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
     splits = list(dict.fromkeys(table.split))
     methods = list(dict.fromkeys(table.method))
     worlds = sorted(table.world.unique())
@@ -185,6 +199,9 @@ def plot_uncertainty_use(table: pd.DataFrame, axis: str, path: Path) -> None:
     """Rows: splits; columns: methods. The gold gained over mean selection (mean over the KL range, report prompts
     only) by the run's own u, by a k-NN distance in feature space, and by the oracle filter, with 95 % intervals, per
     world, against the shortcut's strength."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
     rules = [(c, label) for c, label in USE_RULES if c in table.columns and table[c].notna().any()]
     splits = list(dict.fromkeys(table.split))
     methods = list(dict.fromkeys(table.method))
@@ -223,6 +240,9 @@ def plot_shortcut(bins: pd.DataFrame, shortcut: pd.DataFrame, axis: str, path: P
     feature's value, one colour per shortcut strength (candidates pooled over the runs; values held by fewer than
     ``min_count`` candidates left out), solid for eval and dashed for the other splits; the dotted vertical line is
     the training maximum of the feature."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
     methods = list(dict.fromkeys(bins.method))
     features = list(dict.fromkeys(bins.feature))
     strengths = np.sort(bins[axis].unique())
@@ -267,6 +287,8 @@ def plot_selection_vs_loss(summary: pd.DataFrame, corr: pd.DataFrame, metrics, l
     """One panel per run metric: each run's metric (x) against its downstream ``loss`` (y) on ``split``, one colour
     per method; the title gives Spearman's rho across the runs of each world (w<seed>), its p-value and the number
     of runs."""
+    from matplotlib.figure import Figure
+
     part = summary[summary.split == split]
     methods = list(dict.fromkeys(part.method))
     colors = _colors(methods)

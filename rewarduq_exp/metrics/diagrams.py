@@ -4,31 +4,29 @@ Bars show the empirical preference frequency per probability bin, markers the bi
 and the bar colour the bin's share of the total weight. Curves come from
 :func:`rewarduq_exp.metrics.calibration.calibration_curves`, so the errors in the titles equal those of
 ``compute_metrics``. Figures are built on ``matplotlib.figure.Figure`` with the Agg canvas: no pyplot, no GUI,
-and no global figure registry to leak into.
+and no global figure registry to leak into. matplotlib (0.3 s to import) is imported by the functions that draw,
+not by this module: a run imports it only once its figures are drawn, after its metrics are written.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-from matplotlib import colormaps
-from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.cm import ScalarMappable
-from matplotlib.colors import Normalize
-from matplotlib.figure import Figure, SubplotParams
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
 
 from rewarduq_exp.core.atomic_write import atomic_path
 from rewarduq_exp.core.inside_folder import make_folders
 from rewarduq_exp.metrics.calibration import CalibrationCurve, calibration_curves
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 PRED_FILE = "calibration_pred.png"
 BOUNDS_FILE = "calibration_bounds.png"
-_CMAP = colormaps["Blues"]
+_CMAP = "Blues"
 _DPI = 150
 
 
@@ -37,20 +35,27 @@ def draw_reliability(
     ylabel: str = "empirical preference frequency",
 ) -> None:
     """One reliability panel on ``ax``: bars, mean-probability markers, diagonal, legend and share colour bar."""
+    from matplotlib import colormaps
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    cmap = colormaps[_CMAP]
     edges = curve.edges
     centers = 0.5 * (edges[:-1] + edges[1:])
     occ = curve.occupied
     share = curve.share
     norm = Normalize(vmin=0.0, vmax=float(share.max()))
     # Dark edges keep bins with a tiny share visible although their fill is almost white.
-    ax.bar(centers[occ], curve.accuracy[occ], width=np.diff(edges)[occ], color=_CMAP(norm(share[occ])),
+    ax.bar(centers[occ], curve.accuracy[occ], width=np.diff(edges)[occ], color=cmap(norm(share[occ])),
            edgecolor="0.25", linewidth=0.6, zorder=2)
     # Drawn above the bars so it stays visible where frequencies exceed the diagonal.
     ax.plot([0, 1], [0, 1], "--", color="0.3", linewidth=1.0, zorder=3)
     # Markers only: a connecting line would hide the diagonal it usually lies on.
     ax.plot(centers[occ], curve.confidence[occ], "o", color="tab:red", markersize=4.5, zorder=4)
     handles = [
-        Patch(facecolor=_CMAP(0.6), edgecolor="0.25", label="empirical frequency"),
+        Patch(facecolor=cmap(0.6), edgecolor="0.25", label="empirical frequency"),
         Line2D([], [], marker="o", linestyle="", color="tab:red", label=marker_label),
         Line2D([], [], linestyle="--", color="0.3", label="perfect calibration"),
     ]
@@ -62,7 +67,7 @@ def draw_reliability(
     ax.set_title(heading)
     ax.grid(alpha=0.3, zorder=0)
     ax.legend(handles=handles, loc="best", fontsize=8, framealpha=0.9)
-    fig.colorbar(ScalarMappable(norm=norm, cmap=_CMAP), ax=ax, shrink=0.8, label="share of weight")
+    fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, shrink=0.8, label="share of weight")
 
 
 def save_figure(fig: Figure, path: Path) -> None:
@@ -79,6 +84,8 @@ def _fixed_layout_figure(size: tuple[float, float], title: str, wspace: float = 
     Not ``layout="constrained"``: its solver draws every figure an extra time to measure the text, which made the
     run's four diagrams per evaluated dataset most of a small run's time (0.65 s of 1 s per PNG).
     """
+    from matplotlib.figure import Figure, SubplotParams
+
     top = 0.83 if title else 0.9
     return Figure(figsize=size, subplotpars=SubplotParams(left=0.1, right=0.97, bottom=0.11, top=top, wspace=wspace))
 
@@ -94,6 +101,8 @@ def plot_calibration_diagrams(
     those of the run's metrics even where the metrics average per-category values (RewardBench, official weighting)
     that one pooled curve cannot show; without it the curves' own values are printed.
     """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     curves = calibration_curves(predictions, n_bins=n_bins)
     reported = reported or {}
     ece = reported.get("ece", curves["pred"].ece())

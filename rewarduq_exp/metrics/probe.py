@@ -25,7 +25,8 @@ and uncertainties. Names are flat under ``probe/…``.
 :func:`plot_probe_diagnostics` draws the predicted-vs-human panel and the RMSE-by-u panel into one PNG, and with
 ``compare`` two more: the probe's and the baselines' alpha and Pearson with the probe's partial correlation given
 length, and their RMSE on an axis of its own; a red line names a baseline that matches or beats the probe (matplotlib
-``Figure`` on the Agg canvas, written atomically through :func:`rewarduq_exp.metrics.diagrams.save_figure`).
+``Figure`` on the Agg canvas, written atomically through :func:`rewarduq_exp.metrics.diagrams.save_figure`;
+imported by that function only, not with this module).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure
 from scipy import stats
 
 from rewarduq_exp.core.errors import UserError
@@ -246,6 +246,8 @@ def plot_probe_diagnostics(y_true, y_pred, u, path: str | Path, *, n_bins: int =
     same rows) also (c) their alpha and Pearson and the probe's partial correlation given length, (d) their RMSE on
     an axis of its own, and in red the line that says which baseline matches or beats the probe
     (:mod:`rewarduq_exp.metrics.probe_rivals`). Returns the path."""
+    from matplotlib.figure import Figure
+
     y, p = _pair(y_true, y_pred)
     table = rmse_by_uncertainty(y, p, u, n_bins)
     path = Path(path)

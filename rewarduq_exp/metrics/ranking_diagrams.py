@@ -1,6 +1,6 @@
 """Figures of ranking calibration: ECE by k (rank-wise and full-rank, sub-k and top-k, mean +- std over folds) and
 the reliability diagram of pooled top-1 events (label ranking; the K-wise top-1 calibration of reward models,
-calibrated-label-ranking paper appendix D)."""
+calibrated-label-ranking paper appendix D). matplotlib is imported by the functions that draw, not on import."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import re
 from pathlib import Path
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
 from rewarduq_exp.core.inside_folder import make_folders
 from rewarduq_exp.metrics.calibration import CalibrationCurve
@@ -35,6 +32,9 @@ def plot_top1_reliability(probs, labels, path: Path, *, n_bins: int = 10, title:
                           ece: float | None = None) -> Path:
     """Reliability diagram of top-1 events pooled over (sample, item): P(item ranked first) against how often it
     was; ``ece`` (when given) is printed as reported in the metrics, else the curve's own."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     curve = binary_curve(probs, labels, n_bins)
     path = Path(path)
     make_folders(path.parent)  # never through a link made at figures/ during the run
@@ -73,6 +73,10 @@ def ece_by_k(per_fold: list[dict]) -> dict[tuple[str, str], tuple[np.ndarray, np
 
 def plot_ece_by_k(per_fold: list[dict], path: Path, *, title: str = "") -> Path:
     """Two panels (rank-wise ECE, full-rank kernel ECE), each with sub-k and top-k curves over k."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     series = ece_by_k(per_fold)
     path = Path(path)
     make_folders(path.parent)  # never through a link made at figures/ during the run

@@ -1,8 +1,14 @@
-"""Scoring a method on one dataset and turning the scores into the predictions file, metrics and diagrams."""
+"""Scoring a method on one dataset and turning the scores into the predictions file, metrics and diagrams.
+
+The diagrams of an evaluated dataset can be left for later (``later``): a run writes its metrics.json and prints its
+summary first, and draws them after (matplotlib is imported then, not before).
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +30,17 @@ log = logging.getLogger(__name__)
 
 # Columns of the data that travel into the predictions file when present (truth of the synthetic world).
 PASSTHROUGH_COLUMNS = ("true_margin", "true_prob")
+
+# The figures of one evaluated dataset, drawn when called; it returns their files.
+Drawing = Callable[[], list[Path]]
+
+
+def drawn(draw: Drawing, later: list[Drawing] | None) -> list[Path]:
+    """The files of ``draw`` drawn now, or none yet with ``draw`` appended to ``later``."""
+    if later is None:
+        return draw()
+    later.append(draw)
+    return []
 
 
 def predictions_frame(data: pd.DataFrame, chosen: Scores, rejected: Scores) -> pd.DataFrame:
@@ -147,12 +164,13 @@ def longer_wins_metrics(data: pd.DataFrame, predictions: pd.DataFrame, metric_cf
 
 
 def evaluate_method(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg,
-                    calibration=None) -> tuple[dict, list]:
+                    calibration=None, *, later: list[Drawing] | None = None) -> tuple[dict, list]:
     """Score ``data`` with ``method``; write predictions and diagrams into ``folder``; return (metrics, figures).
     Pairwise sets also get the win rate of "the longer completion wins" (:func:`longer_wins_metrics`). With the run's
     ``calibration`` (:class:`~rewarduq_exp.recalibration.Calibration`) every metric is also reported after it as
     ``recal/<metric>``, and the diagrams are drawn again in ``figures/<name>/recalibrated/``; the predictions file
-    keeps the raw scores."""
+    keeps the raw scores. With ``later`` (a list) the diagrams are not drawn here: their :data:`Drawing` is appended
+    to it, and the figures returned are none."""
     predictions = score_method(method, data)
     folder.write_predictions(name, predictions)
     metrics = score_predictions(predictions, metric_cfg)
@@ -162,15 +180,23 @@ def evaluate_method(method, data: pd.DataFrame, name: str, folder: RunFolder, me
 
         metrics.update(recalibrated_metrics(predictions, calibration, metric_cfg))
     # Diagrams are files of the run folder: only its writer (rank 0 under torchrun) draws them.
-    figures = []
-    if getattr(folder, "writer", True):
-        figures = diagrams(predictions, folder.figures_dir(name), metric_cfg, title=name, metrics=metrics)
-        if calibration is not None and figures:
-            after = {k.removeprefix("recal/"): v for k, v in metrics.items() if k.startswith("recal/")}
-            figures += diagrams(calibration.apply_predictions(predictions), folder.figures_dir(name) / "recalibrated",
-                                metric_cfg, title=f"{name}, recalibrated (T={calibration.temperature:.3g}, "
-                                f"s={calibration.scale:.3g})", metrics=after)
-    return metrics, figures
+    if not getattr(folder, "writer", True):
+        return metrics, []
+    return metrics, drawn(functools.partial(method_diagrams, predictions, name, folder, metric_cfg, calibration,
+                                            metrics), later)
+
+
+def method_diagrams(predictions: pd.DataFrame, name: str, folder: RunFolder, metric_cfg, calibration,
+                    metrics: dict) -> list[Path]:
+    """The diagrams of :func:`evaluate_method`: the raw predictions', and with ``calibration`` the recalibrated
+    ones' in ``figures/<name>/recalibrated/``; their files."""
+    figures = diagrams(predictions, folder.figures_dir(name), metric_cfg, title=name, metrics=metrics)
+    if calibration is not None and figures:
+        after = {k.removeprefix("recal/"): v for k, v in metrics.items() if k.startswith("recal/")}
+        figures += diagrams(calibration.apply_predictions(predictions), folder.figures_dir(name) / "recalibrated",
+                            metric_cfg, title=f"{name}, recalibrated (T={calibration.temperature:.3g}, "
+                            f"s={calibration.scale:.3g})", metrics=after)
+    return figures
 
 
 # The column of pointwise data with the standard deviation of the human ratings behind each score, where known.
@@ -201,7 +227,7 @@ def baseline_metrics(name: str, baseline: str, y: np.ndarray, values, score_rang
 
 
 def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg,
-                       calibration=None) -> tuple[dict, list]:
+                       calibration=None, *, later: list[Drawing] | None = None) -> tuple[dict, list]:
     """A pointwise eval set (rated responses) for a pointwise method (BoRP): its scores against the ratings
     (``probe/...``: Krippendorff's alpha, Pearson, Spearman, RMSE, RMSE by uncertainty bins; for a method that
     counts response lengths also ``probe/partial_pearson_given_length`` and ``probe/pearson_with_log_length``), the
@@ -210,7 +236,8 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
     the probe (:mod:`rewarduq_exp.metrics.probe_rivals`; a log line names those that do), the predictions file
     (one row per response: ``score``, ``prediction``, ``lower``, ``upper``, ``u``, the lengths ``n_chars``,
     ``n_words``, ``n_tokens`` and each baseline's prediction) and the diagnostic figure (with the probe and the
-    baselines' alpha, Pearson and RMSE side by side, and the probe's partial correlation given length)."""
+    baselines' alpha, Pearson and RMSE side by side, and the probe's partial correlation given length); ``later``
+    as in :func:`evaluate_method`."""
     from rewarduq_exp.metrics.probe import (
         LENGTH_COLUMNS,
         comparison,
@@ -253,9 +280,8 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
         if line:
             log.warning("%s", line)
     folder.write_predictions(name, predictions)
-    figures = []
-    if getattr(folder, "writer", True) and metric_cfg.get("diagrams", True):
-        figures.append(plot_probe_diagnostics(y, scores.reward, u, folder.figures_dir(name) / "probe.png",
-                                              title=name, score_range=score_range,
-                                              compare=comparison(metrics)))
-    return metrics, figures
+    if not (getattr(folder, "writer", True) and metric_cfg.get("diagrams", True)):
+        return metrics, []
+    draw = functools.partial(plot_probe_diagnostics, y, scores.reward, u, folder.figures_dir(name) / "probe.png",
+                             title=name, score_range=score_range, compare=comparison(metrics))
+    return metrics, drawn(lambda: [draw()], later)

@@ -190,18 +190,22 @@ def _run(cfg: DictConfig, out: Path, folder: RunFolder, checkpoints: TrainingChe
     failed = True
     try:
         result = task.run()
+        # metrics.json and the summary table first, the figures after them (matplotlib is imported only then): the
+        # table does not wait for the drawing, and a figure that fails loses no metric.
+        folder.write_metrics(result.blocks)
+        if folder.writer:
+            print("\n".join([f"run folder: {out}", summary_table(result.blocks), *result.notes]), flush=True)
+        figures_failed = result.draw_figures()
         logger.log_history(result.history)
         for name, metrics in result.blocks.items():
             logger.log_metrics(name, metrics, result.figures.get(name, []))
         if result.summary:
             logger.log_summary(result.summary)
-        folder.write_metrics(result.blocks)
         resumed = {"resumed": checkpoints.resumed} if checkpoints is not None and checkpoints.resumed else {}
-        folder.finish(**result.info, **resumed, seconds_total=round(time.perf_counter() - t0, 2))
+        failures = {"figures_failed": figures_failed} if figures_failed else {}   # lines "<dataset>: <error>"
+        folder.finish(**result.info, **resumed, **failures, seconds_total=round(time.perf_counter() - t0, 2))
         if checkpoints is not None and folder.writer:
             checkpoints.clear()   # the run is complete: its training state is of no further use
-        if folder.writer:
-            print("\n".join([f"run folder: {out}", summary_table(result.blocks), *result.notes]), flush=True)
         failed = False
         return result.blocks
     finally:
@@ -307,12 +311,14 @@ class RewardModelTask:
                      "scale %.4g", cal_name, len(cal_frame), calibration.temperature, calibration.scale,
                      calibration.interval, calibration.scales.get("conformal", float("nan")))
 
-        blocks, figures = {}, {}
+        blocks, figures, drawings = {}, {}, {}
         # Under torchrun / accelerate every process takes part in scoring (evaluation.score_method splits the rows);
-        # only rank 0 writes predictions and diagrams.
+        # only rank 0 writes predictions and diagrams, the diagrams once metrics.json is written (_run).
         for name, frame in eval_frames.items():
             evaluate = evaluate_pointwise if data_kind(frame) == "pointwise" else evaluate_method
-            blocks[name], figures[name] = evaluate(method, frame, name, folder, cfg.metric, calibration)
+            drawings[name] = []
+            blocks[name], figures[name] = evaluate(method, frame, name, folder, cfg.metric, calibration,
+                                                   later=drawings[name])
         info = {"fit": fit_summary, "token_count_cache": count.stats}
         if distributed.world_size() > 1:
             info["world_size"] = distributed.world_size()
@@ -328,7 +334,7 @@ class RewardModelTask:
             info["recalibration"] = {"split": calibration.fitted_on.get("split"), "n": calibration.fitted_on.get("n"),
                                      "temperature": calibration.temperature, "scale": calibration.scale,
                                      "interval": calibration.interval}
-        result = RunOutput(blocks, info, figures=figures, history=method.history)
+        result = RunOutput(blocks, info, figures=figures, history=method.history, drawings=drawings)
         widths = {name: m["bound_width"] for name, m in blocks.items() if m.get("bound_width") is not None}
         if len(widths) > 1:
             result.notes.append("mean uncertainty (reward-interval width): "
