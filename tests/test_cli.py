@@ -89,8 +89,11 @@ def test_second_run_does_no_backbone_forward(trained):
     assert status["features"]["cache_misses"] == 0
     first = json.loads((trained["ens_mlp"][0] / "status.json").read_text())
     assert first["features"]["backbone_forward_passes"] > 0
-    # the length filter's token counts are shared the same way (train, eval, ood and the calibration split)
-    assert first["token_count_cache"]["misses"] == 4 and status["token_count_cache"] == {"hits": 4, "misses": 0}
+    # the length filter's token counts are shared the same way (train, eval, ood and the calibration split): recorded
+    # per conversation by the first run, so the second counts, renders and loads nothing (no tokenizer)
+    assert first["token_count_cache"]["misses"] == 4 and first["conversations"]["rendered"] > 0
+    assert status["token_count_cache"] == {"hits": 0, "misses": 0}
+    assert status["conversations"] == {"rendered": 0, "recorded": 0}
 
 
 def test_evaluate_run_folder_reproduces_training_metrics(trained, tmp_path, shared_cache):

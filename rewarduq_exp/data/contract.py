@@ -227,20 +227,21 @@ class FilterReport:
 NOT_TOKENISED = np.iinfo(np.int64).max
 
 
-def _row_lengths(frame: pd.DataFrame, tokenizer, count) -> tuple[np.ndarray, np.ndarray]:
-    """(longest rendered prompt+completion per row, every rendered length) for any kind of contract frame."""
+def _row_lengths(frame: pd.DataFrame, lengths) -> tuple[np.ndarray, np.ndarray]:
+    """(longest rendered prompt+completion per row, every rendered length) for any kind of contract frame;
+    ``lengths(prompts, completions)`` gives the lengths of the rendered conversations."""
     kind = data_kind(frame)
     if kind == "kwise":
         k = frame["completions"].map(len).to_numpy()
-        prompts = np.repeat(frame["prompt"].to_numpy(), k)
+        prompts = list(np.repeat(frame["prompt"].to_numpy(), k))
         flat = [c for cs in frame["completions"] for c in cs]
-        lengths = count(render_all(tokenizer, prompts, flat))
-        return np.maximum.reduceat(lengths, np.concatenate([[0], np.cumsum(k)[:-1]])), lengths
+        every = lengths(prompts, flat)
+        return np.maximum.reduceat(every, np.concatenate([[0], np.cumsum(k)[:-1]])), every
     if kind == "pointwise":
-        lengths = count(render_all(tokenizer, frame["prompt"], frame["response"]))
-        return lengths, lengths
+        every = lengths(list(frame["prompt"]), list(frame["response"]))
+        return every, every
     n = len(frame)
-    both = count(render_all(tokenizer, list(frame["prompt"]) * 2, list(frame["chosen"]) + list(frame["rejected"])))
+    both = lengths(list(frame["prompt"]) * 2, list(frame["chosen"]) + list(frame["rejected"]))
     return np.maximum(both[:n], both[n:]), both
 
 
@@ -257,7 +258,7 @@ def _count_unless_too_long(count, bound, max_length: int):
 
 
 def filter_by_length(frame: pd.DataFrame, tokenizer, max_length: int, dataset: str, count=None, bound=None,
-                     dropped_before_loading: Sequence[str] = ()) -> tuple[pd.DataFrame, FilterReport]:
+                     dropped_before_loading: Sequence[str] = (), lengths=None) -> tuple[pd.DataFrame, FilterReport]:
     """Drop rows whose longest rendered prompt+completion exceeds ``max_length`` tokens (never truncate).
 
     A pair is dropped if prompt+chosen or prompt+rejected is too long; a K-wise row if any of its completions is.
@@ -265,12 +266,18 @@ def filter_by_length(frame: pd.DataFrame, tokenizer, max_length: int, dataset: s
     :class:`~rewarduq_exp.models.token_counter.TokenCounter`). ``bound`` (the tokenizer's
     :class:`~rewarduq_exp.models.token_counter.TokenLowerBound`, None: none) drops texts too long in characters
     before they are counted. ``dropped_before_loading``: the subset of each row the loader already dropped as too
-    long (counted in the report as dropped by this filter).
+    long (counted in the report as dropped by this filter). ``lengths(prompts, completions)``, when given, replaces
+    rendering and counting (``tokenizer``, ``count`` and ``bound`` are then unused): the lengths of the rendered
+    conversations, :data:`NOT_TOKENISED` where the bound drops them (runs pass
+    :meth:`~rewarduq_exp.models.conversation_index.ConversationIndex.lengths`, which renders only what it has not
+    recorded).
     """
-    count = count or (lambda texts: token_lengths(tokenizer, texts))
-    if bound is not None:
-        count = _count_unless_too_long(count, bound, max_length)
-    longest, every = _row_lengths(frame, tokenizer, count)
+    if lengths is None:
+        count = count or (lambda texts: token_lengths(tokenizer, texts))
+        if bound is not None:
+            count = _count_unless_too_long(count, bound, max_length)
+        lengths = lambda prompts, completions: count(render_all(tokenizer, prompts, completions))  # noqa: E731
+    longest, every = _row_lengths(frame, lengths)
     keep = longest <= max_length
     dropped = Counter(frame.loc[~keep, "subset"].astype(str)) + Counter(map(str, dropped_before_loading))
     counted = every[every != NOT_TOKENISED]

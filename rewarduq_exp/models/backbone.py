@@ -81,6 +81,21 @@ class Backbone:
         hub_reachable()  # once per process: without network, go offline at once instead of retrying for a minute
         return str(self.cfg.hub_id)
 
+    def tokenizer_folder(self) -> Path | None:
+        """The local folder the tokenizer loads from, found without loading it (nor importing transformers): the
+        tiny model's, a local checkpoint's, a converted GGUF's, or a hub model's snapshot in the local Hugging Face
+        cache; None when a hub model has no tokenizer there yet (loading it downloads one)."""
+        if self.cfg.get("builder") == "tiny-qwen3" or self.cfg.get("path") or self.cfg.get("gguf_file"):
+            return Path(self.source)
+        if not self.cfg.get("hub_id"):
+            return None
+        from huggingface_hub import try_to_load_from_cache
+
+        # the revision the loader asks for (None: the default branch), resolved by the cache's own refs, offline
+        found = try_to_load_from_cache(str(self.cfg.hub_id), "tokenizer_config.json",
+                                       revision=str(self.cfg.revision) if self.cfg.get("revision") else None)
+        return Path(found).parent if isinstance(found, str) else None
+
     def identity(self) -> dict:
         """Everything about the backbone that changes its numbers (part of every feature-cache key)."""
         ident = {

@@ -4,7 +4,9 @@ On disk, features are stored per TEXT: a request for any subset, order or regrou
 extracted with the same backbone and probe costs no backbone pass. The rows of one (backbone, probe) pair live in
 one folder, ``<root>/rows/<hash of backbone and probe>/``, as shard files (safetensors: the rows and a 16-byte hash
 of each row's text), one shard per batch of rows that had to be computed. A lookup hashes the texts, finds each in
-the shards' key lists (read once per process and shard) and computes only the texts found nowhere.
+the shards' key lists (read once per process and shard) and computes only the texts found nowhere. Runs know most
+keys without the texts (:mod:`rewarduq_exp.models.conversation_index` records them per conversation), so a run
+whose rows are all here renders no chat template and loads no tokenizer.
 
 Shards are written to a temporary name and renamed, under a file lock named after the set of missing texts, so
 that 27 sweep jobs asking for the same features compute them once: the first takes the lock and extracts, the others
@@ -120,9 +122,14 @@ class FeatureCache:
         """``(rows of texts, hit)``: the rows of ``texts`` (``meta`` says how they are read), computing only the texts
         not stored yet by ``compute_rows(indices into texts)``; hit = nothing was computed. Collective under a
         distributed run."""
+        return self.lookup_keys(meta, [text_key(t) for t in texts], compute_rows)
+
+    def lookup_keys(self, meta: dict, keys: list[bytes], compute_rows: Callable[[np.ndarray], torch.Tensor],
+                    ) -> tuple[torch.Tensor, bool]:
+        """:meth:`lookup` by the texts' keys (:func:`text_key`), for a caller that knows them without the texts
+        (:mod:`rewarduq_exp.models.conversation_index`): a run whose rows are all stored renders nothing."""
         folder = self.root / "rows" / stable_hash(meta, n=24)
         shards = self._shards.setdefault(folder, RowShards(folder))
-        keys = [text_key(t) for t in texts]
         shards.refresh()
         missing = self._first_missing(keys, shards)
         if distributed.world_size() > 1:

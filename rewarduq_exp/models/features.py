@@ -4,7 +4,9 @@ A probe chooses the layer (``-1``: the last hidden state, after the final norm; 
 is the embedding output) and the pooling (``last``: the last real token, i.e. the final ``\\n`` after the closing
 ``<|im_end|>`` for ChatML; ``mean``: the mean over real tokens). Sequences are batched so that padding stays small
 (by length, or by prompt where prompts repeat), each batch's distinct prompts are run once
-(:mod:`rewarduq_exp.models.shared_prefix`), and every result goes through the shared :class:`FeatureCache`.
+(:mod:`rewarduq_exp.models.shared_prefix`), and every result goes through the shared :class:`FeatureCache`, found by
+keys that :class:`~rewarduq_exp.models.conversation_index.ConversationIndex` recorded: only what is computed is
+rendered, so a run whose features are all cached loads neither the weights nor the tokenizer.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.progress import progress
 from rewarduq_exp.data.contract import render_all, render_prompt_heads
 from rewarduq_exp.models.backbone import Backbone
+from rewarduq_exp.models.conversation_index import ConversationIndex
 from rewarduq_exp.models.feature_cache import FeatureCache
 from rewarduq_exp.models.shared_prefix import share_lengths, shared_prefix_hidden, token_batches
 from rewarduq_exp.models.token_budget import check_setting
@@ -47,9 +50,12 @@ class FeatureEncoder:
     the same backbone and data did no backbone work at all.
     """
 
-    def __init__(self, backbone: Backbone, probe, store, max_length: int, show_progress: bool = True):
+    def __init__(self, backbone: Backbone, probe, store, max_length: int, show_progress: bool = True,
+                 conversations: ConversationIndex | None = None):
         """``store``: a folder (the disk :class:`FeatureCache` of runs) or a store object such as
-        :class:`MemoryFeatures` (the Python API's)."""
+        :class:`MemoryFeatures` (the Python API's). ``conversations``: the record of what conversations render to
+        (default, with a disk store: ``<store>/conversations``; a memory store renders every call, as it only
+        serves texts the caller has just rendered or scores)."""
         self.backbone = backbone
         self.probe_cfg = probe  # methods that read the backbone their own way (BoRP's contrastive probe) read it
         self.layer = int(probe.layer)
@@ -64,6 +70,9 @@ class FeatureEncoder:
         self.last_batching: dict = {}
         self.max_length = int(max_length)
         self.store = store if hasattr(store, "lookup") else FeatureCache(store)
+        if conversations is None and isinstance(self.store, FeatureCache):
+            conversations = ConversationIndex(backbone, self.store.root / "conversations")
+        self.conversations = conversations if hasattr(self.store, "lookup_keys") else None
         self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
         self._model = None
         self.stats = {"backbone_forward_passes": 0, "cache_hits": 0, "cache_misses": 0}
@@ -78,13 +87,27 @@ class FeatureEncoder:
     def encode(self, prompts, completions, desc: str = "features") -> torch.Tensor:
         """Features (N, d) as float32 on the CPU, in input order."""
         prompts = list(prompts)  # a pandas column is indexed by its labels, not by position
-        texts = render_all(self.tokenizer, prompts, completions)
+        completions = list(completions)
+        if self.conversations is None:
+            texts = render_all(self.tokenizer, prompts, completions)
+            rendered = dict(enumerate(texts))
+        else:  # the texts' keys as recorded: only what is not recorded yet is rendered
+            keys, rendered = self.conversations.text_keys(prompts, completions)
 
         def compute(rows):
             heads = render_prompt_heads(self.tokenizer, [prompts[i] for i in rows])
-            return self._extract([texts[i] for i in rows], desc, heads)
+            return self._extract(self._texts(rows, rendered, prompts, completions), desc, heads)
 
-        return self.cached(self.probe_identity(), texts, compute)
+        if self.conversations is None:
+            return self.cached(self.probe_identity(), texts, compute)
+        return self._found(self.store.lookup_keys(self._meta(self.probe_identity()), keys, compute))
+
+    def _texts(self, rows, rendered: dict, prompts, completions) -> list[str]:
+        """The rendered texts of ``rows``, rendering those not rendered yet."""
+        todo = [int(i) for i in rows if int(i) not in rendered]
+        rendered.update(zip(todo, render_all(self.tokenizer, [prompts[i] for i in todo],
+                                             [completions[i] for i in todo])))
+        return [rendered[int(i)] for i in rows]
 
     def cached(self, what: dict, texts: list[str], compute_rows) -> torch.Tensor:
         """Features of ``texts`` through the store, keyed by the backbone, ``what`` (how they are read: the probe's
@@ -92,8 +115,13 @@ class FeatureEncoder:
         ``stats``). Methods that read the backbone their own way (BoRP) share the store through this. With the disk
         store of a run under torchrun / accelerate each process computes a block of the rows (collective); the
         memory store computes only the calling process's own texts."""
-        meta = {"backbone": self.backbone.identity(), "probe": what}
-        feats, hit = self.store.lookup(meta, texts, compute_rows)
+        return self._found(self.store.lookup(self._meta(what), texts, compute_rows))
+
+    def _meta(self, what: dict) -> dict:
+        return {"backbone": self.backbone.identity(), "probe": what}
+
+    def _found(self, found: tuple[torch.Tensor, bool]) -> torch.Tensor:
+        feats, hit = found
         self.stats["cache_hits" if hit else "cache_misses"] += 1
         return feats.float()
 

@@ -1,5 +1,6 @@
 """Loading an evaluation or training split as ``train.py`` and ``evaluate.py`` both do: normalise it to the data
-contract, drop what exceeds ``max_length`` tokens (counted through the shared token-count cache) and log how much.
+contract, drop what exceeds ``max_length`` tokens (counted through the shared token-count cache, or read from the
+conversation index's records without a tokenizer) and log how much.
 
 What is too long in characters for any count of ``max_length`` tokens (the tokenizer's lower bound) is dropped
 without being tokenised, and by loaders that accept ``max_chars`` before it is even loaded."""
@@ -17,12 +18,23 @@ log = logging.getLogger("rewarduq_exp")
 
 
 def load_split(loader, split: str, name: str, tokenizer, max_length: int, count=None, *, training: bool = False,
-               batch_size=None, n_bins=None):
+               batch_size=None, n_bins=None, conversations=None):
     """The split as a contract frame, length-filtered, and checked for data that trains or scores nothing
     (:func:`rewarduq_exp.data.degenerate.check_split`: ``training`` for the split a method trains on, with the
-    method's ``batch_size``; ``n_bins``: the metric's calibration bins, for an eval split)."""
-    bound = token_lower_bound(tokenizer)
-    max_chars = bound.content_char_limit(max_length) if bound is not None else None
+    method's ``batch_size``; ``n_bins``: the metric's calibration bins, for an eval split).
+
+    ``conversations`` (a :class:`~rewarduq_exp.models.conversation_index.ConversationIndex`), when given, measures
+    the conversations instead of ``tokenizer`` and ``count`` (which may then be None): from its records, loading the
+    tokenizer only for conversations it has not recorded."""
+    lengths, bound = None, None
+    if conversations is not None:
+        max_chars = conversations.content_char_limit(max_length)
+
+        def lengths(prompts, completions):
+            return conversations.lengths(prompts, completions, max_length)
+    else:
+        bound = token_lower_bound(tokenizer)
+        max_chars = bound.content_char_limit(max_length) if bound is not None else None
     if max_chars is not None and "max_chars" in inspect.signature(loader.load).parameters:
         frame = loader.load(split, max_chars=max_chars)
     else:
@@ -31,7 +43,7 @@ def load_split(loader, split: str, name: str, tokenizer, max_length: int, count=
         frame = validate_preferences(frame, f"dataset '{name}'")
     unsplittable = int(frame.attrs.get("dropped_unsplittable", 0))
     frame, report = filter_by_length(frame, tokenizer, max_length, name, count, bound,
-                                     dropped_before_loading=frame.attrs.get("dropped_too_long", ()))
+                                     dropped_before_loading=frame.attrs.get("dropped_too_long", ()), lengths=lengths)
     report.unsplittable = unsplittable
     frame, report.identical_dropped = check_split(frame, name, training=training, batch_size=batch_size,
                                                   n_bins=n_bins)

@@ -37,7 +37,7 @@ from rewarduq_exp.core.inside_folder import check_writes_inside, make_folders, o
 from rewarduq_exp.core.saved_files import read_json_object
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.data.registry import build_loader, resolve_eval_sets, with_options
-from rewarduq_exp.models.token_counter import TokenCounter
+from rewarduq_exp.models.conversation_index import ConversationIndex
 from rewarduq_exp.runner.cli import report_user_error
 from rewarduq_exp.runner.data_loading import load_split, quiet_datasets_unless
 from rewarduq_exp.runner.evaluation import diagrams, evaluate_method, evaluate_pointwise, score_predictions
@@ -120,12 +120,14 @@ def evaluate_run_folder(cfg) -> dict:
                               max_length=max_length, trust_remote_code=cfg.get("trust_remote_code", False))
     folder, method, backbone = run.folder, run.method, run.backbone
     calibration = run_calibration(folder.root, cfg)
-    count = TokenCounter(backbone.tokenizer, backbone.identity(), Path(cfg.paths.cache_dir) / "token_lengths")
+    # the length filter from the recorded conversations: no tokenizer where all are recorded (train.py's records)
+    conversations = ConversationIndex(backbone, Path(cfg.paths.cache_dir) / "features" / "conversations",
+                                      token_cache=Path(cfg.paths.cache_dir) / "token_lengths")
     blocks = {}
     with staged_results(folder) as staging:
         for es in eval_sets:
-            frame, _ = load_split(eval_loaders[es.name], es.split, es.name, backbone.tokenizer, max_length, count,
-                                  n_bins=cfg.metric.n_bins)
+            frame, _ = load_split(eval_loaders[es.name], es.split, es.name, None, max_length,
+                                  n_bins=cfg.metric.n_bins, conversations=conversations)
             evaluate = evaluate_pointwise if data_kind(frame) == "pointwise" else evaluate_method
             if calibration is not None and calibration.fitted_on.get("split") == es.name:
                 raise UserError(f"{es.name} is the split this run's recalibration was fitted on: its recalibrated "

@@ -30,8 +30,8 @@ from rewarduq_exp.core.training_checkpoint import CHECKPOINT_DIR, TrainingCheckp
 from rewarduq_exp.data.contract import data_kind
 from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
 from rewarduq_exp.models.backbone import Backbone, resolve_device
+from rewarduq_exp.models.conversation_index import ConversationIndex
 from rewarduq_exp.models.features import FeatureEncoder
-from rewarduq_exp.models.token_counter import TokenCounter
 from rewarduq_exp.runner.cli import in_multirun, report_user_error
 from rewarduq_exp.runner.data_loading import load_split, quiet_datasets_unless
 from rewarduq_exp.runner.evaluation import calibration_predictions, evaluate_method, evaluate_pointwise
@@ -255,8 +255,13 @@ class RewardModelTask:
             os.environ["TQDM_DISABLE"] = "1"  # one set of progress bars (rank 0's): methods, encoder and TRL read it
         progress.set_interval(60 * check_positive(cfg.get("progress_log_minutes", 3), "progress_log_minutes"))
         self.backbone = Backbone(cfg.model, cache_dir=cfg.paths.cache_dir, device=cfg.device)
-        self.features = FeatureEncoder(self.backbone, cfg.probe, Path(cfg.paths.cache_dir) / "features",
-                                      int(cfg.max_length), show_progress=bool(cfg.progress))
+        cache = Path(cfg.paths.cache_dir)
+        # What each conversation renders to, recorded: the length filter and the feature lookup of a run whose
+        # features are all cached load no tokenizer (the token counts of what is not recorded yet: token_lengths/).
+        self.conversations = ConversationIndex(self.backbone, cache / "features" / "conversations",
+                                               token_cache=cache / "token_lengths")
+        self.features = FeatureEncoder(self.backbone, cfg.probe, cache / "features", int(cfg.max_length),
+                                       show_progress=bool(cfg.progress), conversations=self.conversations)
         self.method = build(cfg.method, "method", encoder=self.features)
         self.loader = build_loader(cfg.dataset)
         self.eval_sets = resolve_eval_sets(cfg.eval_datasets, cfg.dataset, int(cfg.seed), cfg.paths,
@@ -271,18 +276,17 @@ class RewardModelTask:
     def run(self) -> RunOutput:
         cfg, folder, method, loader = self.cfg, self.folder, self.method, self.loader
         quiet_datasets_unless(bool(cfg.progress))
-        tokenizer = self.backbone.tokenizer
         max_length = int(cfg.max_length)
-        count = TokenCounter(tokenizer, self.backbone.identity(), Path(cfg.paths.cache_dir) / "token_lengths")
+        measured = {"conversations": self.conversations}  # the tokenizer loads only for what is not recorded
         train_frame, train_report = load_split(loader, loader.train_split, f"{cfg.dataset.name}_{loader.train_split}",
-                                               tokenizer, max_length, count, training=True,
-                                               batch_size=cfg.method.get("batch_size"))
+                                               None, max_length, training=True,
+                                               batch_size=cfg.method.get("batch_size"), **measured)
         eval_frames, reports = {}, [train_report]
         for es in self.eval_sets:
-            eval_frames[es.name], report = load_split(self.eval_loaders[es.name], es.split, es.name, tokenizer,
-                                                      max_length, count, n_bins=cfg.metric.n_bins)
+            eval_frames[es.name], report = load_split(self.eval_loaders[es.name], es.split, es.name, None,
+                                                      max_length, n_bins=cfg.metric.n_bins, **measured)
             reports.append(report)
-        cal_frame = self._calibration_split(tokenizer, max_length, count, eval_frames, reports)
+        cal_frame = self._calibration_split(max_length, eval_frames, reports)
         if folder.writer:
             write_json(self.out / "data_summary.json", [vars(r) | {"dropped": r.dropped} for r in reports])
 
@@ -319,7 +323,8 @@ class RewardModelTask:
             drawings[name] = []
             blocks[name], figures[name] = evaluate(method, frame, name, folder, cfg.metric, calibration,
                                                    later=drawings[name])
-        info = {"fit": fit_summary, "token_count_cache": count.stats}
+        info = {"fit": fit_summary, "token_count_cache": self.conversations.token_count_stats(),
+                "conversations": dict(self.conversations.stats)}
         if distributed.world_size() > 1:
             info["world_size"] = distributed.world_size()
         if getattr(method, "stats", None):
@@ -347,7 +352,7 @@ class RewardModelTask:
                                 f"(feature cache: {stats['cache_hits']} hits, {stats['cache_misses']} misses)")
         return result
 
-    def _calibration_split(self, tokenizer, max_length: int, count, eval_frames: dict, reports: list):
+    def _calibration_split(self, max_length: int, eval_frames: dict, reports: list):
         """The training dataset's calibration split (its report appended to ``reports``), or None with one line
         saying why there is no recalibration."""
         cfg, loader = self.cfg, self.loader
@@ -358,7 +363,7 @@ class RewardModelTask:
             log.info("no recalibration: dataset '%s' has no calibration split (raw metrics only)", cfg.dataset.name)
             return None
         name = f"{cfg.dataset.name}_{split}"
-        frame, report = load_split(loader, split, name, tokenizer, max_length, count)
+        frame, report = load_split(loader, split, name, None, max_length, conversations=self.conversations)
         reports.append(report)
         check_not_evaluated(frame, eval_frames, name)
         return frame
