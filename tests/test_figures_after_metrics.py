@@ -1,7 +1,8 @@
 """matplotlib only when a figure is drawn, and a run's figures after its metrics: importing the runner, the metrics or
 any figure module imports no matplotlib; evaluate_method can leave its diagrams for later; RunOutput.draw_figures
-draws them, a failure logged and named without losing the others; train.py writes metrics.json and prints the summary
-table before it draws, and a figure that fails leaves the run complete with its metrics."""
+draws them, a failure logged and named without losing the others (a refused write fails the run); train.py writes
+metrics.json and prints the summary table before it draws, and a figure that fails leaves the run complete with its
+metrics."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import sys
 
 import numpy as np
 import pandas as pd
+import pytest
 from conftest import ROOT
 from entry_points import run_entry_point
 from omegaconf import OmegaConf
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import Scores
 from rewarduq_exp.runner.evaluation import evaluate_method
 from rewarduq_exp.runner.run_output import RunOutput
@@ -89,6 +92,14 @@ def test_draw_figures_logs_a_failure_and_draws_the_others(tmp_path, caplog):
     assert result.figures == {"a": [], "b": [png]} and result.drawings == {}
     assert "a: figures not drawn (RuntimeError: no canvas)" in caplog.text
     assert result.draw_figures() == []   # drawn once
+
+
+def test_a_refused_write_while_drawing_fails_the_run():
+    def refused():
+        raise UserError("figures is a symbolic link")
+
+    with pytest.raises(UserError, match="symbolic link"):   # as every refused write of a run (test_write_time_links)
+        RunOutput({"a": {}}, {}, drawings={"a": [refused]}).draw_figures()
 
 
 def test_train_writes_metrics_and_prints_the_summary_before_it_draws(tmp_path, shared_cache, monkeypatch):

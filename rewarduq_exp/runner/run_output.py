@@ -28,16 +28,18 @@ class RunOutput:
         """Draw the figures left in ``drawings``, their files added to ``figures``; the lifecycle calls this once
         metrics.json is written and the summary printed. A drawing that fails is logged and named in the lines
         returned (``dataset: error``), and the others are still drawn: the metrics are written by then, and a figure
-        is no reason to lose the run."""
+        is no reason to lose the run. A refused write (:class:`UserError`: a link made in the run folder) fails the
+        run, as every refused write of a run does; its metrics.json stays."""
         failed = []
         for name, drawings in self.drawings.items():
             for draw in drawings:
                 try:
                     self.figures.setdefault(name, []).extend(draw())
+                except UserError:
+                    raise
                 except Exception as err:   # Ctrl-C and job signals (BaseException) still stop the run
-                    # a refused write (UserError) says all in its line; anything else gets its traceback
                     log.warning("%s: figures not drawn (%s: %s); its metrics are in metrics.json", name,
-                                type(err).__name__, err, exc_info=not isinstance(err, UserError))
+                                type(err).__name__, err, exc_info=True)
                     failed.append(f"{name}: {type(err).__name__}: {err}")
         self.drawings = {}
         return failed
