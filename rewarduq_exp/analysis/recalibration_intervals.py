@@ -4,7 +4,7 @@ evaluated set, over run folders (``scripts/recalibration_table.py --intervals``)
 The raw and the recalibrated metric of a run are computed on the same evaluated pairs, so their difference is paired:
 a bootstrap draw resamples the pairs once and scores both on that resample. Runs of one row (seeds, or the points of
 a sweep) that were evaluated on the same pairs (the same ids) share each draw's resample, and the runs themselves are
-drawn with replacement too (the crossed bootstrap of ``downstream.statistics``); runs evaluated on different pairs
+drawn with replacement too (the crossed bootstrap the downstream tasks use); runs evaluated on different pairs
 get their own resamples. The interval covers the sampling of the evaluated pairs and of the runs; the calibration
 split a run was fitted on is held fixed (it is part of the run).
 """
@@ -18,7 +18,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from rewarduq_exp.analysis.recalibration_report import PAIR_METRICS
-from rewarduq_exp.downstream.statistics import bootstrap_weights, percentile_interval
+from rewarduq_exp.core.bootstrap import bootstrap_weights, percentile_interval
 from rewarduq_exp.metrics.scoring import score_predictions
 from rewarduq_exp.recalibration import read_calibration
 from rewarduq_exp.recalibration.fit import PREFIX, recalibrated_metrics

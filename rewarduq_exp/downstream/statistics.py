@@ -32,7 +32,8 @@ from typing import NamedTuple
 import numpy as np
 from scipy.stats import t as t_dist
 
-LEVEL = 0.95
+from rewarduq_exp.core.bootstrap import LEVEL, bootstrap_weights, percentile_interval  # noqa: F401 (re-exported)
+
 DRAWS = 2000
 
 
@@ -48,11 +49,6 @@ def _as_runs_prompts(values) -> np.ndarray:
     return v
 
 
-def bootstrap_weights(n: int, draws: int, rng: np.random.Generator) -> np.ndarray:
-    """(draws, n) multinomial counts: how often each of n units enters a resample of size n."""
-    return rng.multinomial(n, np.full(n, 1.0 / n), size=draws).astype(np.float64)
-
-
 def bootstrap_means(values, draws: int = DRAWS, seed: int = 0) -> np.ndarray:
     """(draws, J): the mean over runs and prompts of ``values`` (R, P, J) in each resample, runs and prompts drawn
     with replacement independently (one run: prompts only). The same prompts are drawn for every run and point, so
@@ -63,14 +59,6 @@ def bootstrap_means(values, draws: int = DRAWS, seed: int = 0) -> np.ndarray:
     w_runs = bootstrap_weights(runs, draws, rng) if runs > 1 else np.ones((draws, 1))
     w_prompts = bootstrap_weights(prompts, draws, rng)
     return np.einsum("br,bp,rpj->bj", w_runs, w_prompts, v, optimize=True) / (runs * prompts)
-
-
-def percentile_interval(draws: np.ndarray, level: float = LEVEL) -> tuple[np.ndarray, np.ndarray]:
-    """The (1 - level) / 2 and (1 + level) / 2 quantiles over the first axis; an infinite draw (a peak beyond the
-    data) is taken as it is, without interpolating across it."""
-    tail = (1 - level) / 2
-    return (np.quantile(draws, tail, axis=0, method="inverted_cdf"),
-            np.quantile(draws, 1 - tail, axis=0, method="inverted_cdf"))
 
 
 def mean_interval(values, draws: int = DRAWS, seed: int = 0, level: float = LEVEL) -> tuple[float, float, float]:
