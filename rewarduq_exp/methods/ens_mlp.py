@@ -102,35 +102,37 @@ class EnsMLP(FeatureHeadMethod):
         super().__init__(encoder, **values)
         self.heads: BatchedMLPHeads | None = None
         self.initial: list[torch.Tensor] = []
+        self._anchor_diff: list[torch.Tensor] = []   # p - p0 of each parameter, reused every step
 
     @classmethod
     def head_memory(cls, ctx, feature_dim: int, batch: int):
-        """K stacked MLPs with gradients, AdamW states and the anchor copy; the anchor's p - p0 of one parameter
-        tensor at a time, after the backward pass has freed the activations (:meth:`add_anchor_gradient`);
-        each hidden layer's ReLU output kept for backward and two more (K, 2B, h) tensors alive in the forward."""
+        """K stacked MLPs with gradients, AdamW states and the anchor copy, and with an anchor its p - p0 buffers
+        (kept, :meth:`add_anchor_gradient`); each hidden layer's ReLU output kept for backward and two more (K, 2B, h)
+        tensors alive in the forward; after the backward pass has freed them, AdamW's square-root denominators of
+        every parameter at once (foreach)."""
         from rewarduq_exp.models.memory_plan import HeadMemory
 
         m, d = ctx.method, feature_dim
         k, h, nh = int(m.num_heads), int(m.hidden_dim), int(m.num_hidden_layers)
         trainable = k * (d * h + (nh - 1) * h * h + h + nh * h)
         parts = {"ENS-MLP heads (weights, grads, AdamW x2, anchor copy)": 5 * trainable * 4}
-        parts["head activations"] = activations = 2 * batch * (d + k * h * (nh + 2)) * 4
         if float(m.reg_lambda) > 0:
-            # after the backward pass has freed the activations: only what exceeds them raises the peak
-            diff = k * max(d, h if nh > 1 else 1) * h * 4
-            parts["anchor gradient (one tensor's p - p0, beyond the freed activations)"] = max(0, diff - activations)
+            parts["anchor differences (p - p0, kept)"] = trainable * 4
+        parts["head activations"] = activations = 2 * batch * (d + k * h * (nh + 2)) * 4
+        # after the backward pass has freed the activations: only what exceeds them raises the peak
+        parts["AdamW denominators (beyond the freed activations)"] = max(0, trainable * 4 - activations)
         return HeadMemory(trainable, parts, 6 * trainable * 2 * ctx.n_train * float(m.num_epochs))
 
     @classmethod
     def check_fits(cls, settings, feature_dim: int, device_bytes: float) -> None:
         """K x hidden_dim x num_hidden_layers, each bounded alone, must also fit together: the heads with their
-        gradients, two AdamW states and the anchor's copy (and one tensor's p - p0 with an anchor), as
+        gradients, two AdamW states and the anchor's copy (and its p - p0 buffers with an anchor), as
         :meth:`head_memory` counts them, within ``device_bytes``. Settings the constructor refuses are left to it."""
         k, h, nh = settings.get("num_heads"), settings.get("hidden_dim"), settings.get("num_hidden_layers")
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (k, h, nh)):
             return
         trainable = k * (feature_dim * h + (nh - 1) * h * h + h + nh * h)
-        anchor = k * max(feature_dim, h if nh > 1 else 1) * h * 4 if (settings.get("reg_lambda") or 0) > 0 else 0
+        anchor = trainable * 4 if (settings.get("reg_lambda") or 0) > 0 else 0
         need = 5 * trainable * 4 + anchor
         if need > device_bytes:
             gib = 2**30
@@ -144,6 +146,7 @@ class EnsMLP(FeatureHeadMethod):
         generator = torch.Generator().manual_seed(self.seed)
         self.heads = BatchedMLPHeads(self.num_heads, feature_dim, self.hidden_dim, self.num_hidden_layers,
                                      self.init_gain, generator).to(self.device)
+        self._anchor_diff = []
         # The anchor of eq. 11: each head is pulled towards its own initial parameters.
         self.initial = [p.detach().clone() for p in self.heads.parameters()]
 
@@ -154,8 +157,9 @@ class EnsMLP(FeatureHeadMethod):
             sq = sum(squared_deviation(p - p0) for p, p0 in zip(self.heads.parameters(), self.initial))
             return (sq / self.heads.params_per_head).mean()
 
-    def add_anchor_gradient(self) -> torch.Tensor:
-        """Add lambda times the anchor's gradient to every parameter's ``.grad``; returns the anchor's value.
+    def add_anchor_gradient(self, value: bool = True) -> torch.Tensor | None:
+        """Add lambda times the anchor's gradient to every parameter's ``.grad``; returns the anchor's value (None
+        with ``value=False``: the training loop asks for it only on the steps it logs).
 
         anchor = (1/K) sum_k (1/P) sum_i (p_ki - p0_ki)^2 (:meth:`anchor_penalty`, P parameters per head), so
         d anchor / d p_ki = 2 (p_ki - p0_ki) / (K P): one subtraction and one in-place add per parameter tensor,
@@ -165,16 +169,19 @@ class EnsMLP(FeatureHeadMethod):
         (tests/test_ens_mlp_anchor_gradient.py). Each p - p0 lives only while its own tensor is handled.
         """
         scale = 2.0 * self.reg_lambda / (self.num_heads * self.heads.params_per_head)
+        if len(self._anchor_diff) != len(self.initial):   # one buffer per parameter, in its layout, kept: a fresh
+            self._anchor_diff = [torch.empty_like(p0) for p0 in self.initial]   # 10 MB each step cost page faults
         sq = 0.0
         with torch.no_grad():
-            for p, p0 in zip(self.heads.parameters(), self.initial):
-                diff = p - p0
-                sq = sq + squared_deviation(diff)
+            for p, p0, diff in zip(self.heads.parameters(), self.initial, self._anchor_diff):
+                torch.sub(p, p0, out=diff)
+                if value:
+                    sq = sq + squared_deviation(diff)
                 if p.grad is None:
-                    p.grad = diff.mul_(scale)
+                    p.grad = diff.mul(scale)
                 else:
                     p.grad.add_(diff, alpha=scale)
-        return (sq / self.heads.params_per_head).mean()
+        return (sq / self.heads.params_per_head).mean() if value else None
 
     def _fit_terms(self, zc: torch.Tensor, zr: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The Bradley-Terry and centring terms of eq. 11 (differentiable)."""
@@ -200,17 +207,22 @@ class EnsMLP(FeatureHeadMethod):
         """AdamW on eq. 11 by :func:`~rewarduq_exp.methods.training.run_training`: each step runs backward on the BT
         and centring terms, then adds the anchor's gradient directly (:meth:`add_anchor_gradient`) before the loop
         clips the total gradient norm over the K heads together and steps."""
-        def step(index: torch.Tensor) -> dict:
+        def step(index: torch.Tensor, record: bool) -> dict:
             index = index.to(self.device)
             bt, center = self._fit_terms(zc[index], zr[index], weight[index])
             (bt + self.center_gamma * center).backward()
-            anchor = self.add_anchor_gradient() if self.reg_lambda > 0 else torch.zeros((), device=zc.device)
+            if self.reg_lambda > 0:
+                anchor = self.add_anchor_gradient(value=record)
+            else:
+                anchor = torch.zeros((), device=zc.device)
+            if not record:   # the loop logs every log_every steps: the anchor's value is one more pass when it is
+                return {}
             total, parts = self._total(bt, anchor, center)
             return {"loss": total, **parts}
 
         run_training(self.heads.parameters(), len(zc), self.schedule, step, seed=self.seed,
                      desc=f"{self.name} training", history=self.history, show_progress=self.show_progress,
-                     log_every=self.log_every)
+                     log_every=self.log_every, step_knows_records=True)
         # AdamW's fused kernel made a step about 10 ms faster on a CPU, but it rounds differently: over the default
         # run the drift moved the demo table's recalibrated rows past its tolerance, so the default loop stays.
 
