@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--metric-pairs", type=int, default=100_000)
     parser.add_argument("--hidden", type=int, default=1024, help="the tiny Qwen3's hidden size (Qwen3-0.6B: 1024)")
     parser.add_argument("--out", type=Path, help="where runs and caches go (default: a temporary folder)")
+    parser.add_argument("--cache-dir", type=Path, help="one feature cache for both sides (paths.cache_dir; default: "
+                        "each side its own under --out, since two checkouts may key their caches differently)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks that the script runs")
     args = parser.parse_args()
     sizes = ["dataset.n_train=8000", "dataset.n_eval=1000", "dataset.n_ood=1000"]
@@ -85,6 +87,8 @@ def main() -> None:
         args.methods, args.repeats, args.metric_pairs, args.hidden = "bay_lin", 1, 500, 256
         sizes = ["dataset.n_train=200", "dataset.n_eval=100", "dataset.n_ood=100", "metric.diagrams=false"]
     overrides = [f"model.hidden_size={args.hidden}", f"model.build.hidden_size={args.hidden}", *sizes]
+    if args.cache_dir:
+        overrides.append(f"paths.cache_dir={args.cache_dir.resolve()}")
     sides = {"this": HERE, "baseline": (args.baseline or HERE).resolve()}
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-whole-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -98,9 +102,13 @@ def main() -> None:
         loop: dict[str, list[float]] = {"this": [], "baseline": []}
         for i in range(args.repeats):
             for name in (("baseline", "this") if i % 2 == 0 else ("this", "baseline")):
+                if args.smoke and name == "baseline" and sides["baseline"] == sides["this"]:
+                    continue   # the smoke run checks that the script runs: one process for both sides
                 w, s = run_once(sides[name], method, overrides, out / name)
                 wall[name].append(w)
                 loop[name].append(s)
+            if not wall["baseline"]:
+                wall["baseline"], loop["baseline"] = list(wall["this"]), list(loop["this"])
         print(f"\n{method}, {args.repeats} alternating runs each, median (min-max):")
         for label, times in (("whole process", wall), ("training loop", loop)):
             ratio = statistics.median(times["baseline"]) / statistics.median(times["this"])
@@ -109,7 +117,10 @@ def main() -> None:
     calls: dict[str, list[float]] = {"this": [], "baseline": []}
     for i in range(args.repeats):
         for name in (("baseline", "this") if i % 2 == 0 else ("this", "baseline")):
+            if args.smoke and name == "baseline" and sides["baseline"] == sides["this"]:
+                continue
             calls[name].append(metric_call(sides[name], args.metric_pairs, 5) * 1e3)
+    calls["baseline"] = calls["baseline"] or list(calls["this"])
     print(f"\nmetric call on {args.metric_pairs} pairs (best of 5 in a process; {args.repeats} processes each):")
     print(f"  this {summary(calls['this'], 'ms')}   baseline {summary(calls['baseline'], 'ms')}   "
           f"speed-up (baseline / this): {statistics.median(calls['baseline']) / statistics.median(calls['this']):.2f}x")

@@ -102,6 +102,7 @@ def test_a_refused_write_while_drawing_fails_the_run():
         RunOutput({"a": {}}, {}, drawings={"a": [refused]}).draw_figures()
 
 
+@pytest.mark.e2e   # a whole train.py run: make test-e2e
 def test_train_writes_metrics_and_prints_the_summary_before_it_draws(tmp_path, shared_cache, monkeypatch):
     from rewarduq_exp.metrics import diagrams
 
