@@ -175,12 +175,14 @@ def staged_results(folder: RunFolder):
     run on the same host (:func:`remove_dead_staging`)."""
     remove_dead_staging(folder.root)
     staging = folder.root / f"{STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
+    # One try from the folder's creation on: a signal handled on the first instruction after os.mkdir returns must
+    # still say what was kept and remove the folder (a test that signals as soon as the folder appears caught it).
     try:
-        os.mkdir(staging)  # a fresh real folder (never an existing name, nor a link someone left there)
-    except PermissionError as err:
-        raise UserError(f"run folder {folder.root} is not writable ({err.strerror}): evaluate.py adds its results "
-                        "there; copy the run folder somewhere writable and evaluate the copy") from None
-    try:
+        try:
+            os.mkdir(staging)  # a fresh real folder (never an existing name, nor a link someone left there)
+        except PermissionError as err:
+            raise UserError(f"run folder {folder.root} is not writable ({err.strerror}): evaluate.py adds its "
+                            "results there; copy the run folder somewhere writable and evaluate the copy") from None
         write_atomic(staging / STAGING_OWNER, json.dumps(this_owner()))
         yield RunFolder(staging)
     except job_signals.TrainingInterrupted as err:
