@@ -26,6 +26,7 @@ from rewarduq_exp.runs.run_folder import RunFolder
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.e2e   # a fresh interpreter importing the whole package (8 s on 2 cores): make test-e2e
 def test_importing_the_runner_metrics_and_figure_modules_imports_no_matplotlib():
     code = """
 import importlib, pkgutil, sys
