@@ -27,13 +27,14 @@ DRAWS = 1000
 
 
 def _metric_cfg(run_dir: Path):
-    """The run's own metric settings (its bins and alphas), else the defaults."""
-    for name in ("config.yaml", ".hydra/config.yaml"):
-        if (run_dir / name).is_file():
-            metric = OmegaConf.load(run_dir / name).get("metric")
-            if metric is not None:
-                return metric
-    return OmegaConf.create({"n_bins": 20, "alphas": [0.0, 0.2, 1.0], "scoring": "pairs"})
+    """The run's own metric settings (its bins and alphas), else the defaults. The run folder may come from anyone:
+    its config is read as data (no resolver runs)."""
+    from rewarduq_exp.core.foreign_config import read_foreign_config
+
+    config = run_dir / ".hydra" / "config.yaml"
+    metric = read_foreign_config(config, "the run's config").get("metric") if config.is_file() else None
+    return metric if metric is not None else OmegaConf.create({"n_bins": 20, "alphas": [0.0, 0.2, 1.0],
+                                                               "scoring": "pairs"})
 
 
 def _differences(table: pd.DataFrame, calibration, metric_cfg, rows: list[np.ndarray]) -> np.ndarray:

@@ -186,20 +186,24 @@ def check_pair_columns(
     for k in (0, 3):
         reward, lower, upper = cols[k:k + 3]
         nm = names[k:k + 3]
-        # Bounds in order need neither the tolerance nor clipping; most tables have no inversion at all.
-        if (lower > reward).any():
-            bad = lower > reward + BOUND_RTOL * np.maximum(1.0, np.abs(reward))
-            if bad.any():
-                raise UserError(f"{nm[1]} > {nm[0]} in {describe_rows(bad, ids)}; "
-                                "bounds must satisfy lower <= reward <= upper")
+        if _inverted(lower, reward, reward, nm[1], nm[0], ids):
             cols[k + 1] = np.minimum(lower, reward)
-        if (reward > upper).any():
-            bad = reward > upper + BOUND_RTOL * np.maximum(1.0, np.abs(reward))
-            if bad.any():
-                raise UserError(f"{nm[0]} > {nm[2]} in {describe_rows(bad, ids)}; "
-                                "bounds must satisfy lower <= reward <= upper")
+        if _inverted(reward, upper, reward, nm[0], nm[2], ids):
             cols[k + 2] = np.maximum(upper, reward)
     return PairColumns(*cols, w)
+
+
+def _inverted(smaller, larger, reward, smaller_name: str, larger_name: str, ids) -> bool:
+    """Whether ``smaller`` exceeds ``larger`` anywhere (a rounding inversion, to be clipped); a UserError where it
+    does by more than BOUND_RTOL. Bounds in order need neither the tolerance nor clipping, and most tables have no
+    inversion at all, so the tolerance is computed only when one exists."""
+    if not (smaller > larger).any():
+        return False
+    bad = smaller > larger + BOUND_RTOL * np.maximum(1.0, np.abs(reward))
+    if bad.any():
+        raise UserError(f"{smaller_name} > {larger_name} in {describe_rows(bad, ids)}; "
+                        "bounds must satisfy lower <= reward <= upper")
+    return True
 
 
 def validate_pairs(
