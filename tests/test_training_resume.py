@@ -19,6 +19,7 @@ from test_la_lora import la_lora_case
 from rewarduq_exp.core import job_signals, training_checkpoint
 from rewarduq_exp.core.training_checkpoint import Phase, TrainingCheckpoints
 from rewarduq_exp.data.synthetic import SyntheticWorld
+from rewarduq_exp.methods.adamw import FunctionalAdamW
 from rewarduq_exp.methods.bay_lin import BayLin
 from rewarduq_exp.methods.ens_lora import EnsLoRA
 from rewarduq_exp.methods.ens_mlp import EnsMLP
@@ -143,7 +144,7 @@ def test_a_run_stopped_by_sigterm_resumes_exactly(name, request, tmp_path, monke
     assert resumed.history == curve                       # the training curve is continuous and the same
 
     # Once done, the phase keeps its result: an attempt killed while scoring does not train again.
-    monkeypatch.setattr(torch.optim.AdamW, "step", lambda *a, **k: pytest.fail("trained again"))
+    monkeypatch.setattr(FunctionalAdamW, "step", lambda *a, **k: pytest.fail("trained again"))
     with training_checkpoint.activate(checkpoints()):
         again = fit()
     _assert_same(expected, state(again))

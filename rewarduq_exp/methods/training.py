@@ -11,14 +11,16 @@ import torch
 
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.progress import progress
+from rewarduq_exp.methods.adamw import FunctionalAdamW
 from rewarduq_exp.methods.schedule import TrainingSchedule
 
 log = logging.getLogger("rewarduq_exp")
 
 
-def cosine_schedule_with_warmup(optimizer, warmup_steps: int, total_steps: int):
-    """Linear warm-up from 0 over ``warmup_steps``, then a half cosine to 0 at ``total_steps``: the schedule of
-    ``transformers.get_cosine_schedule_with_warmup`` (RewardUQ Appendix B.2), value for value (tested).
+def cosine_factor(warmup_steps: int, total_steps: int):
+    """The factor of the learning rate at each step: linear warm-up from 0 over ``warmup_steps``, then a half cosine
+    to 0 at ``total_steps``: the schedule of ``transformers.get_cosine_schedule_with_warmup`` (RewardUQ Appendix
+    B.2), value for value (tested).
 
     Written here because importing ``transformers.optimization`` pulls in ``trainer_utils`` and, through it, PEFT and
     every model's generation code: 2.8 s of every frozen-backbone run on a 2-core CPU for a three-line formula.
@@ -30,7 +32,12 @@ def cosine_schedule_with_warmup(optimizer, warmup_steps: int, total_steps: int):
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return factor
+
+
+def cosine_schedule_with_warmup(optimizer, warmup_steps: int, total_steps: int):
+    """:func:`cosine_factor` as a ``LambdaLR`` on a torch optimizer."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_factor(warmup_steps, total_steps))
 
 
 def clip_total_norm(params: list, max_norm: float) -> torch.Tensor:
@@ -75,13 +82,16 @@ def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int,
     steps_per_epoch = math.ceil(n / schedule.batch_size)
     total = max(1, math.ceil(steps_per_epoch * schedule.num_epochs))
     # foreach: the same arithmetic in the same order as the per-tensor loop torch picks on a CPU (equal to the bit),
-    # with the denominator divided in place instead of into one more tensor the size of the parameters.
-    optimizer = torch.optim.AdamW(params, lr=schedule.learning_rate, betas=tuple(schedule.adam_betas),
-                                  eps=schedule.adam_eps, weight_decay=schedule.weight_decay, foreach=True)
+    # with the denominator divided in place instead of into one more tensor the size of the parameters. Stepped
+    # through torch's functional AdamW: torch.optim.AdamW would import torch._dynamo (0.8 s; methods/adamw.py).
+    optimizer = FunctionalAdamW(params, lr=schedule.learning_rate, betas=tuple(schedule.adam_betas),
+                                eps=schedule.adam_eps, weight_decay=schedule.weight_decay)
     if schedule.lr_schedule == "constant":
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        factor = lambda step: 1.0   # noqa: E731
     else:
-        scheduler = cosine_schedule_with_warmup(optimizer, int(round(schedule.warmup_ratio * total)), total)
+        factor = cosine_factor(int(round(schedule.warmup_ratio * total)), total)
+    # as torch's LambdaLR sets it: the base rate times the factor of the step about to be taken
+    learning_rate = lambda step: schedule.learning_rate * factor(step)   # noqa: E731
     max_norm = schedule.max_grad_norm if schedule.max_grad_norm is not None else float("inf")
     generator = torch.Generator().manual_seed(seed)
     order = torch.empty(0, dtype=torch.long)
@@ -98,8 +108,7 @@ def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int,
         if saved.done:
             log.info("%s: already trained (%s); not training again", desc, phase.path)
             return total
-        training_checkpoint.load_optimizer_state(optimizer, saved)
-        training_checkpoint.load_scheduler_state(scheduler, saved)
+        training_checkpoint.load_optimizer_state(optimizer, saved)   # the learning rate follows from the step
         generator.set_state(saved.tensors["data.generator"])
         order, first = saved.tensors["data.order"], saved.step
         log.info("%s: resumed at step %d of %d (%s)", desc, first, total, phase.path)
@@ -111,7 +120,7 @@ def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int,
         if not done:   # a finished phase needs only its result
             opt_tensors, groups = training_checkpoint.optimizer_state(optimizer)
             tensors |= opt_tensors | {"data.generator": generator.get_state(), "data.order": order}
-            meta |= {"optimizer_groups": groups, "scheduler": training_checkpoint.scheduler_state(scheduler)}
+            meta |= {"optimizer_groups": groups}   # the learning rate follows from "step"
         return phase.save(tensors | training_checkpoint.rng_tensors(), meta)
 
     bar = progress(range(first, total), desc=desc, show=show_progress, unit="steps", initial=first, total=total,
@@ -121,7 +130,7 @@ def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int,
             start = (i % steps_per_epoch) * schedule.batch_size
             if start == 0:
                 order = torch.randperm(n, generator=generator)
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             record = i % log_every == 0 or i == total - 1
             batch = order[start:start + schedule.batch_size]
             values = step(batch, record) if step_knows_records else step(batch)
@@ -129,10 +138,9 @@ def run_training(params, n: int, schedule: TrainingSchedule, step, *, seed: int,
                 values["grad_norm"] = clip_total_norm(params, max_norm)
             else:
                 clip()
-            optimizer.step()
-            scheduler.step()
+            optimizer.step(learning_rate(i))
             if record:
-                record = {"step": i + 1, "loss": float(values.pop("loss")), "lr": scheduler.get_last_lr()[0],
+                record = {"step": i + 1, "loss": float(values.pop("loss")), "lr": learning_rate(i + 1),
                           **{k: float(v) for k, v in values.items()}}
                 history.append(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
