@@ -1,11 +1,15 @@
-"""glibc's mmap threshold fixed for LA-LoRA's memory-budgeted CPU passes (rewarduq_exp.core.heap)."""
+"""glibc's malloc policy set around a phase (rewarduq_exp.core.heap): large frees back to the OS for LA-LoRA's
+memory-budgeted CPU passes, freed blocks kept while a head trains on cached features."""
 
+import contextlib
 import platform
 import subprocess
 import sys
 import textwrap
 
+import pandas as pd
 import pytest
+import torch
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
@@ -53,7 +57,69 @@ def test_la_lora_fixes_the_threshold_before_its_cpu_passes(monkeypatch):
     calls = []
     monkeypatch.setattr(heap, "return_large_frees_to_os", lambda: calls.append(1) or True)
     method = LaLoRA.__new__(LaLoRA)
-    method.device, method.score_batch_size = __import__("torch").device("cpu"), None
+    method.device, method.score_batch_size = torch.device("cpu"), None
     monkeypatch.setattr(LaLoRA, "_pass_tokens", lambda self, longest, jacobians: 64)
     batches = method._grad_passes([[1] * 10, [2] * 20, [3] * 5], jacobians=True)
     assert calls == [1] and sorted(int(i) for b in batches for i in b) == [0, 1, 2]
+
+
+# Ten 10 MiB blocks freed, inside keeping_freed_memory() or not: MiB still held just after the frees, and once the
+# phase is over.
+KEEP_CHILD = textwrap.dedent("""
+    import contextlib, os, sys
+    from rewarduq_exp.core import heap
+    def rss():
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    base = rss()
+    with heap.keeping_freed_memory() if sys.argv[1] == "keep" else contextlib.nullcontext():
+        blocks = [bytearray(10 << 20) for _ in range(10)]
+        del blocks
+        inside = rss() - base
+    print(inside >> 20, (rss() - base) >> 20)
+""")
+
+
+@glibc
+def test_a_training_phase_keeps_freed_blocks_and_gives_them_back_after():
+    def held(mode):
+        out = subprocess.run([sys.executable, "-c", KEEP_CHILD, mode], capture_output=True, text=True, check=True)
+        return tuple(map(int, out.stdout.split()))
+
+    assert held("default")[0] <= 5        # glibc: 10 MiB blocks are mmapped, and unmapped when freed
+    inside, after = held("keep")
+    assert inside >= 90 and after <= 5    # kept for the next step's allocations, then returned
+
+
+@glibc
+def test_the_policy_before_a_kept_phase_returns_after_it(monkeypatch):
+    from rewarduq_exp.core import heap
+
+    calls = []
+    monkeypatch.setattr(heap, "_set", lambda mmap, trim: calls.append((mmap, trim)) or True)
+    monkeypatch.setattr(heap, "_policy", "return")
+    with heap.keeping_freed_memory():
+        assert heap._policy == "keep" and calls[-1] == (heap.GLIBC_MMAP_MAX, heap.KEEP_TRIM_BYTES)
+        with heap.keeping_freed_memory():   # nested: nothing changes
+            assert len(calls) == 1
+    assert heap._policy == "return" and calls[-1] == (heap.MMAP_THRESHOLD_BYTES, 128 * 1024)
+
+
+def test_feature_heads_train_with_freed_blocks_kept_on_a_cpu(monkeypatch):
+    from rewarduq_exp.core import heap
+    from rewarduq_exp.methods.ens_mlp import EnsMLP
+
+    phases = []
+
+    @contextlib.contextmanager
+    def recording():
+        phases.append("start")
+        yield
+        phases.append("end")
+
+    monkeypatch.setattr(heap, "keeping_freed_memory", recording)
+    monkeypatch.setattr(EnsMLP, "_fit_features", lambda self, zc, zr, w: phases.append("fit"))
+    encoder = type("Encoder", (), {"encode_pairs": lambda self, frame, desc: (torch.zeros(len(frame), 4),) * 2})()
+    method = EnsMLP(encoder, num_heads=2, device="cpu", show_progress=False)
+    method.fit(pd.DataFrame({"weight": [1.0, 1.0]}))
+    assert phases == ["start", "fit", "end"]
