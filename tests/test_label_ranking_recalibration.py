@@ -247,10 +247,11 @@ TODAY_MALLOWS = {"rank/kendall_tau": 0.008888888888888832, "rank/sub_2/ece": 0.1
 
 def test_recalibration_off_gives_todays_numbers(tmp_path):
     block, _, status = _run(tmp_path, "rpc", "metric.ranking.recalibrate=false", "metric.ranking.divergences=[]")
-    assert {k: v for k, v in block.items() if not k.endswith("_std")} == TODAY_RPC
+    # to the last bits: another CPU's kernels (AVX-512 against the AVX2 machine that wrote them) round differently
+    assert {k: v for k, v in block.items() if not k.endswith("_std")} == pytest.approx(TODAY_RPC, rel=1e-12)
     assert "recalibration" not in status
     block, _, _ = _run(tmp_path, "mallows", "metric.ranking.recalibrate=false")  # divergences only add keys
-    assert {k: block[k] for k in TODAY_MALLOWS} == TODAY_MALLOWS
+    assert {k: block[k] for k in TODAY_MALLOWS} == pytest.approx(TODAY_MALLOWS, rel=1e-12)
     assert "rank/sub_2/kl" in block and "rank/top_2/jeff" in block
     assert not any(k.startswith("recal/") for k in block)
 
