@@ -2,16 +2,15 @@
 
 ``compute_metrics`` (module ``rewarduq``) is the entry point; the other submodules hold the pieces: ``preference``
 (win rate, confidence rates, ranking scores), ``calibration`` (ECE, ELCE/EUCE/EBCE, Brier), ``truth`` (against the
-synthetic true margin), ``diagrams`` (reliability diagrams; imported lazily because it loads matplotlib), ``kwise``
+synthetic true margin), ``diagrams`` (reliability diagrams; matplotlib is imported only when one is drawn), ``kwise``
 (K-wise sets: RewardBench 2 and the top-1 calibration of appendix D), ``ranking`` (calibration of ranking
 distributions) and ``probe`` (BoRP's regression metrics). Submodules import each other, never this file.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from rewarduq_exp.metrics.calibration import CalibrationCurve, calibration_curves, calibration_metrics
+from rewarduq_exp.metrics.diagrams import plot_calibration_diagrams
 from rewarduq_exp.metrics.preference import (
     REQUIRED_COLUMNS,
     accuracy_metrics,
@@ -23,19 +22,6 @@ from rewarduq_exp.metrics.preference import (
 )
 from rewarduq_exp.metrics.rewarduq import METRIC_NAMES, compute_metrics
 from rewarduq_exp.metrics.truth import truth_metrics
-
-if TYPE_CHECKING:
-    from rewarduq_exp.metrics.diagrams import plot_calibration_diagrams
-
-
-def __getattr__(name: str):
-    # Keeps `import rewarduq_exp.metrics` free of matplotlib until a diagram is actually drawn.
-    if name == "plot_calibration_diagrams":
-        from rewarduq_exp.metrics.diagrams import plot_calibration_diagrams
-
-        return plot_calibration_diagrams
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "check_alphas",
