@@ -2,6 +2,7 @@
 memory-budgeted CPU passes, freed blocks kept while a head trains on cached features."""
 
 import contextlib
+import os
 import platform
 import subprocess
 import sys
@@ -82,13 +83,18 @@ KEEP_CHILD = textwrap.dedent("""
 
 @glibc
 def test_a_training_phase_keeps_freed_blocks_and_gives_them_back_after():
-    def held(mode):
-        out = subprocess.run([sys.executable, "-c", KEEP_CHILD, mode], capture_output=True, text=True, check=True)
+    def held(mode, **env):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"} | env
+        out = subprocess.run([sys.executable, "-c", KEEP_CHILD, mode], capture_output=True, text=True, check=True,
+                             env=env)
         return tuple(map(int, out.stdout.split()))
 
     assert held("default")[0] <= 5        # glibc: 10 MiB blocks are mmapped, and unmapped when freed
     inside, after = held("keep")
     assert inside >= 90 and after <= 5    # kept for the next step's allocations, then returned
+    # thresholds the environment fixed for the whole process stay as they are
+    assert held("keep", MALLOC_MMAP_THRESHOLD_="65536")[0] <= 5
+    assert held("keep", GLIBC_TUNABLES="glibc.malloc.mmap_threshold=65536")[0] <= 5
 
 
 @glibc

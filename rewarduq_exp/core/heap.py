@@ -17,7 +17,9 @@ against 1.5 s with the blocks kept, every number the same).
 
 A fixed threshold turns off glibc's sliding one for the whole process, so each policy is set only around the phase
 that needs it (``GLIBC_TUNABLES`` / ``MALLOC_MMAP_THRESHOLD_`` in the environment would do the same for a whole process,
-but must be set before Python starts). Elsewhere (not glibc: macOS, musl) nothing is done.
+but must be set before Python starts). Where the environment does set glibc's thresholds, the kept policy leaves them
+as they are: whoever set them chose for the whole process (the planner's memory tests do, so that the resident size
+follows what is held). Elsewhere (not glibc: macOS, musl) nothing is done.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 import sys
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,12 @@ def _libc():
     return mallopt, malloc_trim
 
 
+def _thresholds_set_by_environment() -> bool:
+    if any(os.environ.get(name) for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return True
+    return "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+
+
 def _set(mmap_threshold: int, trim_threshold: int) -> bool:
     found = _libc()
     if found is None:
@@ -76,12 +85,13 @@ def return_large_frees_to_os() -> bool:
 
 @contextlib.contextmanager
 def keeping_freed_memory():
-    """Inside: blocks up to 32 MiB come from the heap and what is freed stays for the next allocation. After: what
-    was kept goes back to the OS and the previous policy returns (glibc's own sliding one cannot be restored, so
-    after it the thresholds stay at its steady state: 32 MiB, trimmed above 64 MiB free)."""
+    """Inside: blocks up to 32 MiB come from the heap and what is freed stays for the next allocation (unless the
+    environment sets glibc's thresholds). After: what was kept goes back to the OS and the previous policy returns
+    (glibc's own sliding one cannot be restored, so after it the thresholds stay at its steady state: 32 MiB,
+    trimmed above 64 MiB free)."""
     global _policy
     before = _policy
-    if before == "keep" or not _set(GLIBC_MMAP_MAX, KEEP_TRIM_BYTES):
+    if before == "keep" or _thresholds_set_by_environment() or not _set(GLIBC_MMAP_MAX, KEEP_TRIM_BYTES):
         yield
         return
     _policy = "keep"
