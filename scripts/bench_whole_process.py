@@ -10,7 +10,8 @@ two checkouts may key their caches differently), then the two sides alternate ``
 the whole process (start-up, data, cache lookup, training, evaluation, recalibration, figures) and the training
 loop's own ``seconds_training`` (from the run's log). Then the metric call (``compute_metrics`` on ``--metric-pairs``
 pairs, the RewardUQ families) in a fresh process per side, alternating. Medians with min-max, and the ratio
-baseline / this checkout. Both sides use the same interpreter (this one) and the same threads.
+baseline / this checkout, with the geometric mean of the alternating pairs' ratios and its 95 % paired t-interval.
+Both sides use the same interpreter (this one) and the same threads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
+
+from rewarduq_exp.downstream.statistics import paired_t_interval
 
 HERE = Path(__file__).resolve().parents[1]
 TRAINED = re.compile(r"'seconds_training': ([0-9.eE+-]+)")
@@ -70,6 +75,16 @@ def summary(values: list[float], unit: str = "s") -> str:
     return f"{statistics.median(values):8.3f} {unit} ({min(values):.3f}-{max(values):.3f})"
 
 
+def paired_ratio(baseline: list[float], this: list[float]) -> str:
+    """The speed-up of each alternating pair (baseline_i / this_i, the two runs next to each other), as their
+    geometric mean with the 95 % paired t-interval of the log ratios (the runs of a pair share the machine's state)."""
+    found = paired_t_interval(np.log(np.asarray(baseline) / np.asarray(this)))
+    if found.n < 2:
+        return "paired: too few pairs for an interval"
+    return (f"paired: {np.exp(found.mean):.2f}x, 95 % CI {np.exp(found.lo):.2f}-{np.exp(found.hi):.2f}x "
+            f"({int(found.n)} pairs)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", type=Path, help="another checkout to compare with (default: this one)")
@@ -113,7 +128,7 @@ def main() -> None:
         for label, times in (("whole process", wall), ("training loop", loop)):
             ratio = statistics.median(times["baseline"]) / statistics.median(times["this"])
             print(f"  {label:14s} this {summary(times['this'])}   baseline {summary(times['baseline'])}   "
-                  f"speed-up (baseline / this): {ratio:.2f}x")
+                  f"speed-up (baseline / this): {ratio:.2f}x; {paired_ratio(times['baseline'], times['this'])}")
     calls: dict[str, list[float]] = {"this": [], "baseline": []}
     for i in range(args.repeats):
         for name in (("baseline", "this") if i % 2 == 0 else ("this", "baseline")):
@@ -122,8 +137,9 @@ def main() -> None:
             calls[name].append(metric_call(sides[name], args.metric_pairs, 5) * 1e3)
     calls["baseline"] = calls["baseline"] or list(calls["this"])
     print(f"\nmetric call on {args.metric_pairs} pairs (best of 5 in a process; {args.repeats} processes each):")
+    ratio = statistics.median(calls["baseline"]) / statistics.median(calls["this"])
     print(f"  this {summary(calls['this'], 'ms')}   baseline {summary(calls['baseline'], 'ms')}   "
-          f"speed-up (baseline / this): {statistics.median(calls['baseline']) / statistics.median(calls['this']):.2f}x")
+          f"speed-up (baseline / this): {ratio:.2f}x; {paired_ratio(calls['baseline'], calls['this'])}")
 
 
 if __name__ == "__main__":
