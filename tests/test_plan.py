@@ -17,9 +17,10 @@ from rewarduq_exp.models.shapes import architecture
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Published sizes (the model cards): total parameters and non-embedding parameters, in billions.
+# Published sizes (the model cards): total parameters and non-embedding parameters, in billions. SmolLM2-135M's card
+# gives the total only; its non-embedding count is the checkpoint's (30 layers of 3.54M, the GGUF file converted).
 PUBLISHED = {"qwen3-0.6b": (0.6, 0.44), "qwen3-1.7b": (1.7, 1.4), "qwen3-4b": (4.0, 3.6), "qwen3-8b": (8.2, 6.95),
-             "qwen3-14b": (14.8, 13.2), "qwen3-32b": (32.8, 31.2)}
+             "qwen3-14b": (14.8, 13.2), "qwen3-32b": (32.8, 31.2), "smollm2-135m": (0.135, 0.1062)}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
