@@ -262,7 +262,9 @@ class LoRARewardMethod(RewardMethod):
         """Train all members in one job. ``eval`` is not scored here: the run scores every eval set right after
         fit."""
         t0 = time.perf_counter()
-        self._build()
+        self._build()   # the backbone loaded and the adapters added: its own time, not the tokenizer's
+        t_build = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.history = []
         tok = self._backbone().tokenizer
         n = len(train)
@@ -309,7 +311,8 @@ class LoRARewardMethod(RewardMethod):
         self._finish_model()
         self.head.requires_grad_(False)
         self.fit_summary = {"train_pairs": n, **self._summary_members(), "steps": total, **self.training_plan,
-                            "head_init": self.head_init_used, "seconds_tokenize": round(t_tok, 3),
+                            "head_init": self.head_init_used, "seconds_build": round(t_build, 3),
+                            "seconds_tokenize": round(t_tok, 3),
                             "seconds_training": time.perf_counter() - t1}
         if world > 1:
             self.fit_summary["processes"] = world
