@@ -9,6 +9,7 @@ import pytest
 from entry_points import run_entry_point
 from fake_runs import block, make_run
 from omegaconf import OmegaConf
+from test_selection import finding_sweep
 
 from rewarduq_exp.analysis.paper_figures import figure3, shown_configurations
 from rewarduq_exp.analysis.selection import select
@@ -62,6 +63,58 @@ def test_select_script_bad_dataset_is_one_line(sweep, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert "'nope'" in lines[0] and "reward_bench_filtered, ultrafeedback_test" in lines[0]
+    assert not (tmp_path / "sel").exists()
+
+
+def test_select_script_says_what_filtered_and_takes_the_sources(tmp_path):
+    """Raw thresholds pass 1 of 4 configurations, recalibrated ones all 4: the report counts both whichever filters,
+    and each choice of --filter-on / --rank-on picks its own winner (tests/test_selection.py, FINDING)."""
+    root = finding_sweep(tmp_path / "sweep")
+    paper = run_script("select_runs.py", root, "--out", tmp_path / "paper")
+    assert paper.returncode == 0, paper.stderr
+    assert paper.stdout.startswith("rule: ultrafeedback_test, ECE <= 0.05, EBCE <= 0.01, best rs_0.2; filtered on "
+                                   "raw metrics, as the paper does; ranked by raw rs_0.2\n")
+    assert "winner learning_rate=1e-5 -> rs_0.2 = 0.3000 (2 seeds); 1 of 4 configurations pass" in paper.stdout
+    assert ("configurations passing ECE <= 0.05: raw 2 of 4 (3 of 5 runs), recalibrated 4 of 4 (5 of 5 runs); "
+            "EBCE <= 0.01: raw 2 of 4 (3 of 5 runs), recalibrated 4 of 4 (5 of 5 runs); both: raw 1 of 4 "
+            "(2 of 5 runs), recalibrated 4 of 4 (5 of 5 runs); filtered on raw metrics, as the paper does\n"
+            ) in paper.stdout
+    assert "filter nothing" not in paper.stdout
+
+    recal_filter = run_script("select_runs.py", root, "--filter-on", "recalibrated", "--out", tmp_path / "f")
+    assert recal_filter.returncode == 0, recal_filter.stderr
+    assert "winner learning_rate=0.01 -> rs_0.2 = 0.7000 (1 seed); 4 of 4 configurations pass" in recal_filter.stdout
+    assert ("every configuration passes the recalibrated thresholds: they filter nothing here, the pick is the best "
+            "rs_0.2 alone") in recal_filter.stdout
+    assert OmegaConf.load(tmp_path / "f" / "ens_mlp" / "qwen3-0.6b.yaml").method == {"learning_rate": 1e-2}
+
+    # --recalibrated is the shorthand for both: the same report as the two options given
+    both = run_script("select_runs.py", root, "--filter-on", "recalibrated", "--rank-on", "recalibrated",
+                      "--out", tmp_path / "both")
+    short = run_script("select_runs.py", root, "--recalibrated", "--out", tmp_path / "short")
+    assert both.returncode == 0 == short.returncode, both.stderr + short.stderr
+    assert "winner learning_rate=1e-4 -> recal/rs_0.2 = 0.4000" in short.stdout
+    assert (tmp_path / "both" / "selection.csv").read_text() == (tmp_path / "short" / "selection.csv").read_text()
+    assert "ranked by recalibrated rs_0.2 (recal/rs_0.2; the paper ranks by the raw one)" in (
+        tmp_path / "short" / "selection.md").read_text()
+
+    table = run_script("table1.py", root, "--filter-on", "recalibrated", "--out", tmp_path / "t1")
+    assert table.returncode == 0, table.stderr
+    assert "filtered on recalibrated metrics (recal/ece, recal/ebce" in (tmp_path / "t1" / "table1.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--filter-on", "recal"], "argument --filter-on: invalid choice: 'recal'"),
+    (["--rank-on", "paper"], "argument --rank-on: invalid choice: 'paper'"),
+    (["--recalibrated", "--rank-on", "raw"],
+     "error: --recalibrated (both recalibrated) contradicts --rank-on raw: give --filter-on and --rank-on instead"),
+])
+def test_select_script_bad_source_names_the_allowed_ones(tmp_path, args, message):
+    root = finding_sweep(tmp_path / "sweep")
+    proc = run_script("select_runs.py", root, *args, "--out", tmp_path / "sel")
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert message in last and ("recalibrated" in last and "raw" in last)
     assert not (tmp_path / "sel").exists()
 
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 import pytest
 from fake_runs import block, make_run
 from omegaconf import OmegaConf
 
 from rewarduq_exp.analysis.selection import Criteria, select
-from rewarduq_exp.analysis.selection_report import write_selection
+from rewarduq_exp.analysis.selection_report import passing_line, write_selection
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.runs.run_records import find_runs
+
+RECAL = Criteria(filter_on="recalibrated", rank_on="recalibrated")  # what --recalibrated means
 
 
 def uf(rs=0.3, ece=0.02, ebce=0.005, **more) -> dict:
@@ -175,7 +178,8 @@ def test_tuned_yaml_holds_exactly_the_searched_keys(tmp_path):
     lines = text.splitlines()
     assert lines[0] == "# @package _global_"
     assert lines[1] == ("# Selected by scripts/select_runs.py from sweep: ultrafeedback_test, ECE <= 0.05, "
-                        "EBCE <= 0.01, best rs_0.2 = 0.3000 (1 seed).")
+                        "EBCE <= 0.01, best rs_0.2 = 0.3000 (1 seed); filtered on raw metrics, as the paper does; "
+                        "ranked by raw rs_0.2.")
     assert lines[2:] == ["method:", "  learning_rate: 1.0e-05", "  reg_lambda: 0.0"]
     loaded = OmegaConf.to_container(OmegaConf.load(path))
     assert loaded == {"method": {"learning_rate": 1e-5, "reg_lambda": 0.0}}
@@ -257,12 +261,113 @@ def test_the_rule_can_read_recalibrated_metrics(tmp_path):
     make_run(root, "old_run", hp={"learning_rate": 1e-2}, metrics=uf(rs=0.9))   # no recal/ metrics at all
     raw = one_group(root)
     assert raw.winner.hyperparameters["learning_rate"] == 1e-2
-    after = one_group(root, Criteria(recalibrated=True))
+    after = one_group(root, RECAL)
     assert after.winner.hyperparameters["learning_rate"] == 1e-3
     assert after.winner.mean["ece"] == 0.01 and after.winner.mean["rs_0.2"] == 0.45
     assert [c.hyperparameters["learning_rate"] for c in after.passing] == [1e-3, 1e-4]
-    assert "recalibrated metrics" in Criteria(recalibrated=True).describe()
+    assert "filtered on recalibrated metrics (recal/ece, recal/ebce" in RECAL.describe()
+    assert "filtered on raw metrics, as the paper does; ranked by raw rs_0.2" in Criteria().describe()
     only_old = tmp_path / "old"
     make_run(only_old, "old_run", metrics=uf())
-    with pytest.raises(UserError, match="no run has recalibrated metrics"):
-        select(find_runs([only_old]), Criteria(recalibrated=True))
+    with pytest.raises(UserError, match="no run has recalibrated metrics .*--rank-on raw"):
+        select(find_runs([only_old]), RECAL)
+    # ranking raw but filtering on recalibrated metrics none of the runs has: named as well
+    with pytest.raises(UserError, match=r"no run has recalibrated metrics \(recal/ece, recal/ebce\).*--filter-on raw"):
+        select(find_runs([only_old]), Criteria(filter_on="recalibrated"))
+
+
+# ---------------------------------------------------------------------------------------------------- what filtered
+# Four configurations: on raw metrics one passes both thresholds (A, two seeds), B misses ECE, C misses EBCE, D both;
+# after recalibration all four pass, so filtering on recalibrated metrics leaves the ranking alone to pick.
+FINDING = {  # lr: (raw rs, ece, ebce), (recal rs, ece, ebce)
+    1e-5: ((0.30, 0.02, 0.005), (0.31, 0.03, 0.004)),   # A
+    1e-4: ((0.50, 0.08, 0.005), (0.40, 0.02, 0.003)),   # B: best recalibrated RS
+    1e-3: ((0.60, 0.04, 0.020), (0.35, 0.04, 0.008)),   # C
+    1e-2: ((0.70, 0.10, 0.030), (0.33, 0.01, 0.002)),   # D: best raw RS
+}
+
+
+def finding_sweep(root):
+    for lr, ((rs, ece, ebce), (rrs, rece, rebce)) in FINDING.items():
+        recal = {"recal/rs_0.2": rrs, "recal/ece": rece, "recal/ebce": rebce, "recal/win_rate": 0.7,
+                 "recal/ct_rate": 0.4, "recal/cf_rate": 0.05}
+        for seed in (0, 1) if lr == 1e-5 else (0,):
+            make_run(root, f"lr={lr},seed={seed}", hp={"learning_rate": lr}, seed=seed,
+                     metrics=uf(rs=rs, ece=ece, ebce=ebce, **recal))
+    return root
+
+
+def test_passing_counts_on_raw_and_recalibrated_metrics_whichever_filters(tmp_path):
+    root = finding_sweep(tmp_path / "sweep")
+    for criteria in (Criteria(), RECAL):
+        s = one_group(root, criteria)
+        # (configurations, runs in them): A holds two seeds
+        assert s.passing_counts("raw") == {"ece": (2, 3), "ebce": (2, 3), "both": (1, 2)}
+        assert s.passing_counts("recalibrated") == {"ece": (4, 5), "ebce": (4, 5), "both": (4, 5)}
+    assert not one_group(root).filters_nothing and one_group(root, RECAL).filters_nothing
+    (b,) = (c for c in one_group(root).configurations if c.hyperparameters["learning_rate"] == 1e-4)
+    assert b.passes("ece", "recalibrated") and not b.passes("ece", "raw") and not b.passes("ece")
+    with pytest.raises(UserError, match="on 'both' is invalid: allowed: raw, recalibrated"):
+        b.passes("ece", "both")
+
+
+@pytest.mark.parametrize("filter_on, rank_on, lr, score", [
+    ("raw", "raw", 1e-5, 0.30),                    # the paper: only A passes
+    ("raw", "recalibrated", 1e-5, 0.31),           # still only A passes the raw filter
+    ("recalibrated", "recalibrated", 1e-4, 0.40),  # --recalibrated: all pass, best recal/rs_0.2
+    ("recalibrated", "raw", 1e-2, 0.70),           # all pass, best raw rs_0.2
+])
+def test_the_winner_under_each_filter_and_rank(tmp_path, filter_on, rank_on, lr, score):
+    s = one_group(finding_sweep(tmp_path / "sweep"), Criteria(filter_on=filter_on, rank_on=rank_on))
+    assert s.winner.hyperparameters["learning_rate"] == lr and s.winner.score == pytest.approx(score)
+    assert len(s.passing) == (1 if filter_on == "raw" else 4)
+    # the rule's ECE is the one it filtered on; its RS the one it ranked on
+    assert s.winner.mean["ece"] == FINDING[lr][filter_on == "recalibrated"][1]
+
+
+@pytest.mark.parametrize("option, value", [("filter_on", "recal"), ("rank_on", "paper"), ("filter_on", True)])
+def test_a_bad_source_is_one_line_naming_the_allowed_ones(option, value):
+    with pytest.raises(UserError) as err:
+        Criteria(**{option: value})
+    name = "--" + option.replace("_", "-")
+    assert str(err.value) == f"{name} {value!r} is invalid: allowed: raw, recalibrated"
+
+
+def test_the_reports_count_passes_on_both_and_say_what_filtered(tmp_path):
+    root = finding_sweep(tmp_path / "sweep")
+    out, _ = write_reports(select(find_runs([root])), tmp_path)
+    md = (out / "selection.md").read_text()
+    assert "then rank by mean `rs_0.2` (higher is better); filtered on raw metrics, as the paper does" in md
+    assert "| configurations passing (of 4) | raw | recalibrated |" in md
+    assert "| ECE <= 0.05 | 2 of 4 (3 of 5 runs) | 4 of 4 (5 of 5 runs) |" in md
+    assert "| both | 1 of 4 (2 of 5 runs) | 4 of 4 (5 of 5 runs) |" in md
+    assert "filter nothing" not in md
+    frame = pd.read_csv(out / "selection.csv").set_index("learning_rate")
+    assert {"filter_on", "rank_on", "ece_raw_mean", "ece_recal_mean", "pass_ece_raw", "pass_ece_recal",
+            "pass_ebce_raw", "pass_ebce_recal", "passes_raw", "passes_recal"} <= set(frame.columns)
+    assert frame.pass_ece_raw.to_dict() == {1e-5: True, 1e-4: False, 1e-3: True, 1e-2: False}
+    assert frame.pass_ebce_raw.to_dict() == {1e-5: True, 1e-4: True, 1e-3: False, 1e-2: False}
+    assert frame.passes_recal.all() and frame.pass_ece_recal.all() and frame.passes_raw.sum() == 1
+    assert (frame.passes == frame.passes_raw).all() and set(frame.filter_on) == {"raw"}
+    assert frame.ebce_recal_mean[1e-2] == pytest.approx(0.002) and frame.ebce_raw_mean[1e-2] == pytest.approx(0.03)
+
+    out, _ = write_reports(select(find_runs([root]), RECAL), tmp_path / "recal")
+    md = (out / "selection.md").read_text()
+    assert "filtered on recalibrated metrics (recal/ece, recal/ebce; the paper filters on the raw ones)" in md
+    assert "**Every configuration passes the recalibrated thresholds: they filter nothing here" in md
+    assert "| rank | learning_rate | seeds | win_rate | ct_rate | cf_rate | recal/rs_0.2 | recal/ece |" not in md
+    assert "| rank | learning_rate | seeds | recal/win_rate | recal/ct_rate | recal/cf_rate | recal/rs_0.2 | " \
+           "recal/ece | recal/ebce |" in md
+    frame = pd.read_csv(out / "selection.csv").set_index("learning_rate")
+    assert (frame.passes == frame.passes_recal).all() and frame.passes.all()
+    assert frame.pass_ece_raw.sum() == 2   # still counted on raw metrics while filtering on recalibrated ones
+
+
+def test_runs_without_recalibrated_metrics_are_counted_on_raw_only(tmp_path):
+    make_run(tmp_path, "old", hp={"learning_rate": 1e-3}, metrics=uf(rs=0.4))
+    make_run(tmp_path, "older", hp={"learning_rate": 1e-2}, metrics=uf(rs=0.3, ece=0.09))
+    s = one_group(tmp_path)
+    assert s.without("recalibrated") == 2 and s.passing_counts("recalibrated")["both"] == (0, 0)
+    line = passing_line(s)
+    assert line == ("configurations passing ECE <= 0.05: raw 1 of 2; EBCE <= 0.01: raw 2 of 2; both: raw 1 of 2; "
+                    "filtered on raw metrics, as the paper does; the runs have no recalibrated metrics")

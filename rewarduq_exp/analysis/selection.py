@@ -1,6 +1,12 @@
 """The RewardUQ selection rule (paper section 5.1): keep configurations with ECE <= 0.05 and EBCE <= 0.01 on the
 validation set (UltraFeedback test), then rank them by RS_0.2, higher is better.
 
+The thresholds and the ranking each read either the raw metrics (the paper's rule, the default) or the ones after
+each run's recalibration (``recal/<metric>``, fitted on the run's calibration split): ``Criteria.filter_on`` and
+``Criteria.rank_on``. They are separate because recalibration can make nearly every configuration pass the
+thresholds, and the rule then reduces to the ranking alone; whichever the rule filters on, a :class:`Configuration`
+says whether it passes each threshold on both, so the reports can show how much each one filtered.
+
 Runs that differ only by seed form one configuration (same method, backbone, training dataset and method
 hyperparameters). The rule is applied to the mean over seeds, so one lucky seed does not win; means and sample
 standard deviations of every reported metric are kept for the reports. Selection is done separately for each
@@ -27,6 +33,20 @@ DEFAULT_RANK = "rs_0.2"
 REPORTED = ("win_rate", "ct_rate", "cf_rate", "rs_0.2", "ece", "ebce")
 THRESHOLDED = ("ece", "ebce")
 N_CLOSEST = 5
+SOURCES = ("raw", "recalibrated")  # what filter_on / rank_on may be; "raw" is the paper's
+PAPER_SOURCE = "raw"
+RECAL_PREFIX = "recal/"
+
+
+def source_key(metric: str, source: str) -> str:
+    """The metrics.json key of ``metric`` read raw or after the run's recalibration."""
+    return f"{RECAL_PREFIX}{metric}" if source == "recalibrated" else metric
+
+
+def _check_source(option: str, value) -> str:
+    if not isinstance(value, str) or value not in SOURCES:
+        raise UserError(f"{option} {value!r} is invalid: allowed: {', '.join(SOURCES)}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -35,16 +55,19 @@ class Criteria:
     ece: float = DEFAULT_ECE
     ebce: float = DEFAULT_EBCE
     rank: str = DEFAULT_RANK  # ranked in descending order
-    # Read every metric after the run's recalibration (``recal/<metric>``, rewarduq_exp/recalibration) instead of the
-    # raw one: the same thresholds on recalibrated ECE / EBCE, ranked by recalibrated RS. Runs without recalibrated
-    # metrics (trained before it existed) then have none and never pass.
-    recalibrated: bool = False
+    # Which metrics the thresholds (ECE, EBCE) read, and which the ranking (and the other reported metrics) reads:
+    # "raw", as the paper does, or "recalibrated" (``recal/<metric>``, rewarduq_exp/recalibration). Runs without
+    # recalibrated metrics (trained before it existed) have none there and never pass / rank last.
+    filter_on: str = PAPER_SOURCE
+    rank_on: str = PAPER_SOURCE
 
     def __post_init__(self):
         for name in THRESHOLDED:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise UserError(f"--{name} {value!r} is invalid: must be a finite number >= 0")
+        _check_source("--filter-on", self.filter_on)
+        _check_source("--rank-on", self.rank_on)
 
     @property
     def metrics(self) -> tuple[str, ...]:
@@ -53,13 +76,32 @@ class Criteria:
     def threshold(self, metric: str) -> float:
         return getattr(self, metric)
 
+    def source(self, metric: str) -> str:
+        """Raw or recalibrated: the thresholded metrics follow ``filter_on``, every other one ``rank_on``."""
+        return self.filter_on if metric in THRESHOLDED else self.rank_on
+
     def key(self, metric: str) -> str:
         """The metrics.json key the rule reads for ``metric``."""
-        return f"recal/{metric}" if self.recalibrated else metric
+        return source_key(metric, self.source(metric))
+
+    def describe_filter(self) -> str:
+        if self.filter_on == PAPER_SOURCE:
+            return "filtered on raw metrics, as the paper does"
+        keys = ", ".join(self.key(m) for m in THRESHOLDED)
+        return f"filtered on recalibrated metrics ({keys}; the paper filters on the raw ones)"
+
+    def describe_rank(self) -> str:
+        if self.rank_on == PAPER_SOURCE:
+            return f"ranked by raw {self.rank}"
+        return f"ranked by recalibrated {self.rank} ({self.key(self.rank)}; the paper ranks by the raw one)"
+
+    def describe_sources(self) -> str:
+        """In words, which metrics filter and which rank, and where that departs from the paper."""
+        return f"{self.describe_filter()}; {self.describe_rank()}"
 
     def describe(self) -> str:
-        after = ", recalibrated metrics" if self.recalibrated else ""
-        return f"{self.dataset}, ECE <= {self.ece:g}, EBCE <= {self.ebce:g}, best {self.rank}{after}"
+        return (f"{self.dataset}, ECE <= {self.ece:g}, EBCE <= {self.ebce:g}, best {self.rank}; "
+                f"{self.describe_sources()}")
 
 
 def add_selection_arguments(parser: argparse.ArgumentParser, dataset_option: str = "--dataset") -> None:
@@ -72,14 +114,27 @@ def add_selection_arguments(parser: argparse.ArgumentParser, dataset_option: str
                         help=f"keep mean EBCE <= this (default: {DEFAULT_EBCE})")
     parser.add_argument("--rank", default=DEFAULT_RANK,
                         help=f"metric to rank the kept configurations by, higher is better (default: {DEFAULT_RANK})")
+    parser.add_argument("--filter-on", choices=SOURCES, default=None,
+                        help="which ECE / EBCE the thresholds read: raw (the paper's rule, default) or recalibrated "
+                             "(recal/<metric>, fitted on each run's calibration split)")
+    parser.add_argument("--rank-on", choices=SOURCES, default=None,
+                        help=f"which {DEFAULT_RANK} (--rank) the ranking reads: raw (default) or recalibrated")
     parser.add_argument("--recalibrated", action="store_true",
-                        help="apply the thresholds and the ranking to the recalibrated metrics (recal/<metric>, "
-                             "fitted on each run's calibration split) instead of the raw ones (the paper's rule)")
+                        help="shorthand for --filter-on recalibrated --rank-on recalibrated")
 
 
 def criteria_from_args(args: argparse.Namespace) -> Criteria:
-    return Criteria(dataset=args.select_dataset, ece=args.ece, ebce=args.ebce, rank=args.rank,
-                    recalibrated=bool(getattr(args, "recalibrated", False)))
+    shorthand = "recalibrated" if getattr(args, "recalibrated", False) else None
+    sources = {}
+    for name in ("filter_on", "rank_on"):
+        given = getattr(args, name, None)
+        option = "--" + name.replace("_", "-")
+        # --recalibrated with an explicit raw side is a contradiction, not a preference: say so instead of guessing.
+        if shorthand and given not in (None, shorthand):
+            raise UserError(f"--recalibrated (both recalibrated) contradicts {option} {given}: give "
+                            "--filter-on and --rank-on instead")
+        sources[name] = given or shorthand or PAPER_SOURCE
+    return Criteria(dataset=args.select_dataset, ece=args.ece, ebce=args.ebce, rank=args.rank, **sources)
 
 
 @dataclass
@@ -95,6 +150,9 @@ class Configuration:
     std: dict[str, float]
     criteria: Criteria
     rank: int | None = None  # 1 = winner; None when a threshold is missed
+    # Mean over seeds of ECE and EBCE on both sources, by metrics.json key (ece, recal/ece, ...): ``mean`` holds only
+    # what the rule reads, and the reports count passes on the other source too.
+    threshold_means: dict[str, float] = field(default_factory=dict)
 
     @property
     def seeds(self) -> list:
@@ -104,17 +162,26 @@ class Configuration:
     def n_seeds(self) -> int:
         return len(self.runs)
 
-    def excess(self, metric: str) -> float:
-        """How far the mean is above the threshold (negative: below it). NaN when the metric is missing."""
-        return self.mean.get(metric, math.nan) - self.criteria.threshold(metric)
+    def excess(self, metric: str, on: str | None = None) -> float:
+        """How far the mean is above the threshold (negative: below it), on ``on`` (raw | recalibrated; default:
+        what the rule filters on). NaN when the metric is missing."""
+        key = source_key(metric, _check_source("on", on)) if on is not None else self.criteria.key(metric)
+        return self.threshold_means.get(key, math.nan) - self.criteria.threshold(metric)
 
-    def passes(self, metric: str) -> bool:
+    def passes(self, metric: str, on: str | None = None) -> bool:
         # NaN never passes; the boundary (mean exactly at the threshold) does.
-        return self.excess(metric) <= 0
+        return self.excess(metric, on) <= 0
+
+    def passes_both(self, on: str | None = None) -> bool:
+        return all(self.passes(m, on) for m in THRESHOLDED)
+
+    def has(self, on: str) -> bool:
+        """Whether the runs have both thresholded metrics on ``on`` (old runs have no recalibrated ones)."""
+        return all(not math.isnan(self.threshold_means.get(source_key(m, on), math.nan)) for m in THRESHOLDED)
 
     @property
     def passes_all(self) -> bool:
-        return all(self.passes(m) for m in THRESHOLDED)
+        return self.passes_both()
 
     @property
     def miss(self) -> float:
@@ -176,6 +243,30 @@ class Selection:
     def by_state(self, state: str) -> list[RunRecord]:
         return [r for r in self.records if r.state == state]
 
+    def passing_counts(self, on: str) -> dict[str, tuple[int, int]]:
+        """Per threshold ("ece", "ebce") and for both ("both"), on ``on`` (raw | recalibrated): how many
+        configurations pass, and how many runs (seeds) those configurations hold; the rule decides on the mean
+        over seeds, so a run counts with its configuration, not on its own metrics."""
+        out = {}
+        for test in (*THRESHOLDED, "both"):
+            kept = [c for c in self.configurations
+                    if (c.passes_both(on) if test == "both" else c.passes(test, on))]
+            out[test] = (len(kept), sum(c.n_seeds for c in kept))
+        return out
+
+    def without(self, on: str) -> int:
+        """How many configurations lack ECE or EBCE on ``on``: they cannot pass there."""
+        return sum(not c.has(on) for c in self.configurations)
+
+    @property
+    def n_runs(self) -> int:
+        return sum(c.n_seeds for c in self.configurations)
+
+    @property
+    def filters_nothing(self) -> bool:
+        """Every one of several configurations passes: the thresholds decide nothing, the ranking alone picks."""
+        return len(self.configurations) > 1 and len(self.passing) == len(self.configurations)
+
 
 def check_criteria(records: list[RunRecord], criteria: Criteria) -> None:
     """Fail early, naming what exists, if no completed run has the dataset block or the rank metric."""
@@ -188,12 +279,17 @@ def check_criteria(records: list[RunRecord], criteria: Criteria) -> None:
         raise UserError(f"no completed run has metrics for dataset '{criteria.dataset}'; "
                         f"datasets found: {', '.join(found) or '(none)'}")
     if not any(criteria.key(criteria.rank) in b for b in blocks):
-        if criteria.recalibrated:
-            raise UserError(f"no run has recalibrated metrics (recal/{criteria.rank}) in '{criteria.dataset}': they "
-                            "were trained without recalibration; drop --recalibrated or retrain them")
+        if criteria.rank_on == "recalibrated":
+            raise UserError(f"no run has recalibrated metrics ({criteria.key(criteria.rank)}) in "
+                            f"'{criteria.dataset}': they were trained without recalibration; use --rank-on raw "
+                            "(not --recalibrated) or retrain them")
         found = sorted({k for b in blocks for k in b if "/" not in k})
         raise UserError(f"no run has metric '{criteria.rank}' in '{criteria.dataset}'; "
                         f"metrics found: {', '.join(found)}")
+    keys = [criteria.key(m) for m in THRESHOLDED]
+    if criteria.filter_on == "recalibrated" and not any(all(k in b for k in keys) for b in blocks):
+        raise UserError(f"no run has recalibrated metrics ({', '.join(keys)}) in '{criteria.dataset}': they were "
+                        "trained without recalibration; use --filter-on raw (not --recalibrated) or retrain them")
 
 
 def select(records: list[RunRecord], criteria: Criteria = Criteria()) -> list[Selection]:
@@ -255,8 +351,11 @@ def _aggregate(runs: list[RunRecord], criteria: Criteria) -> Configuration:
     # Sample std (ddof=1): undefined (NaN) for one seed, which the reports show as a plain mean.
     mean = {m: float(table[m].mean()) for m in criteria.metrics}
     std = {m: float(table[m].std(ddof=1)) for m in criteria.metrics}
+    keys = [source_key(m, on) for m in THRESHOLDED for on in SOURCES]
+    thresholded = pd.DataFrame([{k: r.metrics[criteria.dataset].get(k) for k in keys} for r in runs], columns=keys)
+    thresholded = thresholded.apply(pd.to_numeric, errors="coerce")
     return Configuration(first.method, first.model, first.dataset, dict(first.hyperparameters), runs, mean, std,
-                         criteria)
+                         criteria, threshold_means={k: float(thresholded[k].mean()) for k in keys})
 
 
 def searched_keys(records: list[RunRecord]) -> list[str]:

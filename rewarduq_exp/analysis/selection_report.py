@@ -1,6 +1,10 @@
 """What ``scripts/select_runs.py`` writes: ``selection.csv``, ``selection.md``, the winners' tuned configs, a
 stdout table.
 
+Every report says which metrics the rule filtered and ranked on, and per group how many configurations pass each
+threshold on the raw and on the recalibrated metrics, whichever it filtered on: a threshold every configuration
+passes filters nothing, and the pick is then the ranking's alone.
+
 The tuned config has the layout of ``conf/tuned/<method>/<model>.yaml`` and sets exactly the searched keys (those
 that vary across the group's runs), so copying it into ``conf/tuned/`` changes nothing else about the method.
 """
@@ -14,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from rewarduq_exp.analysis.selection import Configuration, Criteria, Selection
+from rewarduq_exp.analysis.selection import SOURCES, THRESHOLDED, Configuration, Criteria, Selection, source_key
 from rewarduq_exp.analysis.text_tables import fmt_mean_std, fmt_number, fmt_setting, markdown_table, text_table
 from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.runs.run_records import STATES, RunRecord
@@ -59,7 +63,7 @@ def tuned_yaml(selection: Selection, sources: list[str]) -> str | None:
     lines = [
         "# @package _global_",
         (f"# Selected by scripts/select_runs.py from {', '.join(sources)}: {c.dataset}, ECE <= {c.ece:g}, "
-         f"EBCE <= {c.ebce:g}, best {c.rank} = {winner.score:.4f} ({seeds})."),
+         f"EBCE <= {c.ebce:g}, best {c.key(c.rank)} = {winner.score:.4f} ({seeds}); {c.describe_sources()}."),
     ]
     keys = [k for k in selection.searched if k in winner.hyperparameters]
     if not keys:
@@ -76,6 +80,55 @@ def _yaml_scalar(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True).splitlines()[0]
 
 
+# ---------------------------------------------------------------------------------------------------- counts
+TESTS = (*THRESHOLDED, "both")
+
+
+def shown_sources(s: Selection) -> list[str]:
+    """The sources to count passes on: the one the rule filters on, and every one some configuration has."""
+    n = len(s.configurations)
+    return [on for on in SOURCES if on == s.criteria.filter_on or s.without(on) < n]
+
+
+def _test_label(c: Criteria, test: str) -> str:
+    return "both" if test == "both" else f"{test.upper()} <= {c.threshold(test):g}"
+
+
+def _count(s: Selection, counts: dict, test: str) -> str:
+    n, runs = counts[test]
+    text = f"{n} of {len(s.configurations)}"
+    # Runs are worth showing only when some configuration holds several seeds; otherwise they equal the count.
+    return text + (f" ({runs} of {s.n_runs} runs)" if s.n_runs != len(s.configurations) else "")
+
+
+def passing_line(s: Selection) -> str:
+    """Configurations passing each threshold and both, on raw and recalibrated metrics, and what filtered."""
+    c = s.criteria
+    sources = shown_sources(s)
+    counts = {on: s.passing_counts(on) for on in sources}
+    parts = [f"{_test_label(c, t)}: " + ", ".join(f"{on} {_count(s, counts[on], t)}" for on in sources)
+             for t in TESTS]
+    note = _missing_note(s)
+    return f"configurations passing {'; '.join(parts)}; {c.describe_filter()}" + (f"; {note}" if note else "")
+
+
+def _missing_note(s: Selection) -> str | None:
+    missing = s.without("recalibrated")
+    if "recalibrated" not in shown_sources(s):
+        return "the runs have no recalibrated metrics"
+    if missing:
+        return f"{missing} of {len(s.configurations)} without recalibrated ECE / EBCE (never pass on those)"
+    return None
+
+
+def filters_nothing_line(s: Selection) -> str | None:
+    c = s.criteria
+    if not s.filters_nothing:
+        return None
+    return (f"every configuration passes the {c.filter_on} thresholds: they filter nothing here, the pick is the "
+            f"best {c.key(c.rank)} alone")
+
+
 # ---------------------------------------------------------------------------------------------------- CSV
 def selection_csv(selections: list[Selection]) -> str:
     rows = []
@@ -90,11 +143,18 @@ def selection_csv(selections: list[Selection]) -> str:
             for m in c.criteria.metrics:
                 row[f"{m}_mean"] = c.mean[m]
                 row[f"{m}_std"] = c.std[m]
-            for m in ("ece", "ebce"):
+            for m in THRESHOLDED:
                 row[f"pass_{m}"] = c.passes(m)
                 row[f"{m}_excess"] = c.excess(m)
             row["passes"] = c.passes_all
             row["miss"] = c.miss
+            # The rule's own columns above read what it filtered on; these read both, whichever that was.
+            row["filter_on"], row["rank_on"] = c.criteria.filter_on, c.criteria.rank_on
+            for on, tag in zip(SOURCES, ("raw", "recal")):
+                for m in THRESHOLDED:
+                    row[f"{m}_{tag}_mean"] = c.threshold_means.get(source_key(m, on), math.nan)
+                    row[f"pass_{m}_{tag}"] = c.passes(m, on)
+                row[f"passes_{tag}"] = c.passes_both(on)
             row["runs"] = " ".join(str(r.path) for r in c.runs)
             rows.append(row)
     frame = pd.DataFrame(rows)
@@ -118,7 +178,8 @@ def selection_markdown(selections: list[Selection], sources: list[str], tuned_fi
         "# Hyperparameter selection",
         "",
         (f"Rule (RewardUQ section 5.1): keep configurations whose mean over seeds has ECE <= {c.ece:g} and "
-         f"EBCE <= {c.ebce:g} on `{c.dataset}`, then rank by mean `{c.rank}` (higher is better)."),
+         f"EBCE <= {c.ebce:g} on `{c.dataset}`, then rank by mean `{c.rank}` (higher is better); "
+         f"{c.describe_sources()}."),
         "",
         f"Folders: {', '.join(f'`{p}`' for p in sources)}. Runs: {len(records)} ({counts or 'none'}).",
     ]
@@ -134,20 +195,23 @@ def _group_markdown(s: Selection, tuned_file: Path | None) -> list[str]:
         out.append(f"**No configuration to rank:** no completed run of this group has metrics for `{c.dataset}`.")
     elif s.winner is not None:
         w = s.winner
-        out.append(f"**Winner:** {_settings(w, s.searched) or '(single configuration)'}: {c.rank} = "
+        out.append(f"**Winner:** {_settings(w, s.searched) or '(single configuration)'}: {c.key(c.rank)} = "
                    f"{fmt_mean_std(w.score, w.std.get(c.rank), w.n_seeds)} over {_seeds(w)}, "
-                   f"ECE {fmt_number(w.mean['ece'])}, EBCE {fmt_number(w.mean['ebce'])}. "
+                   f"{c.key('ece')} {fmt_number(w.mean['ece'])}, {c.key('ebce')} {fmt_number(w.mean['ebce'])}. "
                    f"{len(s.passing)} of {len(s.configurations)} configurations pass.")
         if tuned_file is not None:
             out.append(f"Tuned config: `{tuned_file}`.")
     else:
         out.append(f"**No configuration passes** ECE <= {c.ece:g} and EBCE <= {c.ebce:g} "
                    f"(0 of {len(s.configurations)}); no tuned config was written.")
+    if s.configurations:
+        out += ["", *_passing_markdown(s)]
+    if s.configurations and s.winner is None:
         out += ["", f"Closest {len(s.closest())} by total excess over the thresholds:", "",
                 _failing_table(s, s.closest())]
 
     if s.passing:
-        header = ["rank", *s.searched, "seeds", *c.metrics]
+        header = ["rank", *s.searched, "seeds", *(c.key(m) for m in c.metrics)]
         rows = [[str(x.rank), *_values(x, s.searched), str(x.n_seeds),
                  *(fmt_mean_std(x.mean[m], x.std[m], x.n_seeds) for m in c.metrics)] for x in s.passing]
         out += ["", f"### Passing both thresholds ({len(s.passing)})", "", markdown_table(header, rows)]
@@ -170,9 +234,25 @@ def _group_markdown(s: Selection, tuned_file: Path | None) -> list[str]:
     return out
 
 
+def _passing_markdown(s: Selection) -> list[str]:
+    c = s.criteria
+    sources = shown_sources(s)
+    counts = {on: s.passing_counts(on) for on in sources}
+    header = [f"configurations passing (of {len(s.configurations)})", *sources]
+    rows = [[_test_label(c, t), *(_count(s, counts[on], t) for on in sources)] for t in TESTS]
+    note = _missing_note(s)
+    out = [markdown_table(header, rows), "", f"The rule: {c.describe_sources()}."
+           + (f" Note: {note}." if note else "")]
+    if (nothing := filters_nothing_line(s)) is not None:
+        out[-1] += f" **{nothing[0].upper()}{nothing[1:]}.**"
+    return out
+
+
 def _failing_table(s: Selection, configs: list[Configuration]) -> str:
     c = s.criteria
-    header = [*s.searched, "seeds", c.rank, "ece", f"ece - {c.ece:g}", "ebce", f"ebce - {c.ebce:g}", "total miss"]
+    ece, ebce = c.key("ece"), c.key("ebce")
+    header = [*s.searched, "seeds", c.key(c.rank), ece, f"{ece} - {c.ece:g}", ebce, f"{ebce} - {c.ebce:g}",
+              "total miss"]
     rows = [[*_values(x, s.searched), str(x.n_seeds), fmt_mean_std(x.score, x.std[c.rank], x.n_seeds),
              fmt_mean_std(x.mean["ece"], x.std["ece"], x.n_seeds), _signed(x.excess("ece")),
              fmt_mean_std(x.mean["ebce"], x.std["ebce"], x.n_seeds), _signed(x.excess("ebce")), fmt_number(x.miss)]
@@ -209,8 +289,8 @@ def _signed(value: float) -> str:
 
 # ---------------------------------------------------------------------------------------------------- stdout
 def stdout_summary(selections: list[Selection], tuned_files: dict) -> str:
-    """For each group: one line with the outcome, then the top of the ranking (winner first)."""
-    blocks = []
+    """The rule in words, then for each group: the outcome, the passing counts, then the top of the ranking."""
+    blocks = [f"rule: {selections[0].criteria.describe()}"] if selections else []
     for s in selections:
         c = s.criteria
         head = f"{s.method} / {s.model} (trained on {s.dataset}): "
@@ -218,7 +298,8 @@ def stdout_summary(selections: list[Selection], tuned_files: dict) -> str:
             head += f"no completed run has metrics for {c.dataset}"
         elif s.winner is not None:
             w = s.winner
-            head += (f"winner {_settings(w, s.searched) or '(single configuration)'} -> {c.rank} = {w.score:.4f} "
+            head += (f"winner {_settings(w, s.searched) or '(single configuration)'} -> "
+                     f"{c.key(c.rank)} = {w.score:.4f} "
                      f"({w.n_seeds} seed{'s' if w.n_seeds != 1 else ''}); "
                      f"{len(s.passing)} of {len(s.configurations)} configurations pass")
             tuned = tuned_files.get((s.method, s.model, s.dataset))
@@ -227,6 +308,10 @@ def stdout_summary(selections: list[Selection], tuned_files: dict) -> str:
         else:
             head += (f"NO configuration passes ECE <= {c.ece:g} and EBCE <= {c.ebce:g} on {c.dataset} "
                      f"(0 of {len(s.configurations)}); no tuned config written; closest {len(s.closest())} below")
+        if s.configurations:
+            head += f"\n  {passing_line(s)}"
+            if (nothing := filters_nothing_line(s)) is not None:
+                head += f"\n  {nothing}"
         problems = {state: len(s.by_state(state)) for state in STATES if state != "completed"}
         if any(problems.values()):
             head += "\n  not used: " + ", ".join(f"{n} {state}" for state, n in problems.items() if n)
@@ -244,7 +329,7 @@ def _stdout_table(s: Selection) -> str:
     c = s.criteria
     shown = s.configurations if s.winner is not None else s.closest()
     shown = shown[:STDOUT_ROWS]
-    header = ["rank", *s.searched, "seeds", c.rank, "ece", "ebce", "misses"]
+    header = ["rank", *s.searched, "seeds", c.key(c.rank), c.key("ece"), c.key("ebce"), "misses"]
     rows = []
     for x in shown:
         misses = ",".join(m.upper() for m in ("ece", "ebce") if not x.passes(m)) or "-"

@@ -98,7 +98,8 @@ def table1_markdown(selections: list[Selection]) -> str:
         "# Table 1: selected hyperparameters per method and backbone",
         "",
         (f"Selected on `{c.dataset}`: mean over seeds with ECE <= {c.ece:g} and EBCE <= {c.ebce:g}, best `{c.rank}` "
-         "(RewardUQ section 5.1). Scores are the winner's means on that dataset; — = no configuration passes."),
+         f"(RewardUQ section 5.1); {c.describe_sources()}. Scores are the winner's means on that dataset, ECE and "
+         "EBCE as filtered, the rank metric as ranked; — = no configuration passes."),
         "",
         markdown_table(header, rows),
     ]
@@ -114,7 +115,7 @@ def table1_latex(selections: list[Selection]) -> str:
     body = frame.to_latex(escape=False, multicolumn=True, multicolumn_format="c",
                           column_format="l" + "c" * len(frame.columns))
     caption = (f"% Selected on {c.dataset}: ECE <= {c.ece:g}, EBCE <= {c.ebce:g}, best {c.rank} (mean over seeds); "
-               f"--- = no configuration passes; needs \\usepackage{{booktabs}}.\n")
+               f"{c.describe_sources()}; --- = no configuration passes; needs \\usepackage{{booktabs}}.\n")
     return caption + body
 
 
