@@ -30,7 +30,7 @@ from rewarduq_exp.downstream.calibrated_scale import (
     recalibrated_scores,
 )
 from rewarduq_exp.downstream.overoptimization import overoptimization_table, paired_statistics
-from rewarduq_exp.downstream.selection_check import selection_check_lines, selection_rows
+from rewarduq_exp.downstream.selection_check import COLUMNS, selection_check_lines, selection_rows
 from rewarduq_exp.methods.base import Scores
 from rewarduq_exp.recalibration import Calibration
 
@@ -187,20 +187,43 @@ def test_the_recalibrated_selection_rule_reads_the_recal_metrics(tmp_path):
     summary, per_prompt = _fake_study(tmp_path)
     assert summary["recal/rs_0.2"].tolist() == [0.6, 0.3, 0.5] and summary.recalibrated.all()
     table = selection_rows(summary, ["eval"], per_prompt, 300, 0)
-    raw, recal = (table[table.rule == rule].iloc[0] for rule in ("raw", "recalibrated"))
-    # raw: a and b pass ECE <= 0.05 and EBCE <= 0.01, a has the higher RS; recalibrated: b and c pass, c the higher
+    assert list(table.columns) == list(COLUMNS)
+    assert table.rule.tolist() == ["raw", "recalibrated", "raw-filter-recalibrated-rank"]
+    raw, recal, mixed = (table[table.rule == rule].iloc[0] for rule in table.rule)
+    # raw: a and b pass ECE <= 0.05 and EBCE <= 0.01, a has the higher RS; recalibrated: b and c pass, c the higher;
+    # raw filter, recalibrated rank: a and b pass, a has the higher recal/rs_0.2
     assert (raw.picked, raw.passing, raw["rank"], raw.best) == ("a", 2, 3, "c")
     assert (recal.picked, recal.passing, recal["rank"], recal.best) == ("c", 2, 1, "c")
-    assert not recal.same_as_raw and recal.vs_best == 0 and recal.vs_best_lo == 0 == recal.vs_best_hi
+    assert (mixed.picked, mixed.passing, mixed.same_as_raw) == ("a", 2, True)
+    assert [(r.filter_on, r.rank_on) for r in (raw, recal, mixed)] == [
+        ("raw", "raw"), ("recalibrated", "recalibrated"), ("raw", "recalibrated")]
+    # per threshold, on the metrics each rule filters on
+    assert (raw.passing_ece, raw.passing_ebce, recal.passing_ece, recal.passing_ebce) == (2, 2, 2, 2)
+    assert not recal.same_as_raw and recal.vs_best == 0 and recal.vs_best_lo <= 0 <= recal.vs_best_hi
     at_nmax = {run: per_prompt[(run, "eval")][("mean", 0.0)][:, -1] for run in "abc"}
     assert raw.vs_mean == pytest.approx(np.mean(at_nmax["a"] - np.mean(list(at_nmax.values()), axis=0)))
     assert raw.vs_best == pytest.approx(np.mean(at_nmax["a"] - at_nmax["c"]))
     for row in (raw, recal):
         assert row.vs_mean_lo <= row.vs_mean <= row.vs_mean_hi and row.vs_best_lo <= row.vs_best <= row.vs_best_hi
     lines = selection_check_lines(table)
-    assert lines[0].startswith("eval: the selection rule picks a; downstream it ranks 3 of 3 (best: c)")
-    assert lines[1].startswith("eval, recalibrated metrics: the selection rule picks c; downstream it ranks 1 of 3")
+    assert lines[0].startswith("eval: the selection rule picks a; passing ece <= 0.05: 2 of 3, ebce <= 0.01: 2 of 3, "
+                               "both: 2 (filtered on raw metrics, as the paper does); downstream it ranks 3 of 3 "
+                               "(best: c)")
+    assert lines[1].startswith("eval, recalibrated metrics: the selection rule picks c; passing recal/ece <= 0.05: 2 "
+                               "of 3, recal/ebce <= 0.01: 2 of 3, both: 2 (filtered on recalibrated metrics); "
+                               "downstream it ranks 1 of 3")
     assert lines[1].endswith("; not the raw rule's pick")
+    assert lines[2].startswith("eval, raw filter, recalibrated rank: the selection rule picks a; passing ece <= 0.05: "
+                               "2 of 3, ebce <= 0.01: 2 of 3, both: 2 (filtered on raw metrics, as the paper does);")
+    assert lines[2].endswith("; the same run as the raw rule's") and "filter nothing" not in " ".join(lines)
+
+    # recalibrated, a passes too: every run passes, and the line says the thresholds decided nothing
+    passes_all = summary.assign(**{"recal/ece": 0.01, "recal/ebce": 0.002})
+    table = selection_rows(passes_all, ["eval"], per_prompt, 300, 0)
+    recal = table[table.rule == "recalibrated"].iloc[0]
+    assert (recal.picked, recal.passing_ece, recal.passing_ebce, recal.passing) == ("a", 3, 3, 3)
+    assert ("both: 3 (filtered on recalibrated metrics); every run passes, so the thresholds filter nothing and the "
+            "pick is the ranking's alone; downstream it ranks 3 of 3") in selection_check_lines(table)[1]
 
 
 def test_runs_without_recalibrated_metrics_have_no_recalibrated_pick(tmp_path):
@@ -209,9 +232,12 @@ def test_runs_without_recalibrated_metrics_have_no_recalibrated_pick(tmp_path):
     table = selection_rows(summary, ["eval"], per_prompt, 300, 0)
     recal = table[table.rule == "recalibrated"].iloc[0]
     assert pd.isna(recal.picked) and not recal.same_as_raw
-    assert selection_check_lines(table)[1] == (
+    lines = selection_check_lines(table)
+    assert lines[1] == (
         "eval, recalibrated metrics: the runs have no recal/rs_0.2 on this split; no selection to check (trained "
         "before recalibration existed, or with recalibrate.enabled=false)")
+    assert lines[2].startswith("eval, raw filter, recalibrated rank: the runs have no recal/rs_0.2 on this split")
+    assert lines[0].startswith("eval: the selection rule picks a; passing ece <= 0.05: 2 of 3")
     # and a summary of old runs without the recal/ columns at all reads the same
     old = summary.drop(columns=[c for c in summary.columns if c.startswith("recal/")])
-    assert pd.isna(selection_rows(old, ["eval"], per_prompt, 300, 0).picked.iloc[1])
+    assert selection_rows(old, ["eval"], per_prompt, 300, 0).picked.iloc[1:].isna().all()

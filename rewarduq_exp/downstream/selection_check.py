@@ -5,7 +5,12 @@ split), side by side, on the same runs, prompts and picks.
 The rule (:class:`~rewarduq_exp.analysis.selection.Criteria`): keep the runs with ECE <= 0.05 and EBCE <= 0.01 on
 the split's evaluation block of their ``metrics.json``, then take the highest RS_0.2 (no run kept: the highest of
 all, said in the line). The recalibrated rule applies the same thresholds and ranking to ``recal/ece``,
-``recal/ebce`` and ``recal/rs_0.2``; a run without them (trained before recalibration existed) never passes.
+``recal/ebce`` and ``recal/rs_0.2``; a run without them (trained before recalibration existed) never passes. A third
+rule keeps the paper's filter on the raw metrics and ranks by ``recal/rs_0.2``: recalibration can let nearly every
+run pass the thresholds, which then filter nothing, and this rule separates that from the change of ranking. Each
+row counts the runs passing each threshold on the metrics it filters on (``passing_ece``, ``passing_ebce``;
+``passing``: both, among those with the rank metric), so the raw and the recalibrated rows together say what each
+filter kept.
 
 Downstream, a run's standing is its gold at n_max under mean selection (which a recalibration never changes: T > 0
 keeps the order of r), ranked among the runs of the world. With the runs' per-prompt picks, two paired differences
@@ -24,14 +29,26 @@ import pandas as pd
 from rewarduq_exp.analysis.selection import Criteria
 from rewarduq_exp.downstream.statistics import DRAWS, mean_interval
 
-RULES = (Criteria(), Criteria(recalibrated=True))
-COLUMNS = ("split", "world", "rule", "criteria", "runs", "passing", "picked", "rank", "best", "picked_gold_nmax",
-           "best_gold_nmax", "vs_mean", "vs_mean_lo", "vs_mean_hi", "vs_best", "vs_best_lo", "vs_best_hi",
-           "same_as_raw")
+RULES = (Criteria(), Criteria(filter_on="recalibrated", rank_on="recalibrated"),
+         Criteria(filter_on="raw", rank_on="recalibrated"))
+COLUMNS = ("split", "world", "rule", "filter_on", "rank_on", "criteria", "runs", "passing_ece", "passing_ebce",
+           "passing", "picked", "rank", "best", "picked_gold_nmax", "best_gold_nmax", "vs_mean", "vs_mean_lo",
+           "vs_mean_hi", "vs_best", "vs_best_lo", "vs_best_hi", "same_as_raw")
+PAPER = Criteria()
 
 
 def rule_name(criteria: Criteria) -> str:
-    return "recalibrated" if criteria.recalibrated else "raw"
+    """``raw`` (the paper's rule), ``recalibrated`` (both on recal/), else ``<filter>-filter-<rank>-rank``."""
+    if criteria.filter_on == criteria.rank_on:
+        return criteria.filter_on
+    return f"{criteria.filter_on}-filter-{criteria.rank_on}-rank"
+
+
+def _rule_words(row) -> str:
+    """What follows the split in a printed line: nothing for the paper's rule."""
+    if row["filter_on"] == row["rank_on"]:
+        return "" if row["filter_on"] == "raw" else f", {row['filter_on']} metrics"
+    return f", {row['filter_on']} filter, {row['rank_on']} rank"
 
 
 def selection_row(summary: pd.DataFrame, split: str, criteria: Criteria, per_prompt: dict | None = None,
@@ -44,17 +61,21 @@ def selection_row(summary: pd.DataFrame, split: str, criteria: Criteria, per_pro
         return None
     ece, ebce, rank = (criteria.key(m) for m in ("ece", "ebce", criteria.rank))
     values = {key: s[key] if key in s else pd.Series(np.nan, index=s.index) for key in (ece, ebce, rank)}
-    row = {"split": split, "rule": rule_name(criteria), "runs": len(s), "picked": None,
+    row = {"split": split, "rule": rule_name(criteria), "filter_on": criteria.filter_on, "rank_on": criteria.rank_on,
+           "runs": len(s), "picked": None,
            "criteria": f"{ece} <= {criteria.ece:g}, {ebce} <= {criteria.ebce:g}, best {rank}"}
     if values[rank].isna().all():
         return row
     ranked_ok = values[rank].notna()
-    passing = s[(values[ece] <= criteria.ece) & (values[ebce] <= criteria.ebce) & ranked_ok]
+    # NaN compares False: a run without the filter's metrics passes neither threshold.
+    pass_ece, pass_ebce = values[ece] <= criteria.ece, values[ebce] <= criteria.ebce
+    passing = s[pass_ece & pass_ebce & ranked_ok]
     pool = passing if not passing.empty else s[ranked_ok]
     picked = pool.loc[values[rank][pool.index].idxmax()]
     ranked = s.sort_values("gold_nmax", ascending=False, kind="stable").run.tolist()
     best = s[s.run == ranked[0]].iloc[0]
-    row.update(passing=len(passing), picked=picked.run, rank=ranked.index(picked.run) + 1, best=best.run,
+    row.update(passing_ece=int(pass_ece.sum()), passing_ebce=int(pass_ebce.sum()), passing=len(passing),
+               picked=picked.run, rank=ranked.index(picked.run) + 1, best=best.run,
                picked_gold_nmax=float(picked.gold_nmax), best_gold_nmax=float(best.gold_nmax))
     if per_prompt is not None and len(s) > 1:
         at_nmax = {run: per_prompt[(run, split)][("mean", 0.0)][:, -1] for run in s.run}
@@ -67,9 +88,9 @@ def selection_row(summary: pd.DataFrame, split: str, criteria: Criteria, per_pro
 
 def selection_rows(summary: pd.DataFrame, splits, per_prompt: dict | None = None, draws: int = DRAWS,
                    seed: int = 0) -> pd.DataFrame:
-    """:func:`selection_row` of the raw and the recalibrated rule, per split and world (runs of different worlds
-    meet different candidates and oracles, so their gold is not ranked together): selection.csv's rows, with
-    ``same_as_raw`` on the recalibrated ones."""
+    """:func:`selection_row` of each of :data:`RULES`, per split and world (runs of different worlds meet different
+    candidates and oracles, so their gold is not ranked together): selection.csv's rows, with ``same_as_raw`` on
+    the rules other than the paper's."""
     rows = []
     for split in splits:
         for world, part in summary[summary.split == split].groupby("world", sort=True):
@@ -79,11 +100,11 @@ def selection_rows(summary: pd.DataFrame, splits, per_prompt: dict | None = None
                 if row is None:
                     continue
                 row["world"] = world
-                if criteria.recalibrated:
+                if criteria == PAPER:
+                    raw = row
+                else:
                     row["same_as_raw"] = (raw is not None and row["picked"] is not None
                                           and row["picked"] == raw["picked"])
-                else:
-                    raw = row
                 rows.append(row)
     return pd.DataFrame(rows).reindex(columns=list(COLUMNS))
 
@@ -95,21 +116,37 @@ def _interval(row, name: str) -> str:
 def selection_line(row, several_worlds: bool = False) -> str:
     """One printed line of a :func:`selection_rows` row."""
     where = f" world={row['world']}" if several_worlds else ""
-    recal = row["rule"] == "recalibrated"
-    head = f"{row['split']}{where}" + (", recalibrated metrics" if recal else "")
+    head = f"{row['split']}{where}{_rule_words(row)}"
+    paper = row["rule"] == rule_name(PAPER)
     if row["picked"] is None or pd.isna(row["picked"]):
         what = row["criteria"].rsplit("best ", 1)[-1]
+        recal = "recalibrated" in (row["filter_on"], row["rank_on"])
         return (f"{head}: the runs have no {what} on this split; no selection to check"
                 + (" (trained before recalibration existed, or with recalibrate.enabled=false)" if recal else ""))
     note = "" if row["passing"] > 0 else f" (no run passes {row['criteria'].rsplit(', best', 1)[0]}: ranked all)"
-    line = (f"{head}: the selection rule picks {row['picked']}{note}; downstream it ranks {int(row['rank'])} of "
-            f"{int(row['runs'])} (best: {row['best']})")
+    line = f"{head}: the selection rule picks {row['picked']}{note}; {_passing_words(row)}"
+    line += f"; downstream it ranks {int(row['rank'])} of {int(row['runs'])} (best: {row['best']})"
     if pd.notna(row.get("vs_mean", np.nan)):
         line += (f"; its gold at n_max minus the mean over the {int(row['runs'])} runs: {_interval(row, 'vs_mean')}, "
                  f"minus the best run's: {_interval(row, 'vs_best')} (95 %, prompts resampled)")
-    if recal:
-        line += "; the same run as on the raw metrics" if row["same_as_raw"] else "; not the raw rule's pick"
+    if not paper:
+        line += "; the same run as the raw rule's" if row["same_as_raw"] else "; not the raw rule's pick"
     return line
+
+
+def _passing_words(row) -> str:
+    """How many runs each threshold kept, on the metrics the rule filters on, and whether the filter decided."""
+    ece, ebce = row["criteria"].split(", ")[:2]  # "ece <= 0.05", "ebce <= 0.01" (or recal/ece ...)
+    runs = int(row["runs"])
+    words = (f"passing {ece}: {int(row['passing_ece'])} of {runs}, {ebce}: {int(row['passing_ebce'])} of {runs}, "
+             f"both: {int(row['passing'])}")
+    if row["filter_on"] == "raw":
+        words += " (filtered on raw metrics, as the paper does)"
+    else:
+        words += f" (filtered on {row['filter_on']} metrics)"
+    if runs > 1 and int(row["passing"]) == runs:
+        words += "; every run passes, so the thresholds filter nothing and the pick is the ranking's alone"
+    return words
 
 
 def selection_check_lines(table: pd.DataFrame) -> list[str]:
