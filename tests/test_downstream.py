@@ -354,16 +354,17 @@ def test_best_of_n_scores_through_each_runs_recalibration(best_of_n_default, swe
     np.testing.assert_allclose(summary.conservative_gain, summary.conservative_cal_gain, atol=1e-9)
     overopt = pd.read_csv(out / "overoptimization.csv")   # one run per cell here: the same numbers pooled
     _within(overopt, "conservative_cal_vs_raw")
-    # the selection rule on raw and on recalibrated metrics, side by side, per split
+    # the selection rule on raw and on recalibrated metrics, side by side, per split (and raw filter, recal rank)
     selection = pd.read_csv(out / "selection.csv")
-    assert sorted(zip(selection.split, selection.rule)) == [("eval", "raw"), ("eval", "recalibrated"),
-                                                           ("ood", "raw"), ("ood", "recalibrated")]
+    rules = ["raw", "raw-filter-recalibrated-rank", "recalibrated"]
+    assert sorted(zip(selection.split, selection.rule)) == [(split, r) for split in ("eval", "ood") for r in rules]
     for _, row in selection.iterrows():
         s = summary[summary.split == row.split]
-        prefix = "recal/" if row.rule == "recalibrated" else ""
-        passing = s[(s[f"{prefix}ece"] <= 0.05) & (s[f"{prefix}ebce"] <= 0.01)]
+        f, k = ("recal/" if on == "recalibrated" else "" for on in (row.filter_on, row.rank_on))
+        passing = s[(s[f"{f}ece"] <= 0.05) & (s[f"{f}ebce"] <= 0.01)]
         pool = passing if len(passing) else s
-        assert row.picked == pool.loc[pool[f"{prefix}rs_0.2"].idxmax()].run and row.passing == len(passing)
+        assert row.picked == pool.loc[pool[f"{k}rs_0.2"].idxmax()].run and row.passing == len(passing)
+        assert (row.passing_ece, row.passing_ebce) == ((s[f"{f}ece"] <= 0.05).sum(), (s[f"{f}ebce"] <= 0.01).sum())
         assert row["rank"] == s.sort_values("gold_nmax", ascending=False).run.tolist().index(row.picked) + 1
         _within(selection.loc[[row.name]], "vs_mean")
         _within(selection.loc[[row.name]], "vs_best")
