@@ -72,18 +72,20 @@ def test_summary_rows_reports_the_paired_difference_to_random_per_repeat():
         assert rs[f"win_rate_{kind}_vs_random_lo"] == pytest.approx(float(iv.lo), abs=1e-9)
         assert rs[f"win_rate_{kind}_vs_random_hi"] == pytest.approx(float(iv.hi), abs=1e-9)
         assert rs[f"win_rate_{kind}_vs_random_p"] == pytest.approx(reference.pvalue, rel=1e-6)
-        assert rs[f"win_rate_{kind}_wins"] == "3/3"
-        assert rs[f"ece_{kind}_wins"] == "0/3"  # ECE = (1 - win rate) / 3 falls in every repeat
+        assert rs[f"win_rate_{kind}_higher"] == "3/3"
+        assert rs[f"ece_{kind}_higher"] == "0/3"  # ECE = (1 - win rate) / 3 falls in every repeat
     assert rs.win_rate_final == pytest.approx((RANDOM[:, -1] + AHEAD).mean())
     assert rs.win_rate_auc == pytest.approx((RANDOM + AHEAD[:, None]).mean())
     unc = summary.loc["uncertainty"]
-    assert unc.win_rate_final_wins == "2/3" and unc.win_rate_final_vs_random == pytest.approx(-0.002, abs=1e-12)
+    assert unc.win_rate_final_higher == "2/3" and unc.win_rate_final_vs_random == pytest.approx(-0.002, abs=1e-12)
     assert unc.win_rate_final_vs_random_lo < 0 < unc.win_rate_final_vs_random_hi
     # random's own row: no difference to itself
-    vs = [c for c in summary.columns if "_vs_random" in c or c.endswith("_wins")]
+    vs = [c for c in summary.columns if "_vs_random" in c or c.endswith("_higher")]
     assert len(vs) == 3 * 2 * 5 and summary.loc["random", vs].isna().all()
+    assert not [c for c in summary.columns if c.endswith("_wins")]   # renamed: "wins" read as "better"
     text = summary_table(summary.reset_index())
     assert "+0.050 [+0.041, +0.060] 3/3" in text and "truth/ece - random" in text
+    assert "higher than random's (for the win rate better, for ECE worse)" in text   # k/R says its direction
 
 
 def test_paired_table_holds_one_difference_per_repeat():
@@ -101,7 +103,7 @@ def test_paired_table_holds_one_difference_per_repeat():
 def test_without_random_there_is_nothing_to_pair_with():
     curves = make_curves({"uncertainty": RANDOM, "bald": RANDOM + 0.01})
     summary = summary_rows(curves)
-    assert not [c for c in summary.columns if "vs_random" in c or c.endswith("_wins")]
+    assert not [c for c in summary.columns if "vs_random" in c or c.endswith("_higher")]
     assert {"win_rate_final", "win_rate_auc", "repeats"} <= set(summary.columns)
     assert paired_differences(repeat_values(curves)) is None
     assert "—" in summary_table(summary)

@@ -27,8 +27,9 @@ together, so the spread of the levels over repeats says little about the gap bet
 the mean over repeats (``<metric>_<kind>``) and, for every strategy but random, the paired differences
 d_r = strategy - random of the same run and repeat: their mean (``<metric>_<kind>_vs_random``), the 95 % paired
 t-interval mean ± t_{0.975, R-1} sd(d_r) / sqrt(R) (``..._vs_random_lo`` / ``..._vs_random_hi``; NaN for R < 2),
-the two-sided paired t-test p-value (``..._vs_random_p``) and ``<metric>_<kind>_wins``, "k/R": the repeats with
-d_r > 0 (for ECE, higher is worse) out of those with both values; ``repeats`` counts the repeats averaged over.
+the two-sided paired t-test p-value (``..._vs_random_p``) and ``<metric>_<kind>_higher``, "k/R": the repeats where
+the strategy's value is higher than random's (d_r > 0) out of those with both values, whichever way is better (for
+the win rate higher is better, for ECE worse); ``repeats`` counts the repeats averaged over.
 Random's own row has NaN there, and without random in ``task.strategies`` these columns are absent.
 ``paired.csv`` is the long table of every d_r (run, method, strategy, metric, kind, repeat, value, random, diff);
 ``active_learning.png`` draws the levels (band: min..max over repeats) over the paired differences per round
@@ -242,7 +243,7 @@ def paired_differences(values: pd.DataFrame) -> pd.DataFrame | None:
 def summary_rows(curves: pd.DataFrame, paired: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per run and strategy: each metric at the last round and its mean over rounds (area under the learning
     curve), averaged over repeats, and for every strategy but random the paired difference to random (mean over
-    repeats, 95 % paired t-interval, p-value, wins); see the module's docstring. ``paired``: the
+    repeats, 95 % paired t-interval, p-value, repeats higher); see the module's docstring. ``paired``: the
     :func:`paired_differences` of ``curves`` when already computed."""
     values = repeat_values(curves)
     if paired is None:
@@ -255,12 +256,12 @@ def summary_rows(curves: pd.DataFrame, paired: pd.DataFrame | None = None) -> pd
             iv = paired_t_interval(part["diff"].to_numpy())
             compared[key] = {"_vs_random": float(iv.mean), "_vs_random_lo": float(iv.lo),
                              "_vs_random_hi": float(iv.hi), "_vs_random_p": float(iv.p),
-                             "_wins": f"{int(iv.wins)}/{int(iv.n)}" if iv.n else np.nan}
+                             "_higher": f"{int(iv.wins)}/{int(iv.n)}" if iv.n else np.nan}   # wins: d > 0
     columns = ["run", "strategy", "labels_final", "repeats"]
     columns += [f"{m}_{kind}" for m in metrics for kind in KINDS]
     if paired is not None:
         columns += [f"{m}_{kind}{suffix}" for kind in KINDS for m in metrics
-                    for suffix in ("_vs_random", "_vs_random_lo", "_vs_random_hi", "_vs_random_p", "_wins")]
+                    for suffix in ("_vs_random", "_vs_random_lo", "_vs_random_hi", "_vs_random_p", "_higher")]
     rows = []
     for (run, strategy), part in curves.groupby(["run", "strategy"], sort=False):
         end = part[part["round"] == part["round"].max()]
@@ -276,20 +277,21 @@ def summary_rows(curves: pd.DataFrame, paired: pd.DataFrame | None = None) -> pd
 
 
 def _versus_random(row, metric: str, kind: str) -> str:
-    """``+0.046 [+0.031, +0.061] 3/3``: the mean paired difference, its interval (one repeat: none) and wins."""
+    """``+0.046 [+0.031, +0.061] 3/3``: the mean paired difference, its interval (one repeat: none) and the repeats
+    where the strategy's value is higher than random's."""
     mean = row.get(f"{metric}_{kind}_vs_random", np.nan)
     if pd.isna(mean):
         return DASH
     text = f"{mean:+.3f}"
     if pd.notna(row[f"{metric}_{kind}_vs_random_lo"]):
         text += f" [{row[f'{metric}_{kind}_vs_random_lo']:+.3f}, {row[f'{metric}_{kind}_vs_random_hi']:+.3f}]"
-    return f"{text} {row[f'{metric}_{kind}_wins']}"
+    return f"{text} {row[f'{metric}_{kind}_higher']}"
 
 
 def summary_table(summary: pd.DataFrame) -> str:
     """The printed summary: per run and strategy, win rate and calibration (truth/ece where the world has it, else
-    ece) at the last round, and the paired differences to random with their 95 % intervals and wins (the win rate's
-    also averaged over rounds); the rest is in summary.csv."""
+    ece) at the last round, and the paired differences to random with their 95 % intervals and the repeats where
+    the strategy's value is higher (the win rate's also averaged over rounds); the rest is in summary.csv."""
     cal = "truth/ece" if summary.get("truth/ece_final", pd.Series(dtype=float)).notna().any() else "ece"
     header = ["run", "strategy", "labels", "win_rate", "win_rate - random", "win_rate auc - random", cal,
               f"{cal} - random"]
@@ -297,7 +299,8 @@ def summary_table(summary: pd.DataFrame) -> str:
              _versus_random(r, "win_rate", "final"), _versus_random(r, "win_rate", "auc"),
              fmt_number(r[f"{cal}_final"], 3), _versus_random(r, cal, "final")] for _, r in summary.iterrows()]
     note = ("'- random': the mean over repeats of strategy - random within each repeat [its 95 % paired t-interval] "
-            "and in how many repeats it is > 0; final: the last round, auc: the mean over rounds; p-values in "
+            "and k/R: in how many of the R repeats the strategy's value is higher than random's (for the win rate "
+            "better, for ECE worse); final: the last round, auc: the mean over rounds; p-values in "
             "summary.csv")
     return f"{text_table(header, rows)}\n{note}"
 
