@@ -10,7 +10,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-check demo-real downstream-real downstream-real-finetuned test test-e2e test-all test-slurm bench bench-gpu gpu-check wheels \
+.PHONY: setup demo demo-check demo-real downstream-real downstream-real-finetuned test test-e2e test-coverage test-all test-slurm bench bench-gpu gpu-check wheels \
 	offline-install offline-node-check clean
 
 # torch==2.13.0 first: a bare "torch" requirement would pull several GB of CUDA wheels on a CPU machine.
@@ -129,12 +129,17 @@ PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test: setup
 	$(PY) -m ruff check .
-	$(PYTEST) -m "not slow and not slurm and not e2e"
+	$(PYTEST) -m "not slow and not slurm and not e2e and not coverage"
 
 # The end-to-end tests (marked e2e: train.py / evaluate.py / downstream.py runs, sweeps, signals, installs, the planner
 # against measured memory), which .ci/run runs after make test: about 8 min on 2 cores.
 test-e2e: setup
 	$(PYTEST) -m "e2e and not slow and not slurm"
+
+# The whole coverage grid of the downstream intervals with known truth (2000 simulated studies a case; the default
+# run has a few cases with fewer studies): docs/downstream.md's coverage table.
+test-coverage: setup
+	$(PY) -m pytest -q -n 2 --dist load -m coverage tests/test_interval_coverage.py
 
 # Everything but the Slurm tests, slow end-to-end checks included (torchrun launches, default-size acceptance runs).
 test-all: setup

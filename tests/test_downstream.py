@@ -219,6 +219,17 @@ def test_overoptimization_lines_and_figures_are_drawn(tmp_path):
     # the shortcut's cost at n_max against the same world's control (strength 0): 1.5 - 2/2 - 1.5 = -1 at strength 2
     assert np.isnan(cells.loc[(0, 0.0), "gold_nmax_vs_control"])
     assert cells.loc[(0, 2.0), "gold_nmax_vs_control_hi"] < 0
+    # the effect over the two worlds: each cell's statistic averaged over worlds, with its t-interval over them
+    from rewarduq_exp.downstream.over_worlds import over_worlds_lines, over_worlds_rows, worlds_per_cell
+
+    assert (worlds_per_cell(table, "filler_bias") == 2).all() and (worlds_per_cell(summary, "filler_bias") == 2).all()
+    over = over_worlds_rows(table, summary, per_prompt, "filler_bias")
+    cost = over[(over.statistic == "gold_nmax_vs_control") & (over.strength == 2.0)].iloc[0]
+    assert cost.worlds == 2 and cost.estimate == pytest.approx(cells.xs(2.0, level=1).gold_nmax_vs_control.mean())
+    assert "fewer than 3" in cost.note and cost.per_world.startswith("0:")
+    drop = over[(over.statistic == "largest_drop") & (over.strength == 2.0)].iloc[0]
+    assert drop.estimate > 0.5 and drop.worlds == 2   # the mean of the worlds' curves dips after n = 2
+    assert any("over 2 worlds" in line for line in over_worlds_lines(over, "filler_bias"))
     lines = overoptimization_lines(table, "filler_bias")
     assert any("overoptimizes in 2 of 2 worlds" in line for line in lines)
     assert any("no fall the data can show" in line for line in lines)
@@ -320,7 +331,14 @@ def test_best_of_n_end_to_end_on_a_sweep(best_of_n_default):
     shortcut = pd.read_csv(out / "shortcut.csv")
     assert set(shortcut.feature) == {"words", "filler"} and len(shortcut) == 2 * 2 * 2  # runs x splits x features
     assert (shortcut.candidates == 4 * 32).all() and shortcut.train_max.notna().all()
-    assert len(pd.read_csv(out / "overoptimization.csv")) == 4  # splits x methods, one strength
+    overopt = pd.read_csv(out / "overoptimization.csv")
+    assert len(overopt) == 4 and (overopt.worlds == 1).all()  # splits x methods, one strength, one world
+    assert (summary.worlds == 1).all() and "not_promised" in summary.columns
+    # 4 prompts: no interval can promise its level, and the table says so in a column
+    assert summary.not_promised.str.contains("4 prompts (fewer than 16)", regex=False).all()
+    over = pd.read_csv(out / "over_worlds.csv")
+    assert set(over.table) >= {"overoptimization"} and (over.worlds == 1).all() and over.lo.isna().all()
+    assert "over worlds" in proc.stdout
     assert not pd.read_csv(out / "shortcut_bins.csv").empty
 
 

@@ -1,18 +1,24 @@
-"""The intervals of the best-of-n study: coverage of known differences, the largest drop on hand-made curves, and
-Gao et al.'s functional form (rewarduq_exp/downstream/statistics.py)."""
+"""The intervals of the best-of-n study: the design's variance by hand, coverage of known differences, the largest drop
+on hand-made curves, Gao et al.'s functional form, the effect over worlds, and the coverage suite with known truth
+(rewarduq_exp/downstream/statistics.py, interval_coverage.py)."""
 
 import numpy as np
 import pytest
 
 from rewarduq_exp.downstream.statistics import (
+    MIN_PROMPTS,
     bootstrap_means,
     cell_difference_interval,
+    contrast_intervals,
     gao_fit,
     gao_fit_interval,
     gao_peak,
     largest_drop,
     largest_drop_interval,
+    largest_drop_over_worlds,
     mean_interval,
+    over_worlds_interval,
+    paired_interval,
 )
 
 
@@ -116,7 +122,86 @@ def test_the_difference_of_two_cells_covers_it_at_its_nominal_rate():
         prompts = rng.normal(0, 2, size=(1, 30))
         a = 0.5 + prompts + rng.normal(0, 0.3, size=(5, 1)) + rng.normal(0, 0.4, size=(5, 30))
         b = prompts + rng.normal(0, 0.3, size=(5, 1)) + rng.normal(0, 0.4, size=(5, 30))
-        estimate, lo, hi = cell_difference_interval(a, b, draws=400, seed=s)
+        estimate, lo, hi, _ = cell_difference_interval(a, b, draws=400, seed=s)
         assert lo <= estimate <= hi
         covered += lo <= 0.5 <= hi
     assert 0.9 <= covered / 300 <= 0.985, covered / 300
+
+
+def test_the_design_variance_is_the_crossed_anova_estimate_by_hand():
+    """With Student's t as the binding critical value (normal data, many draws), the interval's half-width over t is
+    the standard error (MS_runs + MS_prompts - MS_E) / (R P) of the balanced crossed design, worked out here with
+    plain sums; for one run it is sd / sqrt(P)."""
+    from scipy.stats import t as t_dist
+
+    from rewarduq_exp.downstream.statistics import _contrast_moments
+
+    rng = np.random.default_rng(4)
+    y = rng.normal(0, 0.5, (4, 1)) + rng.normal(0, 0.4, (1, 9)) + rng.normal(0, 0.3, (4, 9))
+    r, p = y.shape
+    grand, rows, cols = y.mean(), y.mean(1), y.mean(0)
+    ms_runs = p * ((rows - grand) ** 2).sum() / (r - 1)
+    ms_prompts = r * ((cols - grand) ** 2).sum() / (p - 1)
+    ms_noise = ((y - rows[:, None] - cols[None] + grand) ** 2).sum() / ((r - 1) * (p - 1))
+    expected = (ms_runs + ms_prompts - ms_noise) / (r * p)
+    found = _contrast_moments([y[:, :, None]], [1.0], [np.ones((1, r))], np.ones((1, p)))
+    assert found.mean[0, 0] == pytest.approx(grand) and found.var[0, 0] == pytest.approx(expected)
+    # a resample's weights equal repeating its rows and columns
+    w_r, w_p = np.array([[2.0, 0, 1, 1]]), np.array([[0, 1, 1, 3, 0, 2, 1, 0, 1.0]])
+    repeated = np.repeat(np.repeat(y, w_r[0].astype(int), 0), w_p[0].astype(int), 1)
+    again = _contrast_moments([repeated[:, :, None]], [1.0], [np.ones((1, r))], np.ones((1, p)))
+    weighted = _contrast_moments([y[:, :, None]], [1.0], [w_r], w_p)
+    assert weighted.var[0, 0] == pytest.approx(again.var[0, 0])
+    assert weighted.mean[0, 0] == pytest.approx(again.mean[0, 0])
+    one = rng.normal(size=40)
+    iv = paired_interval(one, draws=4000)
+    half = t_dist.ppf(0.975, 39) * one.std(ddof=1) / np.sqrt(40)
+    assert iv.estimate == pytest.approx(one.mean())
+    assert iv.hi - iv.lo >= 2 * half - 1e-12   # never narrower than Student's t
+    assert iv.hi - iv.lo < 2 * half * 1.15      # and, on normal data, about as wide
+
+
+def test_the_contrast_of_two_cells_is_their_difference_and_flipping_it_flips_the_interval():
+    rng = np.random.default_rng(8)
+    a, b = rng.normal(1, 1, (3, 20)), rng.normal(0, 1, (5, 20))
+    ab, ba = cell_difference_interval(a, b, seed=2), cell_difference_interval(b, a, seed=2)
+    assert ab.estimate == pytest.approx(a.mean() - b.mean())
+    assert ab.estimate == pytest.approx(-ba.estimate)
+    # the cells' runs are resampled apart (they are different runs), the prompts together: a contrast of a cell
+    # with a shifted copy of itself still varies with the runs, but not with the prompts it shares
+    shifted = contrast_intervals([a[:, :, None], a[:, :, None] + 0.3], [1.0, -1.0], seed=2)[0]
+    runs_only = cell_difference_interval(a.mean(1, keepdims=True) * np.ones((1, 20)),
+                                         a.mean(1, keepdims=True) * np.ones((1, 20)) + 0.3, seed=2)
+    assert shifted.estimate == pytest.approx(-0.3) and shifted.lo < -0.3 < shifted.hi
+    assert shifted.hi - shifted.lo == pytest.approx(runs_only.hi - runs_only.lo, rel=0.35)
+
+
+def test_exact_and_unbounded_cases_say_what_they_are():
+    assert paired_interval(np.zeros(32))[:3] == (0.0, 0.0, 0.0)            # a rule that changes nothing
+    assert paired_interval(np.full((3, 32), 2.0))[:3] == (2.0, 2.0, 2.0)
+    assert mean_interval(np.zeros(32)) == (0.0, 0.0, 0.0)
+    # one prompt of 32 differs: resamples without it are a third of all, so no finite upper end can be promised
+    one = np.zeros(32)
+    one[5] = 1.0
+    iv = paired_interval(one)
+    assert iv.hi == np.inf and "unbounded" in iv.note and iv.lo < one.mean()
+    few = paired_interval(np.random.default_rng(0).normal(size=MIN_PROMPTS - 1))
+    assert f"fewer than {MIN_PROMPTS}" in few.note and np.isfinite(few.hi)
+    two = paired_interval(np.random.default_rng(0).normal(size=(2, 32)))
+    assert "2 runs" in two.note
+
+
+def test_over_worlds_is_the_t_interval_of_the_worlds_estimates():
+    from scipy.stats import t as t_dist
+
+    x = np.array([0.2, -0.1, 0.5, 0.3, 0.0])
+    iv = over_worlds_interval(x)
+    half = t_dist.ppf(0.975, 4) * x.std(ddof=1) / np.sqrt(5)
+    assert (iv.estimate, iv.lo, iv.hi, iv.note) == pytest.approx((x.mean(), x.mean() - half, x.mean() + half, ""))
+    assert "fewer than" in over_worlds_interval(x[:2]).note
+    assert np.isnan(over_worlds_interval([0.3]).lo) and over_worlds_interval([np.nan, 0.3]).estimate == 0.3
+    # the mean curve over worlds falls from the 2nd point to the 3rd in every world: a drop the band shows
+    curves = np.array([[0, 1.0, 0.2, 0.5], [0, 1.1, 0.3, 0.4], [0, 0.9, 0.1, 0.6], [0, 1.0, 0.25, 0.5]])
+    found = largest_drop_over_worlds(curves)
+    assert (found["from_index"], found["to_index"]) == (1, 2) and found["lo"] > 0 and found["worlds"] == 4
+    assert largest_drop_over_worlds(np.cumsum(np.ones((4, 5)), 1))["hi"] == 0.0   # rises everywhere

@@ -20,7 +20,9 @@ that share a backbone and probe (ENS-MLP, BAY-LIN) extract them once.
 Outputs in the task folder: ``curves.csv`` (gold vs n and KL for every run, split, selection rule and k, with the
 run's world settings and seed; ``conservative_raw`` / ``_cal`` / ``_conformal`` at k = ``task.k_compare`` where the
 run was recalibrated), ``summary.csv`` (:func:`curve_summary` per run and split, the same settings, the run's own
-metrics, raw and ``recal/``, its recalibration and the calibrated-scale comparisons), ``selection.csv`` (the
+metrics, raw and ``recal/``, its recalibration and the calibrated-scale comparisons, ``worlds``: how many worlds
+share its split, method and strength, and ``not_promised``: the intervals that cannot promise their level and why),
+``over_worlds.csv`` (the effect over worlds of every per-world statistic, :mod:`.over_worlds`), ``selection.csv`` (the
 selection rule's pick on raw and recalibrated metrics, per split and world, and its standing downstream),
 ``overoptimization.csv`` (per method and strength: the fall after the peak against the seed spread), ``shortcut.csv``
 and ``shortcut_bins.csv`` (u and r against the candidates' features), ``correlation.csv`` (Spearman across runs of
@@ -71,6 +73,7 @@ from rewarduq_exp.downstream.figures import (
     plot_shortcut,
     plot_uncertainty_use,
 )
+from rewarduq_exp.downstream.over_worlds import over_worlds_lines, over_worlds_rows, worlds_per_cell
 from rewarduq_exp.downstream.overoptimization import (
     format_interval,
     overoptimization_lines,
@@ -351,8 +354,10 @@ def best_of_n(cfg, out_dir: Path) -> dict:
                                      int(cfg.task.draws), int(cfg.task.seed))
     corr = correlations(summary)
     selection = selection_rows(summary, splits, per_prompt, int(cfg.task.draws), int(cfg.task.seed))
-    tables = {"curves": curves, "summary": summary, "overoptimization": overopt, "shortcut": shortcut,
-              "shortcut_bins": bins, "correlation": corr, "selection": selection}
+    summary["worlds"], overopt["worlds"] = worlds_per_cell(summary, axis), worlds_per_cell(overopt, axis)
+    over = over_worlds_rows(overopt, summary, per_prompt, axis, selection, corr)
+    tables = {"curves": curves, "summary": summary, "overoptimization": overopt, "over_worlds": over,
+              "shortcut": shortcut, "shortcut_bins": bins, "correlation": corr, "selection": selection}
     for name, table in tables.items():
         write_atomic(out_dir / f"{name}.csv", table.to_csv(index=False))
     # what every interval was computed from, for a reader who wants to recompute one (gzip: ~10^5 rows a sweep)
@@ -380,14 +385,16 @@ def best_of_n(cfg, out_dir: Path) -> dict:
     print(summary_text(summary, axis), flush=True)
     sections = (("overoptimization per world (largest drop, gains; 95 % paired intervals over runs and prompts):",
                  overoptimization_lines(overopt, axis)),
+                ("over worlds (the effect of the world generator: mean over the worlds, 95 % t-interval over their "
+                 "estimates):", over_worlds_lines(over, axis) or ["none: the runs come from one world"]),
                 (f"calibrated scale (recalibrated runs; k = {k:g}, gold gained over the KL range, 95 % paired "
                  "intervals over runs and prompts):", calibrated_lines(overopt, axis, k)
                  or ["none: every run was scored raw (task.recalibrated=false, or no calibration.json)"]),
                 ("shortcut (is u higher on candidates beyond the training range?):", shortcut_lines(shortcut, axis)),
-                ("selection rule, on the raw and on the recalibrated metrics:", checks),
+                ("selection rule, filtered and ranked on the raw or the recalibrated metrics:", checks),
                 ("selection statistics vs the loss, across runs:", selection_lines(corr, split)))
     for title, lines in sections:
         print(title, *lines, sep="\n", flush=True)
     print(f"tables and figures in {out_dir}", flush=True)
     return {"summary": summary, "curves": curves, "correlation": corr, "selection": checks,
-            "selection_table": selection, "overoptimization": overopt, "shortcut": shortcut}
+            "selection_table": selection, "overoptimization": overopt, "over_worlds": over, "shortcut": shortcut}

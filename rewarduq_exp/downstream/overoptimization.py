@@ -4,7 +4,8 @@ A cell is the runs of one world (``dataset.seed``), method and shortcut strength
 different worlds are never pooled (their candidates and oracles differ); a world is a replicate of the whole
 study, and the lines printed say in how many worlds a finding holds.
 
-Per run (the prompts resampled) and per cell (runs and prompts resampled, crossed: :mod:`.statistics`):
+Per run (over its prompts) and per cell (runs and prompts crossed: :mod:`.statistics`), each interval with a
+``not_promised`` column naming the intervals of the row that cannot promise their level and why:
 - ``largest_drop`` [``_lo``, ``_hi``]: the largest fall of the mean-selection curve from any n to a later one;
   ``overoptimizes`` when the interval's lower end is above 0 (a fall the prompts and seeds cannot explain);
 - ``conservative_gain`` / ``optimistic_gain`` (mean gold gained over the KL range by r -+ k u, k = task.k_compare
@@ -31,10 +32,11 @@ from rewarduq_exp.analysis.text_tables import fmt_number
 from rewarduq_exp.downstream.best_of_n import area_weights
 from rewarduq_exp.downstream.calibrated_scale import calibrated_statistics, calibration_columns
 from rewarduq_exp.downstream.statistics import (
+    Interval,
     cell_difference_interval,
     gao_fit_interval,
     largest_drop_interval,
-    mean_interval,
+    paired_interval,
 )
 from rewarduq_exp.downstream.uncertainty_use import COMPARISONS
 
@@ -59,8 +61,18 @@ def strength_axis(summary: pd.DataFrame) -> str:
     return next((key for key in STRENGTHS if summary[key].nunique() > 1), STRENGTHS[0])
 
 
-def _interval(prefix: str, estimate: float, lo: float, hi: float) -> dict:
-    return {prefix: estimate, f"{prefix}_lo": lo, f"{prefix}_hi": hi}
+def _interval(prefix: str, found: Interval, notes: dict) -> dict:
+    """The columns ``prefix``, ``_lo``, ``_hi`` of an interval; its note (why it cannot promise its level), if any,
+    goes into ``notes`` under ``prefix``."""
+    if found.note:
+        notes[prefix] = found.note
+    return {prefix: found.estimate, f"{prefix}_lo": found.lo, f"{prefix}_hi": found.hi}
+
+
+def notes_column(notes: dict) -> str:
+    """``not_promised``: the statistics of a row whose interval cannot promise its level, each with why
+    (``name: why; name: why``); empty when every interval can."""
+    return "; ".join(f"{name}: {why}" for name, why in notes.items())
 
 
 def paired_statistics(picked: list[dict], kl: np.ndarray, ns, k_compare: float, draws: int, seed: int) -> dict:
@@ -70,19 +82,21 @@ def paired_statistics(picked: list[dict], kl: np.ndarray, ns, k_compare: float, 
     def stack(key) -> np.ndarray:
         return np.stack([p[key] for p in picked])                  # (R, P, J)
 
-    weights = area_weights(kl)
+    weights, notes = area_weights(kl), {}
     mean = stack(("mean", 0.0))
     drop = largest_drop_interval(mean, draws, seed)
-    out = {**_interval("largest_drop", drop["drop"], drop["lo"], drop["hi"]),
+    out = {**_interval("largest_drop", Interval(drop["drop"], drop["lo"], drop["hi"], drop["note"]), notes),
            "overoptimizes": bool(drop["lo"] > 0), "drop_from_n": int(ns[drop["from_index"]]),
            "drop_to_n": int(ns[drop["to_index"]])}
     for name in ("conservative", "optimistic"):
         diff = stack((name, float(k_compare))) - mean
-        out.update(_interval(f"{name}_gain", *mean_interval(diff @ weights, draws, seed)))
+        out.update(_interval(f"{name}_gain", paired_interval(diff @ weights, draws, seed), notes))
         if name == "conservative":
-            out.update(_interval(f"{name}_gain_nmax", *mean_interval(diff[..., -1], draws, seed)))
-    out.update(calibrated_statistics(picked, kl, k_compare, draws, seed))
+            out.update(_interval(f"{name}_gain_nmax", paired_interval(diff[..., -1], draws, seed), notes))
+    out.update(calibrated_statistics(picked, kl, k_compare, draws, seed, notes))
     fit = gao_fit_interval(np.sqrt(kl), mean, draws, seed)
+    if fit["note"]:
+        notes["gao_beta"] = fit["note"]
     gold_n1 = float(mean[..., 0].mean())
     out.update({"gao_alpha": fit["alpha"], "gao_alpha_lo": fit["alpha_lo"], "gao_alpha_hi": fit["alpha_hi"],
                 "gao_beta": fit["beta"], "gao_beta_lo": fit["beta_lo"], "gao_beta_hi": fit["beta_hi"],
@@ -99,9 +113,10 @@ def paired_statistics(picked: list[dict], kl: np.ndarray, ns, k_compare: float, 
             if all(rule in use and base in use for use in uses):
                 diff = np.stack([use[rule] - use[base] for use in uses])   # (R, P_report, J)
                 name = f"{rule}_vs_{base}"
-                out.update(_interval(name, *mean_interval(diff @ weights, draws, seed)))
-                out.update(_interval(f"{name}_nmax", *mean_interval(diff[..., -1], draws, seed)))
+                out.update(_interval(name, paired_interval(diff @ weights, draws, seed), notes))
+                out.update(_interval(f"{name}_nmax", paired_interval(diff[..., -1], draws, seed), notes))
         out["report_prompts"] = int(len(uses[0]["report_prompts"]))
+    out["not_promised"] = notes_column(notes)
     return out
 
 
@@ -124,8 +139,10 @@ def overoptimization_table(summary: pd.DataFrame, per_prompt: dict, axis: str, k
     for row, key in zip(rows, at_nmax):
         control = (*key[:3], 0.0)
         if key[3] != 0 and control in at_nmax:
-            row.update(_interval("gold_nmax_vs_control", *cell_difference_interval(at_nmax[key], at_nmax[control],
-                                                                                  draws, seed)))
+            notes = {}
+            row.update(_interval("gold_nmax_vs_control",
+                                 cell_difference_interval(at_nmax[key], at_nmax[control], draws, seed), notes))
+            row["not_promised"] = "; ".join(filter(None, [row["not_promised"], notes_column(notes)]))
     return pd.DataFrame(rows)
 
 
@@ -158,6 +175,8 @@ def overoptimization_lines(table: pd.DataFrame, axis: str) -> list[str]:
         for rival in ("knn", "filter"):
             if f"{rival}_vs_mean" in row and np.isfinite(row[f"{rival}_vs_mean"]):
                 line += f"; {rival} {format_interval(row, f'{rival}_vs_mean')}"
+        if isinstance(row.get("not_promised"), str) and row.not_promised:
+            line += f" (no level promised for {row.not_promised})"
         lines.append(line)
     for key, part in table.groupby(["split", "method", axis], sort=True):
         lines.append(f"{key[0]} {key[1]}{strength(key[2])}: overoptimizes in {int(part.overoptimizes.sum())} of "
