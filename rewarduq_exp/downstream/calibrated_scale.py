@@ -16,7 +16,7 @@ are paired per prompt:
 - ``conservative_cal``: ``r - k s u``, s the scale the run's bounds use (``calibration.scale``: the paper's
   selection rule applied to s by default, ``recalibrate.interval`` at training);
 - ``conservative_conformal``: ``r - k s_c u``, s_c the conformal scale (``calibration.scales['conformal']``: a
-  finite-sample guarantee on CF / N), where the run has one.
+  finite-sample guarantee on CF / N), where the run has one and it is feasible.
 
 :func:`calibrated_statistics` gives, per run and pooled over the runs of a cell, each of the last two against the
 mean pick (``<rule>_gain``: mean gold gained over the KL range; ``_nmax``: at the largest n) and against
@@ -55,12 +55,14 @@ def recalibrated_scores(table: pd.DataFrame, calibration, beta: float) -> tuple[
 
 
 def calibration_info(calibration) -> dict:
-    """The run's T and scales as the per-prompt dict keeps them (None: the run was scored raw)."""
+    """The run's T and scales as the per-prompt dict keeps them (None: the run was scored raw). ``scale_conformal``
+    is None where the run has no conformal scale or an infeasible one (no scale met its guarantee on the calibration
+    split: it guarantees nothing, so ``conservative_conformal`` is not drawn from it)."""
     if calibration is None:
         return {}
-    conformal = calibration.scales.get("conformal")
+    conformal = calibration.conformal_scale
     return {"temperature": float(calibration.temperature), "interval": str(calibration.interval),
-            "scale": float(calibration.scale), "scale_conformal": None if conformal is None else float(conformal)}
+            "scale": float(calibration.scale), "scale_conformal": conformal}
 
 
 def calibrated_picks(reward: np.ndarray, u: np.ndarray, gold: np.ndarray, info: dict, k: float, ns,

@@ -13,13 +13,18 @@ temperature (a regression has no probability to scale): only s.
 
 The file is strict JSON, written atomically; read back with bounds (a run folder is a file anyone can hand you):
 every number finite and in its range, the knots of an isotonic map sorted and in [0, 1].
+
+An infeasible conformal scale (``conformal.feasible: false``: no scale meets the guarantee on this calibration split)
+is never applied: asked for, the bounds fall back to the rule's scale (rated responses: s = 1) with one warning line,
+and the file records it (``interval``: what is applied, ``interval_requested``: what was asked for,
+``interval_fallback``: why). A file from before that rule which applies such a scale is read with the same fallback.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +45,7 @@ PROBABILITY_MAPS = ("temperature", "isotonic")
 # scale beyond this makes every interval cover everything and is refused as damage.
 MAX_SCALE = 1e9
 MAX_KNOTS = 200_000
+MAX_TEXT = 1000   # characters of interval_fallback: one line of why, never a document
 
 
 @dataclass
@@ -54,10 +60,39 @@ class Calibration:
     conformal: dict = field(default_factory=dict)
     fitted_on: dict = field(default_factory=dict)
     details: dict = field(default_factory=dict)
+    interval_requested: str | None = None        # what was asked for (None: ``interval``)
+    interval_fallback: str | None = None         # why ``interval`` is not the one asked for (None: it is)
+
+    def __post_init__(self):
+        if self.interval_requested is None:
+            self.interval_requested = self.interval
 
     @property
     def scale(self) -> float:
         return 1.0 if self.interval == "none" else float(self.scales[self.interval])
+
+    @property
+    def conformal_scale(self) -> float | None:
+        """s_c, or None where there is none or it is infeasible (no scale met the guarantee: it is never used)."""
+        if "conformal" not in self.scales or self.conformal.get("feasible", True) is False:
+            return None
+        return float(self.scales["conformal"])
+
+    @property
+    def fallback_interval(self) -> str:
+        """What replaces an infeasible conformal scale: the rule's (reward models) or s = 1 (rated responses)."""
+        return "rule" if "rule" in self.scales else "none"
+
+    def without_infeasible(self, requested: str, asked: str, *, recorded: bool = False) -> Calibration:
+        """This calibration with ``requested`` applied, or, where that is an infeasible conformal scale, with
+        :attr:`fallback_interval` and one warning line naming what ``asked`` for it (``recalibrate.interval=conformal``
+        and the like; ``recorded``: the line says calibration.json keeps the fallback, as when it is fitted)."""
+        if requested != "conformal" or self.conformal_scale is not None or "conformal" not in self.scales:
+            return replace(self, interval=requested, interval_requested=requested, interval_fallback=None)
+        why = infeasible_reason(self.conformal)
+        out = replace(self, interval=self.fallback_interval, interval_requested=requested, interval_fallback=why)
+        log.warning("%s", fallback_line(why, asked, out.interval, out.scale, recorded))
+        return out
 
     @property
     def probability_map(self) -> str:
@@ -67,9 +102,9 @@ class Calibration:
         """The same calibration with the bounds of another criterion (``recalibrate.interval`` of evaluate.py)."""
         if interval not in INTERVALS or (interval != "none" and interval not in self.scales):
             allowed = [k for k in INTERVALS if k == "none" or k in self.scales]
-            raise UserError(f"recalibrate.interval={interval!r} is invalid for this run: allowed values are "
+            raise UserError(f"recalibrate_interval={interval!r} is invalid for this run: allowed values are "
                             f"{', '.join(allowed)}")
-        return Calibration(**{**self.__dict__, "interval": interval})
+        return self.without_infeasible(interval, f"recalibrate_interval={interval}")
 
     # ------------------------------------------------------------------ applying
     def apply_arrays(self, reward, lower, upper) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -116,7 +151,8 @@ class Calibration:
                                 "isotonic": None if self.isotonic is None else
                                 {"x": self.isotonic.x.tolist(), "y": self.isotonic.y.tolist()}},
                 "scales": dict(self.scales), "conformal": dict(self.conformal), "fitted_on": dict(self.fitted_on),
-                "details": dict(self.details)}
+                "details": dict(self.details), "interval_requested": self.interval_requested,
+                "interval_fallback": self.interval_fallback}
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> Calibration:
@@ -158,10 +194,43 @@ class Calibration:
         interval = data.get("interval")
         if interval not in INTERVALS or (interval != "none" and interval not in scales):
             raise bad(f"interval {interval!r} is not one of {', '.join(INTERVALS)} with its scale present")
-        return cls(kind=kind, temperature=float(t), isotonic=isotonic,
-                   scales={k: float(v) for k, v in scales.items()}, interval=interval,
-                   conformal=_object(data.get("conformal")), fitted_on=_object(data.get("fitted_on")),
-                   details=_object(data.get("details")))
+        # Files from before interval_requested / interval_fallback existed lack both: nothing fell back then.
+        requested, fallback = data.get("interval_requested", interval), data.get("interval_fallback")
+        if requested not in INTERVALS:
+            raise bad(f"interval_requested {requested!r} is not one of {', '.join(INTERVALS)}")
+        if fallback is not None and (not isinstance(fallback, str) or not 0 < len(fallback) <= MAX_TEXT):
+            raise bad(f"interval_fallback must be null or a text of 1..{MAX_TEXT} characters")
+        found = cls(kind=kind, temperature=float(t), isotonic=isotonic,
+                    scales={k: float(v) for k, v in scales.items()}, interval=interval,
+                    conformal=_object(data.get("conformal")), fitted_on=_object(data.get("fitted_on")),
+                    details=_object(data.get("details")), interval_requested=requested, interval_fallback=fallback)
+        if fallback is None and requested != interval:
+            raise bad(f"interval_requested {requested!r} differs from interval {interval!r} without an "
+                      "interval_fallback saying why")
+        if fallback is not None and (requested != "conformal" or found.conformal_scale is not None
+                                     or interval != found.fallback_interval):
+            raise bad(f"interval_fallback is only for an infeasible conformal scale replaced by "
+                      f"{found.fallback_interval!r}, not interval_requested {requested!r} -> interval {interval!r}")
+        if interval == "conformal" and found.conformal_scale is None:   # written before such scales were refused
+            return found.without_infeasible("conformal", f"{where} (written before infeasible scales were refused): "
+                                                         "interval=conformal")
+        return found
+
+
+def infeasible_reason(conformal: dict) -> str:
+    """Why a conformal scale is infeasible, from its record (a file from before the reason was kept: its n)."""
+    reason = conformal.get("reason")
+    if isinstance(reason, str) and reason:
+        return reason[:MAX_TEXT]
+    return f"no scale met the guarantee on its n={conformal.get('n')} calibration items (feasible: false)"
+
+
+def fallback_line(reason: str, asked: str, applied: str, scale: float, recorded: bool = False) -> str:
+    """The one warning line of an infeasible conformal scale that was ``asked`` for and is replaced."""
+    instead = "the rule's scale" if applied == "rule" else "no scale (none: s = 1)"
+    kept = " (recorded in calibration.json as interval_fallback)" if recorded else ""
+    return (f"the conformal interval scale is infeasible and is not applied: {reason}; {asked} falls back to "
+            f"{instead}, s = {scale:.4g}{kept}")
 
 
 def _number(value) -> float | None:

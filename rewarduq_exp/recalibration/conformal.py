@@ -20,6 +20,11 @@ Two guarantees, for a new item exchangeable with the n calibration items:
 
 A few lines of numpy and scipy's binomial: MAPIE's risk control is built for multi-label sets and crepes for
 regression intervals, neither for this pairwise risk; the thresholds make both guarantees exact without a grid.
+
+No s meets a guarantee when the calibration set is too small for it (even zero losses among n items do not show
+risk <= alpha: :func:`smallest_feasible_n`) or when more items than allowed lose at every s (a wrong pair, or a rating
+off its prediction, with zero interval width). Such a scale is marked infeasible with the reason in one line
+(:attr:`ConformalScale.reason`), and nothing applies it (:mod:`rewarduq_exp.recalibration.fit`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ FORMS = {
 class ConformalScale:
     """The chosen scale and what it guarantees. ``feasible`` is False when no s reaches the guarantee (too few
     items for alpha, or items whose loss stays 1 at any s): ``scale`` is then the largest finite threshold and
-    carries no guarantee."""
+    carries no guarantee, ``reason`` says why in one line, and ``min_n`` is the smallest calibration set that could
+    meet the guarantee (the same for feasible scales)."""
 
     scale: float
     risk: str
@@ -54,12 +60,45 @@ class ConformalScale:
     n: int
     feasible: bool
     risk_on_calibration: float
+    min_n: int = 1
+    reason: str = ""
 
     def to_dict(self) -> dict:
         return {"scale": self.scale, "risk": self.risk, "alpha": self.alpha, "delta": self.delta,
                 "guarantee": self.guarantee, "form": FORMS[self.guarantee], "n": self.n, "feasible": self.feasible,
-                "risk_on_calibration": self.risk_on_calibration}
+                "risk_on_calibration": self.risk_on_calibration, "min_n": self.min_n,
+                **({} if self.feasible else {"reason": self.reason})}
 
+
+# What the items of each risk are, and what a loss at every scale is, for the one-line reasons.
+ITEMS = {"cf_rate": ("calibration pairs", "ranked wrong with zero interval width (confidently false at every scale)"),
+         "miscoverage": ("rated responses", "off their prediction with zero interval width (outside it at every "
+                                            "scale)")}
+
+
+def guarantee_text(alpha: float, guarantee: str, delta: float | None) -> str:
+    """``alpha=0.05, delta=0.1 (high_probability: P(risk > alpha) <= delta)``: the guarantee in one phrase."""
+    if guarantee == "expectation":
+        return f"alpha={alpha:g} (expectation: E[risk] <= alpha)"
+    return f"alpha={alpha:g}, delta={delta:g} (high_probability: P(risk > alpha) <= delta)"
+
+
+def smallest_feasible_n(alpha: float, guarantee: str = "high_probability", delta: float | None = 0.1) -> int:
+    """The fewest calibration items with which some scale can meet the guarantee (all n items without a loss).
+
+    high_probability: the smallest n with P(Binomial(n, alpha) <= 0) = (1 - alpha)^n <= delta, i.e.
+    ceil(log delta / log(1 - alpha)) (45 for alpha 0.05, delta 0.1; 22 for alpha 0.1); expectation: the smallest n
+    with floor(alpha (n + 1) - 1) >= 0, i.e. ceil(1 / alpha) - 1 (19 for alpha 0.05)."""
+    if guarantee == "expectation":
+        n = max(int(np.ceil(1.0 / alpha)) - 1, 1)
+    else:
+        n = max(int(np.ceil(np.log(delta) / np.log1p(-alpha))), 1)
+    # The closed forms can be one off where they land within rounding of an integer: settle n on the rule itself.
+    while n > 1 and allowed_losses(n - 1, alpha, guarantee, delta) >= 0:
+        n -= 1
+    while allowed_losses(n, alpha, guarantee, delta) < 0:
+        n += 1
+    return n
 
 def pair_thresholds(chosen: np.ndarray, rejected: np.ndarray) -> np.ndarray:
     """t_i of each pair: the pair is confidently false (CF) exactly when s < t_i. ``chosen``/``rejected`` are (N, 3)
@@ -112,13 +151,21 @@ def conformal_scale(thresholds, alpha: float, *, guarantee: str = "high_probabil
     k = allowed_losses(n, alpha, guarantee, delta)
     finite = t[np.isfinite(t)]
     largest = float(finite[0]) if len(finite) else 0.0
+    delta = None if guarantee == "expectation" else float(delta)
+    min_n, reason = smallest_feasible_n(alpha, guarantee, delta), ""
+    items, lost_always = ITEMS.get(risk, ("calibration items", "with a loss at every scale"))
     if k >= n:
         scale, feasible = 0.0, True
-    elif k < 0 or not np.isfinite(t[k]):
+    elif k < 0:
         scale, feasible = largest, False
+        reason = (f"n={n} {items} are too few for {guarantee_text(alpha, guarantee, delta)}: no scale can meet it "
+                  f"with fewer than {min_n}")
+    elif not np.isfinite(t[k]):
+        scale, feasible = largest, False
+        reason = (f"{int(np.isinf(t).sum())} of n={n} {items} are {lost_always}, more than the {k} losses "
+                  f"{guarantee_text(alpha, guarantee, delta)} allows")
     else:
         # s = t_(k+1) (descending): exactly the items with t_i > s lose, at most k of them.
         scale, feasible = max(float(t[k]), 0.0), True
-    return ConformalScale(scale=scale, risk=risk, alpha=float(alpha), delta=None if guarantee == "expectation"
-                          else float(delta), guarantee=guarantee, n=n, feasible=feasible,
-                          risk_on_calibration=risk_at(t, scale))
+    return ConformalScale(scale=scale, risk=risk, alpha=float(alpha), delta=delta, guarantee=guarantee, n=n,
+                          feasible=feasible, risk_on_calibration=risk_at(t, scale), min_n=min_n, reason=reason)

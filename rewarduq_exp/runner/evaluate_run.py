@@ -119,7 +119,7 @@ def evaluate_run_folder(cfg) -> dict:
     run = load_trained_method(cfg.run, device=cfg.device, cache_dir=cfg.paths.cache_dir, progress=bool(cfg.progress),
                               max_length=max_length, trust_remote_code=cfg.get("trust_remote_code", False))
     folder, method, backbone = run.folder, run.method, run.backbone
-    calibration = run_calibration(folder.root, cfg)
+    calibration, other = run_calibration(folder.root, cfg)
     # the length filter from the recorded conversations: no tokenizer where all are recorded (train.py's records)
     conversations = ConversationIndex(backbone, Path(cfg.paths.cache_dir) / "features" / "conversations",
                                       token_cache=Path(cfg.paths.cache_dir) / "token_lengths")
@@ -132,7 +132,7 @@ def evaluate_run_folder(cfg) -> dict:
             if calibration is not None and calibration.fitted_on.get("split") == es.name:
                 raise UserError(f"{es.name} is the split this run's recalibration was fitted on: its recalibrated "
                                 "metrics would be fitted on what they report; pass recalibrated=false")
-            blocks[es.name], _ = evaluate(method, frame, es.name, staging, cfg.metric, calibration)
+            blocks[es.name], _ = evaluate(method, frame, es.name, staging, cfg.metric, calibration, also=other)
         # Every step that can fail comes before the first rename: the lock (a link or a folder there is refused),
         # the checks (a link made while the datasets were scored), reading and merging metrics.json. What is left
         # are renames within one filesystem.
@@ -148,19 +148,23 @@ def evaluate_run_folder(cfg) -> dict:
 
 
 def run_calibration(run_dir, cfg):
-    """The run's recalibration as evaluate.py applies it (``recalibrated``, ``recalibrate_interval``), or None: a run
-    without calibration.json (one line says so) or ``recalibrated=false``."""
+    """(the run's recalibration as it was trained, the same with evaluate.py's ``recalibrate_interval`` where that
+    applies another interval scale, else None); (None, None) for a run without calibration.json (one line says so)
+    or with ``recalibrated=false``. The run's own ``recal/...`` metrics are never replaced by another choice's: those
+    go beside them as ``recal@<interval>/...``. An infeasible conformal scale asked for falls back (one line), and
+    where that lands on the run's own interval there is nothing to add."""
     from rewarduq_exp.recalibration import read_calibration
 
     if not isinstance(cfg.get("recalibrated", True), bool):
         raise UserError(f"recalibrated={cfg.get('recalibrated')!r} is invalid: must be true or false")
     if not cfg.get("recalibrated", True):
-        return None
+        return None, None
     calibration = read_calibration(run_dir)
     interval = cfg.get("recalibrate_interval")
-    if calibration is not None and interval is not None:
-        calibration = calibration.with_interval(str(interval))
-    return calibration
+    if calibration is None or interval is None:
+        return calibration, None
+    other = calibration.with_interval(str(interval))
+    return calibration, (None if other.interval == calibration.interval else other)
 
 
 STAGING_PREFIX = ".evaluate-"

@@ -164,21 +164,26 @@ def longer_wins_metrics(data: pd.DataFrame, predictions: pd.DataFrame, metric_cf
 
 
 def evaluate_method(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg,
-                    calibration=None, *, later: list[Drawing] | None = None) -> tuple[dict, list]:
+                    calibration=None, *, later: list[Drawing] | None = None, also=None) -> tuple[dict, list]:
     """Score ``data`` with ``method``; write predictions and diagrams into ``folder``; return (metrics, figures).
     Pairwise sets also get the win rate of "the longer completion wins" (:func:`longer_wins_metrics`). With the run's
     ``calibration`` (:class:`~rewarduq_exp.recalibration.Calibration`) every metric is also reported after it as
     ``recal/<metric>``, and the diagrams are drawn again in ``figures/<name>/recalibrated/``; the predictions file
-    keeps the raw scores. With ``later`` (a list) the diagrams are not drawn here: their :data:`Drawing` is appended
-    to it, and the figures returned are none."""
+    keeps the raw scores. ``also``: the same calibration with another interval scale (evaluate.py's
+    ``recalibrate_interval``), whose metrics go beside the run's own as ``recal@<interval>/<metric>``. With
+    ``later`` (a list) the diagrams are not drawn here: their :data:`Drawing` is appended to it, and the figures
+    returned are none."""
     predictions = score_method(method, data)
     folder.write_predictions(name, predictions)
     metrics = score_predictions(predictions, metric_cfg)
     metrics.update(longer_wins_metrics(data, predictions, metric_cfg))
     if calibration is not None:
         from rewarduq_exp.recalibration import recalibrated_metrics
+        from rewarduq_exp.recalibration.fit import interval_prefix
 
         metrics.update(recalibrated_metrics(predictions, calibration, metric_cfg))
+        if also is not None:
+            metrics.update(recalibrated_metrics(predictions, also, metric_cfg, interval_prefix(also.interval)))
     # Diagrams are files of the run folder: only its writer (rank 0 under torchrun) draws them.
     if not getattr(folder, "writer", True):
         return metrics, []
@@ -227,7 +232,7 @@ def baseline_metrics(name: str, baseline: str, y: np.ndarray, values, score_rang
 
 
 def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder, metric_cfg,
-                       calibration=None, *, later: list[Drawing] | None = None) -> tuple[dict, list]:
+                       calibration=None, *, later: list[Drawing] | None = None, also=None) -> tuple[dict, list]:
     """A pointwise eval set (rated responses) for a pointwise method (BoRP): its scores against the ratings
     (``probe/...``: Krippendorff's alpha, Pearson, Spearman, RMSE, RMSE by uncertainty bins; for a method that
     counts response lengths also ``probe/partial_pearson_given_length`` and ``probe/pearson_with_log_length``), the
@@ -237,7 +242,7 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
     (one row per response: ``score``, ``prediction``, ``lower``, ``upper``, ``u``, the lengths ``n_chars``,
     ``n_words``, ``n_tokens`` and each baseline's prediction) and the diagnostic figure (with the probe and the
     baselines' alpha, Pearson and RMSE side by side, and the probe's partial correlation given length); ``later``
-    as in :func:`evaluate_method`."""
+    and ``also`` as in :func:`evaluate_method`."""
     from rewarduq_exp.metrics.probe import (
         LENGTH_COLUMNS,
         comparison,
@@ -260,6 +265,12 @@ def evaluate_pointwise(method, data: pd.DataFrame, name: str, folder: RunFolder,
         from rewarduq_exp.recalibration import recalibrated_pointwise_metrics
 
         metrics.update(recalibrated_pointwise_metrics(y, scores.reward, scores.lower, scores.upper, calibration))
+        if also is not None:
+            from rewarduq_exp.recalibration.fit import interval_prefix
+
+            other = recalibrated_pointwise_metrics(y, scores.reward, scores.lower, scores.upper, also,
+                                                   interval_prefix(also.interval))
+            metrics.update({k: v for k, v in other.items() if not k.startswith("probe/")})   # raw ones: once
     if RATER_STD in data.columns:  # human disagreement per response (e.g. vader_ratings): does u track it?
         predictions[RATER_STD] = data[RATER_STD].to_numpy(dtype=float)
         metrics["probe/u_rater_std_spearman"] = spearman(u, predictions[RATER_STD].to_numpy())

@@ -44,6 +44,7 @@ COLUMNS = (
 
 # Rows of recalibrated metrics (``recal/<metric>``, rewarduq_exp/recalibration) are printed under their dataset's row.
 RECAL = "recal/"
+OTHER_RECAL = "recal@"
 RECALIBRATED_ROW = "recalibrated"
 # Columns recalibration cannot change and that have no recal/ key of their own (counts, baselines).
 SAME_AFTER = ("n_pairs", "baseline/longer_wins/win_rate")
@@ -68,9 +69,14 @@ def summary_table(blocks: dict[str, dict]) -> str:
     rows = []
     for name, m in blocks.items():
         rows.append([name] + [_fmt(m.get(k)) for k, _ in keys])
-        if any(k.startswith(RECAL) for k in m):   # the same metrics after the run's recalibration, under it
-            rows.append([f"  {RECALIBRATED_ROW}"] + [_fmt(m.get(RECAL + k, m.get(k) if k in SAME_AFTER else None))
-                                                     for k, _ in keys])
+        # the same metrics after the run's recalibration, under it; then those of another interval choice
+        # (evaluate.py recalibrate_interval=<x>: recal@<x>/<metric>), each on a row that names it
+        shown = [(RECAL, RECALIBRATED_ROW)] if any(k.startswith(RECAL) for k in m) else []
+        others = sorted({k.split("/", 1)[0] for k in m if k.startswith(OTHER_RECAL) and "/" in k})
+        shown += [(f"{p}/", f"{RECALIBRATED_ROW} ({p.removeprefix(OTHER_RECAL)})") for p in others]
+        for prefix, label in shown:
+            rows.append([f"  {label}"] + [_fmt(m.get(prefix + k, m.get(k) if k in SAME_AFTER else None))
+                                          for k, _ in keys])
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
 
     def line(r):

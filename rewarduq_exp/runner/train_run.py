@@ -311,9 +311,12 @@ class RewardModelTask:
                                           n_bins=int(cfg.metric.n_bins))
             if folder.writer:
                 save_calibration(self.out, calibration)
-            log.info("recalibration fitted on %s (%d rows): temperature %.4g, interval scale %.4g (%s), conformal "
-                     "scale %.4g", cal_name, len(cal_frame), calibration.temperature, calibration.scale,
-                     calibration.interval, calibration.scales.get("conformal", float("nan")))
+            conformal = calibration.conformal_scale   # None where infeasible (a warning line said why)
+            kept = str(calibration.details.get("temperature_choice", "fitted")).startswith("fitted")
+            log.info("recalibration fitted on %s (%d rows): temperature %.4g (%s), interval scale %.4g (%s), "
+                     "conformal scale %s", cal_name, len(cal_frame), calibration.temperature,
+                     "fitted" if kept else "raw probabilities: the fitted T did not help held out",
+                     calibration.scale, calibration.interval, "infeasible" if conformal is None else f"{conformal:.4g}")
 
         blocks, figures, drawings = {}, {}, {}
         # Under torchrun / accelerate every process takes part in scoring (evaluation.score_method splits the rows);
@@ -339,6 +342,9 @@ class RewardModelTask:
             info["recalibration"] = {"split": calibration.fitted_on.get("split"), "n": calibration.fitted_on.get("n"),
                                      "temperature": calibration.temperature, "scale": calibration.scale,
                                      "interval": calibration.interval}
+            if calibration.interval_fallback is not None:
+                info["recalibration"].update(interval_requested=calibration.interval_requested,
+                                             interval_fallback=calibration.interval_fallback)
         result = RunOutput(blocks, info, figures=figures, history=method.history, drawings=drawings)
         widths = {name: m["bound_width"] for name, m in blocks.items() if m.get("bound_width") is not None}
         if len(widths) > 1:
