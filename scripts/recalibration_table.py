@@ -1,6 +1,8 @@
 """Recalibration before and after, over run folders: ECE, EBCE, RS_0.2, CT, CF raw -> recalibrated per method and
-evaluated set (means over seeds, range in brackets), the fitted temperature T and interval scale s, the conformal
-scale and its realised CF share against alpha; for rated responses (BoRP) coverage and width.
+evaluated set (means over seeds, range in brackets), the fitted temperature T and the applied interval scale s with
+which one it is (the interval column: rule, conformal or none; an evaluation's recal@<interval>/ metrics get rows of
+their own), the conformal scale and its realised CF share against alpha; for rated responses (BoRP) coverage and
+width.
 
     python scripts/recalibration_table.py outputs/multirun/<sweep> [more folders] [--csv rows.csv] [--intervals]
 

@@ -74,3 +74,21 @@ def test_difference_intervals_are_paired_and_zero_for_an_identity_recalibration(
     for m in found:
         assert abs(both[m][0] - found[m][0]) < 1e-12
         assert abs(both[m][1] - found[m][1]) < 1e-12 and abs(both[m][2] - found[m][2]) < 1e-12
+
+
+def test_each_row_says_which_interval_its_s_is(tmp_path):
+    """An evaluation with recalibrate_interval=conformal leaves the run's own rows (rule) and adds its own beside
+    them: the table shows both, each with its interval; a run from before recal/interval shows '-'."""
+    root = tmp_path / "sweep"
+    own = {"recal/ece": 0.01, "recal/scale": 0.794, "recal/interval": "rule", "recal/temperature": 0.9}
+    other = {"recal@conformal/ece": 0.012, "recal@conformal/scale": 1.642, "recal@conformal/interval": "conformal",
+             "recal@conformal/temperature": 0.9}
+    make_run(root, "new", seed=0, metrics={"synthetic_eval": block(**own, **other)})
+    make_run(root, "old", seed=1, metrics={"synthetic_eval": block(**{"recal/ece": 0.02, "recal/scale": 0.5})})
+    rows = recalibration_rows(find_runs([root]))
+    assert sorted(zip(rows["run"], rows["interval"], rows["s"])) == [("new", "conformal", 1.642),
+                                                                    ("new", "rule", 0.794), ("old", "-", 0.5)]
+    table = recalibration_table(rows)
+    assert "| T | interval | s |" in table
+    assert "| 0.900 | rule | 0.794 |" in table and "| 0.900 | conformal | 1.642 |" in table
+    assert "| - | 0.500 |" in table

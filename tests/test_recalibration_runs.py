@@ -53,11 +53,15 @@ def test_evaluate_applies_the_runs_recalibration(trained, tmp_path, shared_cache
     after = json.loads((folder / "metrics.json").read_text())["synthetic_eval"]
     for key in ("recal/ece", "recal/ebce", "recal/rs_0.2", "recal/conformal/cf_share"):
         assert after[key] == pytest.approx(before[key], abs=1e-9)
-    # the other criterion's scale, and raw only
-    run("evaluate.py", [f"run={folder}", "dataset=synthetic_eval", "progress=false", "recalibrate_interval=conformal",
-                        *NO_FIGURES], tmp_path, shared_cache)
+    # the other criterion's scale goes beside the run's own rows, which stay; then raw only
+    proc = run("evaluate.py", [f"run={folder}", "dataset=synthetic_eval", "progress=false",
+                               "recalibrate_interval=conformal", *NO_FIGURES], tmp_path, shared_cache)
     conformal = json.loads((folder / "metrics.json").read_text())["synthetic_eval"]
-    assert conformal["recal/scale"] == read_calibration(folder).scales["conformal"]
+    assert conformal["recal@conformal/scale"] == read_calibration(folder).scales["conformal"]
+    assert conformal["recal@conformal/interval"] == "conformal" and conformal["recal/interval"] == "rule"
+    for key in ("recal/ece", "recal/ct_rate", "recal/scale"):
+        assert conformal[key] == pytest.approx(before[key], abs=1e-9)
+    assert "recalibrated (conformal)" in proc.stdout
     run("evaluate.py", [f"run={folder}", "dataset=synthetic_eval", "progress=false", "recalibrated=false",
                         *NO_FIGURES], tmp_path, shared_cache)
     raw = json.loads((folder / "metrics.json").read_text())["synthetic_eval"]

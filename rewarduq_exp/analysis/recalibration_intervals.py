@@ -21,6 +21,7 @@ from rewarduq_exp.analysis.recalibration_report import PAIR_METRICS
 from rewarduq_exp.core.bootstrap import bootstrap_weights, percentile_interval
 from rewarduq_exp.metrics.scoring import score_predictions
 from rewarduq_exp.recalibration import read_calibration
+from rewarduq_exp.recalibration.calibration_file import INTERVALS
 from rewarduq_exp.recalibration.fit import PREFIX, recalibrated_metrics
 
 DRAWS = 1000
@@ -48,13 +49,18 @@ def _differences(table: pd.DataFrame, calibration, metric_cfg, rows: list[np.nda
     return out
 
 
-def difference_intervals(runs: list[tuple[Path, str]], draws: int = DRAWS, seed: int = 0) -> dict[str, tuple]:
-    """``{metric: (mean difference, low, high)}`` over the runs ``(run folder, evaluated set)`` of one table row."""
+def difference_intervals(runs: list[tuple[Path, str]], draws: int = DRAWS, seed: int = 0,
+                         interval: str | None = None) -> dict[str, tuple]:
+    """``{metric: (mean difference, low, high)}`` over the runs ``(run folder, evaluated set)`` of one table row;
+    ``interval``: the row's interval scale where it is not the runs' own (a ``recal@<interval>/`` row)."""
     rng = np.random.default_rng(seed)
     tables, calibrations, configs = [], [], []
     for run_dir, dataset in runs:
         tables.append(pd.read_parquet(run_dir / "predictions" / f"{dataset}.parquet"))
-        calibrations.append(read_calibration(run_dir, say_missing=False))
+        calibration = read_calibration(run_dir, say_missing=False)
+        if interval in INTERVALS and calibration is not None and calibration.interval != interval:
+            calibration = calibration.with_interval(interval)
+        calibrations.append(calibration)
         configs.append(_metric_cfg(run_dir))
     first_ids = tables[0]["id"].to_numpy() if "id" in tables[0].columns else None
     shared_rows: dict[int, list[np.ndarray]] = {}   # resamples by table size, for runs on the same pairs
@@ -87,9 +93,10 @@ def interval_rows(rows: pd.DataFrame, draws: int = DRAWS, seed: int = 0) -> pd.D
     ``d <metric>`` with ``d <metric> low`` / ``high``."""
     out = []
     pairwise = rows[rows["ece raw"].notna()] if "ece raw" in rows.columns else rows.iloc[:0]
-    for (method, train, dataset), group in pairwise.groupby(["method", "train", "dataset"], sort=True):
-        found = difference_intervals([(Path(p), dataset) for p in group["path"]], draws, seed)
-        row = {"method": method, "train": train, "dataset": dataset, "runs": len(group)}
+    for (method, train, dataset, interval), group in pairwise.groupby(["method", "train", "dataset", "interval"],
+                                                                      sort=True):
+        found = difference_intervals([(Path(p), dataset) for p in group["path"]], draws, seed, interval)
+        row = {"method": method, "train": train, "dataset": dataset, "interval": interval, "runs": len(group)}
         for m, (d, lo, hi) in found.items():
             row.update({f"d {m}": d, f"d {m} low": lo, f"d {m} high": hi})
         out.append(row)
@@ -100,10 +107,10 @@ def interval_table(rows: pd.DataFrame) -> str:
     """Markdown: recalibrated minus raw, mean over the row's runs [95 % interval]."""
     if rows.empty:
         return "(no pairwise run with recalibrated metrics and predictions)"
-    header = ["method", "train", "eval set", "runs"] + [f"{m} recal − raw" for m in PAIR_METRICS]
+    header = ["method", "train", "eval set", "interval", "runs"] + [f"{m} recal − raw" for m in PAIR_METRICS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for _, r in rows.iterrows():
-        cells = [r["method"], r["train"], r["dataset"], str(r["runs"])]
+        cells = [r["method"], r["train"], r["dataset"], r["interval"], str(r["runs"])]
         cells += [f"{r[f'd {m}']:+.3f} [{r[f'd {m} low']:+.3f}, {r[f'd {m} high']:+.3f}]" for m in PAIR_METRICS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
