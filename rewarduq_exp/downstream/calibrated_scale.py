@@ -32,7 +32,7 @@ import pandas as pd
 from rewarduq_exp.analysis.text_tables import fmt_number
 from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.downstream.best_of_n import area_weights, expected_best_of_n
-from rewarduq_exp.downstream.statistics import mean_interval
+from rewarduq_exp.downstream.statistics import paired_interval
 
 RAW, CAL, CONFORMAL = "conservative_raw", "conservative_cal", "conservative_conformal"
 RULES = (RAW, CAL, CONFORMAL)
@@ -80,7 +80,8 @@ def calibrated_picks(reward: np.ndarray, u: np.ndarray, gold: np.ndarray, info: 
             for rule, s in scales.items() if s is not None}
 
 
-def calibrated_statistics(picked: list[dict], kl: np.ndarray, k: float, draws: int, seed: int) -> dict:
+def calibrated_statistics(picked: list[dict], kl: np.ndarray, k: float, draws: int, seed: int,
+                          notes: dict | None = None) -> dict:
     """:data:`COMPARED` for the runs ``picked`` (one per-prompt dict per run, R runs sharing P prompts), each as
     ``<name>`` (area over KL), ``<name>_nmax`` and their ``_lo`` / ``_hi``; a comparison is left out unless every run
     has both rules (a run scored raw has none; BoRP's has no rule scale)."""
@@ -91,8 +92,10 @@ def calibrated_statistics(picked: list[dict], kl: np.ndarray, k: float, draws: i
             continue
         diff = np.stack([p[keys[0]] - p[keys[1]] for p in picked])     # (R, P, J)
         for suffix, values in (("", diff @ weights), ("_nmax", diff[..., -1])):
-            estimate, lo, hi = mean_interval(values, draws, seed)
+            estimate, lo, hi, note = paired_interval(values, draws, seed)
             out.update({f"{name}{suffix}": estimate, f"{name}{suffix}_lo": lo, f"{name}{suffix}_hi": hi})
+            if note and notes is not None:   # why this interval cannot promise its level (not_promised)
+                notes[f"{name}{suffix}"] = note
     return out
 
 
