@@ -162,3 +162,21 @@ def test_the_figure_is_drawn_from_hand_made_curves(tmp_path, variant):
     plot_active_learning(curves, path)
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_the_effect_over_worlds_is_the_t_interval_of_the_worlds_paired_differences():
+    # the same learner in three worlds (and a second run in world 1, averaged with the first inside its world)
+    frames = [summary_rows(make_curves({"random": RANDOM, "ranking_score": RANDOM + shift}, run=run))
+              for run, shift in (("a", 0.05), ("b", 0.01), ("b2", 0.03), ("c", -0.02))]
+    summary = pd.concat(frames, ignore_index=True)
+    summary.insert(1, "world", summary.run.map({"a": 0, "b": 1, "b2": 1, "c": 2}))
+    over = al.over_worlds_rows(summary, {"a": "ens_mlp", "b": "ens_mlp", "b2": "ens_mlp", "c": "ens_mlp"})
+    row = over[(over.strategy == "ranking_score") & (over.statistic == "win_rate_final_vs_random")].iloc[0]
+    per_world = np.array([0.05, 0.02, -0.02])
+    half = t_dist.ppf(0.975, 2) * per_world.std(ddof=1) / np.sqrt(3)
+    assert row.worlds == 3 and row.estimate == pytest.approx(per_world.mean())
+    assert (row.lo, row.hi) == pytest.approx((per_world.mean() - half, per_world.mean() + half))
+    assert row.per_world == "0:+0.050,1:+0.020,2:-0.020" and row.note == ""
+    assert "random over 3 worlds" in al.over_worlds_lines(over)[0]
+    # one world only: no row
+    assert al.over_worlds_rows(summary[summary.world == 1], {"b": "m", "b2": "m"}).empty

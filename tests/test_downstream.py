@@ -463,7 +463,10 @@ def test_active_learning_end_to_end(sweep, shared_cache):
     assert summary[random].win_rate_final_vs_random.isna().all()  # no difference to itself
     assert summary[~random].win_rate_final_vs_random.notna().all() and (summary.repeats == 1).all()
     assert summary[~random].win_rate_final_vs_random_lo.isna().all()  # one repeat: no interval
-    assert summary[~random].win_rate_auc_wins.isin(["0/1", "1/1"]).all()
+    assert summary[~random].win_rate_auc_higher.isin(["0/1", "1/1"]).all()
+    # one world: its runs' own intervals, and no effect over worlds to state
+    assert (summary.world == 0).all() and (summary.worlds == 1).all()
+    assert pd.read_csv(out / "over_worlds.csv").empty
     paired = pd.read_csv(out / "paired.csv")  # one difference per run, strategy but random, metric, kind, repeat
     assert len(paired) == curves.run.nunique() * 3 * 3 * 2 and "random" not in set(paired.strategy)
     assert np.allclose(paired["diff"], paired["value"] - paired["random"], equal_nan=True)

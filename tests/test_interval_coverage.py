@@ -8,7 +8,8 @@ import pytest
 # The coverage suite (rewarduq_exp/downstream/interval_coverage.py): a few cases with fewer studies here, the whole
 # grid (2000 studies a case, as docs/downstream.md reports it) under the coverage marker (make test-coverage).
 FAST = {"one run, 32 skewed prompts": 0.93, "3 runs x 32 prompts, normal": 0.92,
-        "flat curve, 1 run x 16 prompts: false alarms": 0.05, "5 worlds, skewed world effects": 0.92}
+        "flat curve, 1 run x 16 prompts: false alarms": 0.05,
+        "5 worlds (5 runs x 32 prompts each), normal world effects": 0.92}
 
 
 @pytest.mark.parametrize("name", sorted(FAST))

@@ -59,7 +59,8 @@ from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.registry import build
 from rewarduq_exp.data.synthetic import SPLITS
-from rewarduq_exp.downstream.statistics import paired_t_interval
+from rewarduq_exp.downstream.overoptimization import world_settings
+from rewarduq_exp.downstream.statistics import over_worlds_interval, paired_t_interval
 from rewarduq_exp.downstream.world_runs import WorldRun, completed_world_runs, world_of
 from rewarduq_exp.methods.base import FeatureHeadMethod
 from rewarduq_exp.methods.registry import METHOD_CLASSES
@@ -325,12 +326,53 @@ def active_learning(cfg, out_dir: Path) -> dict:
 
     paired = paired_differences(repeat_values(curves))
     summary = summary_rows(curves, paired)
+    worlds = {r.label: world_settings(r.config)["world"] for r in learners}
+    summary.insert(1, "world", summary.run.map(worlds))
+    summary.insert(2, "worlds", summary.groupby(summary.run.map({r.label: r.record.method for r in learners}))
+                   .world.transform("nunique").astype(int))
+    over = over_worlds_rows(summary, {r.label: r.record.method for r in learners})
     if paired is None:  # no random to pair with: the header alone
         paired = pd.DataFrame(columns=list(PAIRED_COLUMNS))
     write_atomic(out_dir / "curves.csv", curves.to_csv(index=False))
     write_atomic(out_dir / "summary.csv", summary.to_csv(index=False))
     write_atomic(out_dir / "paired.csv", paired.to_csv(index=False))
+    write_atomic(out_dir / "over_worlds.csv", over.to_csv(index=False))
     plot_active_learning(curves, out_dir / "active_learning.png")
     print(summary_table(summary), flush=True)
+    if not over.empty:
+        print("over worlds (each run's paired difference to random, mean over the worlds, 95 % t-interval over "
+              "them):", *over_worlds_lines(over), sep="\n", flush=True)
     print(f"learning curves, summary, paired differences and figure in {out_dir}", flush=True)
-    return {"curves": curves, "summary": summary, "paired": paired}
+    return {"curves": curves, "summary": summary, "paired": paired, "over_worlds": over}
+
+
+def over_worlds_rows(summary: pd.DataFrame, methods: dict) -> pd.DataFrame:
+    """Where a method's runs span two worlds or more: per method, strategy, metric and kind, the mean over worlds of
+    the runs' paired differences to random (``<metric>_<kind>_vs_random``; runs of one world averaged first) with
+    the t-interval over the worlds (:func:`~.statistics.over_worlds_interval`), ``worlds`` and ``per_world``. A
+    run's own interval (over its repeats) is about its world; this row is about the world generator."""
+    rows = []
+    columns = [c for c in summary.columns if c.endswith("_vs_random")]
+    frame = summary.assign(method=summary.run.map(methods))
+    for (method, strategy), part in frame.groupby(["method", "strategy"], sort=False):
+        if part.world.nunique() < 2:
+            continue
+        by_world = part.groupby("world", sort=True)[columns].mean()
+        for column in columns:
+            values = by_world[column].to_numpy(float)
+            if not np.isfinite(values).any():
+                continue
+            found = over_worlds_interval(values)
+            rows.append({"method": method, "strategy": strategy, "statistic": column,
+                         "worlds": int(np.isfinite(values).sum()), "estimate": found.estimate, "lo": found.lo,
+                         "hi": found.hi, "note": found.note,
+                         "per_world": ",".join(f"{w}:{v:+.3f}" for w, v in zip(by_world.index, values)
+                                               if np.isfinite(v))})
+    return pd.DataFrame(rows, columns=["method", "strategy", "statistic", "worlds", "estimate", "lo", "hi", "note",
+                                       "per_world"])
+
+
+def over_worlds_lines(over: pd.DataFrame) -> list[str]:
+    return [f"{r.method} {r.strategy} {r.statistic.removesuffix('_vs_random')} - random over {r.worlds} worlds: "
+            f"{r.estimate:+.3f} [{r.lo:+.3f}, {r.hi:+.3f}]" + (f" (no level promised: {r.note})" if r.note else "")
+            for r in over.itertuples()]
