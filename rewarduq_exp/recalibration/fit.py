@@ -116,15 +116,19 @@ def fit_probability_map(margin, weight, settings: dict) -> tuple[float, Isotonic
     ``temperature_check`` it is kept only where its cross-fitted log loss on the calibration pairs (5 folds, each
     fold's T fitted on the others, with the same prior) is lower than the raw probabilities' (T = 1); else T = 1.
     Why both, from the measurement in docs/recalibration.md (calibration subsets of 20-2000 pairs, eval ECE after
-    minus before): the plain maximum-likelihood T made the eval ECE worse on average below 200-500 pairs (+0.03 at
-    20 pairs for a model whose T is near 0.8). A minimum size would throw away the real gains of a badly scaled
-    model (T 3: ECE -0.11 from 20 pairs) and still needs a threshold; the check alone (keep T where it wins
-    held out) still picked noisy temperatures often enough to hurt on average; the prior alone kept every mean at
-    or below 0 but left about half the draws of a well-scaled model slightly worse. The prior sd 0.2 (T within a
-    factor 1.5 of 1 before any data) is the widest of those measured (0.2, 0.3, 0.5) that made no size worse on
-    average; it costs part of the gain of a badly scaled model at small sizes (T 3: -0.03 instead of -0.11 from 20
-    pairs), and from a few hundred pairs the data override it. The check halves the share of draws made worse
-    (0.46 -> 0.19 at 20 pairs for the well-scaled model). Then the isotonic map, as before, on top of that T."""
+    minus before): the plain maximum-likelihood T made the eval ECE worse on average below 100-500 pairs (+0.038 at
+    20 pairs for BAY-LIN, whose T is 0.78, +0.023 for ENS-MLP). A minimum size would throw away the real gains of a
+    badly scaled model (T 3: ECE -0.096 from 20 pairs) and still needs a threshold; the check alone (keep the
+    maximum-likelihood T where it wins held out) still picked noisy temperatures often enough to hurt on average
+    (+0.014 at 20 pairs for BAY-LIN); the prior alone kept every mean at or below 0 but left about half the draws of
+    BAY-LIN slightly worse. The prior sd 0.2 (T within a factor 1.5 of 1 before any data) is the widest of those
+    measured (0.2, 0.3, 0.5) that made no size worse on average (0.3: +0.002 at 100 pairs for BAY-LIN); it costs
+    part of the gain of a badly scaled model at small sizes (T 3: -0.028 instead of -0.096 from 20 pairs), and from
+    a few hundred pairs the data override it. The check cuts the share of draws made worse (BAY-LIN at 20 pairs:
+    0.46 with the prior alone, 0.19 with both). A model that is exactly calibrated cannot gain and loses from every
+    T but 1: the guards cut that loss (+0.05 -> +0.003 at 20 simulated pairs) but do not remove it. Then the
+    isotonic map on top of that T, where its cross-fitted Brier score is lower by ``isotonic_z`` standard errors
+    (:mod:`.probability`)."""
     m = np.asarray(margin, dtype=float)
     w = np.ones_like(m) if weight is None else np.asarray(weight, dtype=float)
     prior = settings["temperature_prior_sd"]

@@ -12,8 +12,8 @@ intercept must be 0 and Platt is then exactly temperature scaling, so it adds no
 data supports it: at least ``min_pairs`` calibration pairs and a cross-fitted Brier score lower than the
 temperature's by more than ``isotonic_z`` (:data:`ISOTONIC_Z`) standard errors of their paired difference (k folds by
 pair, each fold's map fitted on the others), since its steps follow noise: chosen whenever its Brier score was lower
-at all, it made the eval ECE worse by +0.004 to +0.013 in 80 % of the draws of 500-2000 calibration pairs where it
-was chosen (docs/recalibration.md).
+at all (10-20 % of the draws of 500-2000 calibration pairs), it made the eval ECE worse than T alone by 0.004-0.013
+in 74-93 % of those draws on the default synthetic world (docs/recalibration.md).
 
 A temperature from a small calibration split is noisy too (from 20 pairs T landed anywhere in 0.19-1.15 for a model
 whose T is 0.7), and a noisy T makes the ECE of new pairs worse than the raw one on average: ECE is smallest near the
