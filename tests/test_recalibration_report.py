@@ -1,5 +1,7 @@
 """scripts/recalibration_table.py on fake run folders: the before/after table over seeds."""
 
+import numpy as np
+import pytest
 from fake_runs import block, make_run
 from test_reports import run_script
 
@@ -68,12 +70,25 @@ def test_difference_intervals_are_paired_and_zero_for_an_identity_recalibration(
     assert found["ct_rate"][1] > 0   # a scale of 0.4 makes more pairs certain in every resample
 
     # A second run on the same pairs in another row order: aligned by id, it shares each draw's resample, so the
-    # row's interval is the single run's.
+    # two runs do not differ: the interval is the pairs' alone (normal, from the same draws' spread) around the
+    # single run's estimate, as wide as the single run's percentile interval up to the bootstrap's noise.
     shuffled = _run_with_predictions(tmp_path / "shuffled", table.sample(frac=1.0, random_state=1), 0.5, 0.4)
     both = difference_intervals([(sharp, "synthetic_eval"), (shuffled, "synthetic_eval")], draws=60)
     for m in found:
-        assert abs(both[m][0] - found[m][0]) < 1e-12
-        assert abs(both[m][1] - found[m][1]) < 1e-12 and abs(both[m][2] - found[m][2]) < 1e-12
+        assert abs(both[m][0] - found[m][0]) < 1e-12 and both[m][1] <= both[m][0] <= both[m][2]
+        assert both[m][2] - both[m][1] == pytest.approx(found[m][2] - found[m][1], rel=0.5, abs=1e-9)
+
+    # Runs that differ (three scales): at least Student's t with 2 degrees of freedom on the runs' spread
+    from scipy.stats import t as t_dist
+
+    third = _run_with_predictions(tmp_path / "third", table, 0.7, 0.9)
+    runs = [(sharp, "synthetic_eval"), (same, "synthetic_eval"), (third, "synthetic_eval")]
+    three = difference_intervals(runs, draws=60)
+    points = np.array([[difference_intervals([run], draws=20)[m][0] for m in three] for run in runs])
+    for j, m in enumerate(three):
+        spread = t_dist.ppf(0.975, 2) * points[:, j].std(ddof=1) / np.sqrt(3)
+        assert three[m][0] == pytest.approx(points[:, j].mean())
+        assert three[m][2] - three[m][1] >= 2 * spread - 1e-12
 
 
 def test_each_row_says_which_interval_its_s_is(tmp_path):
