@@ -234,7 +234,7 @@ def test_overoptimization_lines_and_figures_are_drawn(tmp_path):
     assert any("overoptimizes in 2 of 2 worlds" in line for line in lines)
     assert any("no fall the data can show" in line for line in lines)
     plot_overoptimization(table, "filler_bias", tmp_path / "overoptimization.png")
-    plot_uncertainty_use(table, "filler_bias", tmp_path / "use.png")
+    plot_uncertainty_use(table, "filler_bias", tmp_path / "use.png", over)
     plot_selection_vs_loss(summary, correlations(summary), RUN_METRICS, LOSS, "eval", tmp_path / "selection.png")
     for name in ("overoptimization.png", "use.png", "selection.png"):
         assert (tmp_path / name).stat().st_size > 10_000, name

@@ -367,7 +367,7 @@ def best_of_n(cfg, out_dir: Path) -> dict:
     plot_best_of_n(curves, out_dir / "best_of_n.png", k=k, axis=axis)
     # A figure over the shortcut's strength needs runs at two strengths at least, and the scatter of the runs'
     # statistics needs a correlation to show; otherwise the figure would be an empty axis (the tables still say it).
-    plot_uncertainty_use(overopt, axis, out_dir / "uncertainty_use.png")
+    plot_uncertainty_use(overopt, axis, out_dir / "uncertainty_use.png", over)
     if summary[axis].nunique() > 1:
         plot_overoptimization(overopt, axis, out_dir / "overoptimization.png")
     else:

@@ -195,10 +195,12 @@ USE_RULES = (("model_vs_mean", "r - k u (k chosen on held-out prompts)"),
              ("filter_vs_mean", "oracle filter: beyond the training range last"))
 
 
-def plot_uncertainty_use(table: pd.DataFrame, axis: str, path: Path) -> None:
+def plot_uncertainty_use(table: pd.DataFrame, axis: str, path: Path, over: pd.DataFrame | None = None) -> None:
     """Rows: splits; columns: methods. The gold gained over mean selection (mean over the KL range, report prompts
     only) by the run's own u, by a k-NN distance in feature space, and by the oracle filter, with 95 % intervals, per
-    world, against the shortcut's strength."""
+    world, against the shortcut's strength; with ``over`` (over_worlds.csv's rows) and two worlds or more, each
+    rule's effect over the worlds beside them (a large black-edged marker, its t-interval over the worlds: the
+    interval the docs' conclusions rest on)."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
@@ -208,7 +210,8 @@ def plot_uncertainty_use(table: pd.DataFrame, axis: str, path: Path) -> None:
     worlds = sorted(table.world.unique())
     colors = _colors([c for c, _ in rules])
     markers = dict(zip(worlds, "osD^vP*X"))
-    offsets = _cell_offsets(table, axis, [(c, w) for c, _ in rules for w in worlds])
+    pooled = over is not None and len(worlds) > 1
+    offsets = _cell_offsets(table, axis, [(c, w) for c, _ in rules for w in [*worlds, *(["all"] if pooled else [])]])
     fig = Figure(figsize=(4.8 * len(methods), 3.9 * len(splits)))
     axes = fig.subplots(len(splits), len(methods), squeeze=False)
     for row, split in zip(axes, splits):
@@ -220,6 +223,15 @@ def plot_uncertainty_use(table: pd.DataFrame, axis: str, path: Path) -> None:
                     err = [[cell[column] - cell[f"{column}_lo"]], [cell[f"{column}_hi"] - cell[column]]]
                     ax.errorbar(x, cell[column], yerr=err, color=colors[column], marker=markers[cell.world],
                                 markersize=5, capsize=2, linewidth=1.0)
+                if not pooled:
+                    continue
+                rows = over[(over.table == "overoptimization") & (over.split == split) & (over.method == method)
+                            & (over.statistic == column)]
+                for _, effect in rows.iterrows():
+                    ax.errorbar(effect.strength + offsets[(column, "all")], effect.estimate,
+                                yerr=[[effect.estimate - effect.lo], [effect.hi - effect.estimate]],
+                                color=colors[column], marker="o", markersize=8, markeredgecolor="k",
+                                capsize=3, linewidth=2.0)
             ax.axhline(0.0, color="0.5", linewidth=0.8, linestyle="--")
             ax.set_xticks(np.sort(table[axis].unique()))
             ax.set_title(f"{split}: {method}", fontsize=10)
@@ -228,8 +240,11 @@ def plot_uncertainty_use(table: pd.DataFrame, axis: str, path: Path) -> None:
             ax.grid(alpha=0.3)
     handles = [Line2D([], [], color=colors[c], linewidth=2, label=label) for c, label in rules]
     handles += [Line2D([], [], color="k", marker=markers[w], linestyle="", label=f"world {w}") for w in worlds]
-    fig.suptitle("Does uncertainty pay off in best-of-n? Paired gain over mean selection, 95 % intervals (runs "
-                 "and report prompts resampled)", fontsize=10)
+    if pooled:
+        handles.append(Line2D([], [], color="0.6", marker="o", markersize=8, markeredgecolor="k", linewidth=2,
+                              label=f"over {len(worlds)} worlds"))
+    fig.suptitle("Does uncertainty pay off in best-of-n? Paired gain over mean selection, 95 % intervals per world "
+                 "and over worlds", fontsize=10)
     _top_legend(fig, handles)
     fig.subplots_adjust(left=0.07, right=0.99, bottom=0.55 / fig.get_figheight(), wspace=0.3, hspace=0.45)
     save_figure(fig, Path(path))
