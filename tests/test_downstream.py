@@ -342,6 +342,28 @@ def test_best_of_n_end_to_end_on_a_sweep(best_of_n_default):
     assert not pd.read_csv(out / "shortcut_bins.csv").empty
 
 
+@pytest.mark.e2e
+def test_best_of_n_over_several_worlds_writes_the_effect_over_worlds(tmp_path_factory, shared_cache):
+    """A sweep over two worlds and two seeds, as a user would launch it: the cells stay per world, and over_worlds.csv
+    gives every cell statistic's mean over the worlds with its t-interval, the number of worlds in summary.csv and
+    overoptimization.csv, and a printed section."""
+    cwd = tmp_path_factory.mktemp("worlds")
+    run("train.py", ["method=ens_mlp", "dataset.seed=0,1", "seed=0,1", "sweep_name=w", *SMALL], cwd, shared_cache,
+        flags=("-m",))
+    proc = downstream(cwd, shared_cache, "task=best_of_n", f"run={cwd / 'outputs' / 'multirun' / 'w'}",
+                      "task.prompts=4", "task.n_max=16", "task.splits=[eval]", out="ds_worlds")
+    out = cwd / "outputs" / "ds_worlds"
+    summary, cells = pd.read_csv(out / "summary.csv"), pd.read_csv(out / "overoptimization.csv")
+    assert len(summary) == 4 and (summary.worlds == 2).all()
+    assert sorted(cells.world) == [0, 1] and (cells.worlds == 2).all() and (cells.runs == 2).all()
+    over = pd.read_csv(out / "over_worlds.csv")
+    gain = over[(over.table == "overoptimization") & (over.statistic == "conservative_gain")].iloc[0]
+    assert gain.worlds == 2 and gain.estimate == pytest.approx(cells.conservative_gain.mean())
+    assert gain.lo <= gain.estimate <= gain.hi and "fewer than 3" in gain.note
+    assert set(over.table) >= {"overoptimization", "selection"}
+    assert "over 2 worlds" in proc.stdout
+
+
 def _within(frame: pd.DataFrame, name: str) -> None:
     """Every row's estimate of ``name`` lies in its interval [name_lo, name_hi]."""
     assert frame[name].notna().all(), name
