@@ -189,6 +189,11 @@ def test_exact_and_unbounded_cases_say_what_they_are():
     assert f"fewer than {MIN_PROMPTS}" in few.note and np.isfinite(few.hi)
     two = paired_interval(np.random.default_rng(0).normal(size=(2, 32)))
     assert "2 runs" in two.note
+    # one prompt (3 prompts cut into 2 to choose k on and 1 to report on): the estimate, no interval, said so
+    single = paired_interval(np.array([[0.3], [0.5]]))
+    assert single.estimate == pytest.approx(0.4) and np.isnan(single.lo) and "1 prompt" in single.note
+    drop = largest_drop_interval(np.array([[0.0, 1.0, 0.5]]))
+    assert drop["drop"] == pytest.approx(0.5) and np.isnan(drop["lo"]) and drop["note"] == "1 prompt: no interval"
 
 
 def test_over_worlds_is_the_t_interval_of_the_worlds_estimates():

@@ -113,7 +113,8 @@ def test_downstream_on_a_vader_run_end_to_end(tmp_path, shared_cache, sdist):
     if summary.recalibrated.all():
         assert (summary.conservative_cal_vs_raw_lo <= summary.conservative_cal_vs_raw + 1e-12).all()
         assert (summary.conservative_cal_vs_raw <= summary.conservative_cal_vs_raw_hi + 1e-12).all()
-    assert set(pd.read_csv(tmp_path / "bon" / "selection.csv").rule) == {"raw", "recalibrated"}
+    rules = set(pd.read_csv(tmp_path / "bon" / "selection.csv").rule)
+    assert rules == {"raw", "recalibrated", "raw-filter-recalibrated-rank"}
     downstream("task=active_learning", "task.pool=12", "task.initial=6", "task.batch=3", "task.rounds=1",
                "task.repeats=2", "task.strategies=[random,uncertainty]", "task.method.num_epochs=2",
                f"hydra.run.dir={tmp_path / 'al'}")

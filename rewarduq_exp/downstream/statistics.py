@@ -212,9 +212,10 @@ def _check_cells(cells) -> list[np.ndarray]:
     out = [_as_runs_prompts(c) for c in cells]
     if len({c.shape[1:] for c in out}) != 1:
         raise ValueError(f"cells must share their prompts and points; got {[c.shape for c in out]}")
-    if out[0].shape[1] < 2:
-        raise ValueError("an interval over prompts needs at least 2 prompts")
     return out
+
+
+ONE_PROMPT = "1 prompt: no interval"
 
 
 def contrast_intervals(cells, coefficients, draws: int = DRAWS, seed: int = 0,
@@ -224,6 +225,9 @@ def contrast_intervals(cells, coefficients, draws: int = DRAWS, seed: int = 0,
     studentised bootstrap (prompts resampled once for every cell, each cell's runs on their own), its critical values
     never narrower than Student's t at the design's Satterthwaite degrees of freedom (the module's docstring)."""
     cells = _check_cells(cells)
+    if cells[0].shape[1] < 2:   # nothing to resample: the estimate alone (e.g. 3 prompts cut into 2 and 1)
+        estimate = sum(coef * c.mean((0, 1)) for c, coef in zip(cells, coefficients))
+        return [Interval(float(e), np.nan, np.nan, ONE_PROMPT) for e in np.atleast_1d(estimate)]
     mean, se, df, t_star, run_half = _studentised(cells, coefficients, draws, seed, level)
     tail = (1 - level) / 2
     q_lo, q_hi = percentile_interval(t_star, level)
@@ -301,6 +305,9 @@ def largest_drop_interval(values, draws: int = DRAWS, seed: int = 0, level: floa
     note = _design_note([v])
     if curve.size < 2:
         return {"drop": 0.0, "lo": 0.0, "hi": 0.0, "from_index": 0, "to_index": 0, "c": np.nan, "note": note}
+    if v.shape[1] < 2:
+        return {"drop": drop, "lo": np.nan, "hi": np.nan, "from_index": i, "to_index": j, "c": np.nan,
+                "note": ONE_PROMPT}
     upper_i, upper_j = np.triu_indices(curve.size, k=1)
     pairs = v[..., upper_i] - v[..., upper_j]                     # (R, P, pairs)
     diff, se, df, t_star, run_half = _studentised([pairs], [1.0], draws, seed, level)
