@@ -14,7 +14,8 @@ filter kept.
 
 Downstream, a run's standing is its gold at n_max under mean selection (which a recalibration never changes: T > 0
 keeps the order of r), ranked among the runs of the world. With the runs' per-prompt picks, two paired differences
-per prompt at n_max, each with its 95 % bootstrap interval over prompts (:func:`~.statistics.mean_interval`):
+per prompt at n_max, each with its 95 % interval over prompts (:func:`~.statistics.paired_interval`; ``not_promised``
+names the ones that cannot promise their level):
 the pick minus the mean over the runs (``vs_mean``: does the rule beat a run taken at random?) and the pick minus
 the best run (``vs_best``: 0 when the rule picks it). The best run is the one with the highest gold on these same
 prompts, so ``vs_best`` leans against the pick (winner's curse): a measure of how far the pick falls short, not a
@@ -27,13 +28,13 @@ import numpy as np
 import pandas as pd
 
 from rewarduq_exp.analysis.selection import Criteria
-from rewarduq_exp.downstream.statistics import DRAWS, mean_interval
+from rewarduq_exp.downstream.statistics import DRAWS, paired_interval
 
 RULES = (Criteria(), Criteria(filter_on="recalibrated", rank_on="recalibrated"),
          Criteria(filter_on="raw", rank_on="recalibrated"))
 COLUMNS = ("split", "world", "rule", "filter_on", "rank_on", "criteria", "runs", "passing_ece", "passing_ebce",
            "passing", "picked", "rank", "best", "picked_gold_nmax", "best_gold_nmax", "vs_mean", "vs_mean_lo",
-           "vs_mean_hi", "vs_best", "vs_best_lo", "vs_best_hi", "same_as_raw")
+           "vs_mean_hi", "vs_best", "vs_best_lo", "vs_best_hi", "not_promised", "same_as_raw")
 PAPER = Criteria()
 
 
@@ -81,7 +82,9 @@ def selection_row(summary: pd.DataFrame, split: str, criteria: Criteria, per_pro
         at_nmax = {run: per_prompt[(run, split)][("mean", 0.0)][:, -1] for run in s.run}
         mine = at_nmax[picked.run]
         for name, other in (("vs_mean", np.mean(list(at_nmax.values()), axis=0)), ("vs_best", at_nmax[best.run])):
-            estimate, lo, hi = mean_interval(mine - other, draws, seed)
+            estimate, lo, hi, note = paired_interval(mine - other, draws, seed)
+            if note:
+                row["not_promised"] = "; ".join(filter(None, [row.get("not_promised", ""), f"{name}: {note}"]))
             row.update({name: estimate, f"{name}_lo": lo, f"{name}_hi": hi})
     return row
 
