@@ -45,7 +45,7 @@ def _row(table: str, split: str, method: str, strength, statistic: str, worlds, 
             "note": found.note, "per_world": shown}
 
 
-def cell_curves(overopt: pd.DataFrame, summary: pd.DataFrame, per_prompt: dict, axis: str) -> dict:
+def cell_curves(summary: pd.DataFrame, per_prompt: dict, axis: str) -> dict:
     """Each cell's mean-selection curve (mean over its runs and prompts), keyed as the cell's row."""
     out = {}
     for key, part in summary.groupby(["split", "world", "method", axis], sort=True):
@@ -58,7 +58,7 @@ def over_worlds_rows(overopt: pd.DataFrame, summary: pd.DataFrame, per_prompt: d
                      selection: pd.DataFrame | None = None, correlation: pd.DataFrame | None = None) -> pd.DataFrame:
     """``over_worlds.csv``'s rows (the module's docstring) of the per-world tables."""
     rows = []
-    curves = cell_curves(overopt, summary, per_prompt, axis)
+    curves = cell_curves(summary, per_prompt, axis)
     for (split, method, strength), part in overopt.groupby(["split", "method", axis], sort=True):
         part = part.sort_values("world")
         worlds = part.world.tolist()

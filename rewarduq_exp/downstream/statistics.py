@@ -162,10 +162,12 @@ def _contrast_moments(cells: list[np.ndarray], coefficients, w_runs: list[np.nda
     terms.append((s2_d / n_prompts, n_prompts - 1))
     with np.errstate(divide="ignore", invalid="ignore"):
         df = var ** 2 / sum(term ** 2 / dof for term, dof in terms)
-        run_df = run_part ** 2 / sum(term ** 2 / dof for term, dof in run_terms) if run_terms else 0 * var
+        run_df = (run_part ** 2 / sum(term ** 2 / dof for term, dof in run_terms) if run_terms
+                  else np.ones_like(var))   # no cell of several runs: no runs' part, its df unused
     df = np.where(np.isfinite(df) & (df > 0), df, float(n_prompts - 1))
     run_df = np.where(np.isfinite(run_df) & (run_df > 0), run_df, 1.0)
-    return _Moments(mean, var, np.clip(df, 1.0, None), run_part + 0 * var, np.clip(run_df, 1.0, None))
+    run_var = np.broadcast_to(run_part, var.shape)   # a plain 0 where every cell is one run
+    return _Moments(mean, var, np.clip(df, 1.0, None), run_var, np.clip(run_df, 1.0, None))
 
 
 def _studentised(cells: list[np.ndarray], coefficients, draws: int, seed: int, level: float):
