@@ -61,10 +61,15 @@ def sacct_states(job_id: str) -> dict[str, str]:
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.5, what: str = "the condition"):
-    """Poll ``predicate()`` until it returns something true (returned), or fail after ``timeout`` seconds."""
+    """Poll ``predicate()`` until it returns something true (returned), or fail after ``timeout`` seconds; a
+    predicate that raises FileNotFoundError counts as not yet true."""
     deadline = time.monotonic() + timeout
     while True:
-        value = predicate()
+        try:
+            value = predicate()
+        except FileNotFoundError:
+            # A glob over folders a run is still creating or renaming can list a folder and then miss it.
+            value = None
         if value:
             return value
         if time.monotonic() > deadline:
