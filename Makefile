@@ -161,6 +161,7 @@ bench: setup
 	$(PY) scripts/bench_ranking.py
 	$(PY) scripts/bench_feature_cache.py
 	$(PY) scripts/bench_shared_prefix.py
+	$(PY) scripts/bench_rl.py
 
 # The GPU benchmark (random-init Qwen3-0.6B and -4B shapes, bf16); without a GPU the same code at the tiny shape.
 bench-gpu: setup

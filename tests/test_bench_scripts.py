@@ -21,6 +21,7 @@ SMOKE = {
     "bench_metrics_and_heads.py": (["--smoke"], "training speed-up"),
     "bench_probe.py": (["--smoke"], "fraction of ideal"),
     "bench_ranking.py": (["--smoke"], "speed-up"),
+    "bench_rl.py": (["--smoke"], "ratio: per-step scoring / one-batch scoring"),
     "bench_shared_prefix.py": (["--smoke"], "speed-up"),
     "bench_whole_process.py": (["--smoke", "--cache-dir", "{cache}"], "speed-up (baseline / this)"),
 }
