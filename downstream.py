@@ -1,6 +1,6 @@
 """Downstream uses of a trained reward model's uncertainty, against a gold reward (the synthetic world's, or the
 human ratings of the VADER sentences): ``python downstream.py task=best_of_n run=<run or sweep>`` or
-``task=active_learning`` (see docs/downstream.md)."""
+``task=active_learning`` or ``task=rl`` (see docs/downstream.md)."""
 
 import sys
 

@@ -184,6 +184,19 @@ BOUNDS: dict[str, Bound] = {
     "task.batch": Bound(1, PAIRS, "pairs", "the pool is drawn from a generated world's training pairs"),
     "task.rounds": Bound(0, 10_000, "rounds", "each round retrains the method"),
     "task.repeats": Bound(1, 1000, "repeats", "each repeat runs every round of every strategy again"),
+    # task=rl: each RL step samples, scores and trains on prompts_per_step x generations completions
+    "task.steps": Bound(1, 100_000, "steps", "each step generates, scores and trains on a batch of completions"),
+    "task.eval_every": Bound(1, 100_000, "steps", "a measurement every this many steps"),
+    "task.prompts_per_step": Bound(1, 4096, "prompts", "each step generates and trains on every prompt's group"),
+    "task.generations": Bound(2, 1024, "completions", "each step generates and trains on every completion",
+                              why_min="a group of one completion has no advantage to estimate"),
+    "task.eval_samples": Bound(2, 1_000_000, "completions", "each measurement samples, scores and measures every one"),
+    "task.max_tokens": Bound(1, 32_768, "tokens", "every completion may run this long in every step"),
+    "task.check_samples": Bound(2, 1_000_000, "completions", "the reference samples and scores every one"),
+    "task.workers": Bound(1, 256, "processes", "each worker process holds a policy, its reference and a reward model"),
+    "task.sft.examples": Bound(1, 10_000_000, "completions", "each is generated and tokenised before the SFT"),
+    "task.sft.steps": Bound(0, 1_000_000, "steps", "each step trains the policy on a batch"),
+    "task.sft.batch_size": Bound(1, BATCH_ROWS, "rows", "one step holds the activations of every row"),
 }
 
 # task.prompts x task.n_max: the candidates of one split, each generated, scored (the backbone's features kept) and

@@ -45,7 +45,8 @@ a column and the docs draw no conclusion from them.
 - :func:`cell_difference_interval`: two cells of one world (different runs, shared prompts);
 - :func:`largest_drop` / :func:`largest_drop_interval`: the largest fall of a curve from any earlier n to any later
   one, with a simultaneous studentised band over every pair of points;
-- :func:`gao_fit` / :func:`gao_fit_interval`: Gao et al.'s best-of-n form gold(d) - gold(0) = d (alpha - beta d);
+- :func:`gao_fit` / :func:`gao_fit_interval`: Gao et al.'s forms, best-of-n gold(d) - gold(0) = d (alpha - beta d)
+  and RL d (alpha - beta log d);
 - :func:`over_worlds_interval`, :func:`largest_drop_over_worlds`: the effect over worlds (a t-interval over the
   worlds' own estimates);
 - :func:`paired_t_interval`: active learning's comparison with random, paired by repeat.
@@ -328,11 +329,26 @@ def largest_drop_interval(values, draws: int = DRAWS, seed: int = 0, level: floa
             "from_index": i, "to_index": j, "c": c, "note": note}
 
 
-def gao_fit(d, gain) -> tuple[float, float]:
-    """Least-squares alpha, beta of gain = d (alpha - beta d) (Gao et al. 2023, best-of-n: gain = gold(d) - gold(0),
-    d = sqrt(KL)); ``gain`` (J,) or (..., J) fits every leading row at once."""
+GAO_FORMS = ("best_of_n", "rl")
+
+
+def _gao_design(d: np.ndarray, form: str) -> np.ndarray:
+    """The two columns of gain = alpha d - beta g(d): g(d) = d^2 (best-of-n) or d log d (RL; 0 at d = 0)."""
+    if form not in GAO_FORMS:
+        raise ValueError(f"Gao's form {form!r} is not one of {GAO_FORMS}")
+    if form == "best_of_n":
+        return np.stack([d, -d ** 2], axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d_log_d = np.where(d > 0, d * np.log(np.where(d > 0, d, 1.0)), 0.0)
+    return np.stack([d, -d_log_d], axis=1)
+
+
+def gao_fit(d, gain, form: str = "best_of_n") -> tuple[float, float]:
+    """Least-squares alpha, beta of Gao et al.'s (2023) forms, gain = gold(d) - gold(0), d = sqrt(KL): best-of-n
+    gain = d (alpha - beta d); RL gain = d (alpha - beta log d). ``gain`` (J,) or (..., J) fits every leading row at
+    once."""
     d = np.asarray(d, dtype=np.float64)
-    design = np.stack([d, -d ** 2], axis=1)                       # (J, 2)
+    design = _gao_design(d, form)                                 # (J, 2)
     y = np.asarray(gain, dtype=np.float64)
     coef, *_ = np.linalg.lstsq(design, y.reshape(-1, d.size).T, rcond=None)  # (2, rows)
     alpha, beta = coef
@@ -340,18 +356,24 @@ def gao_fit(d, gain) -> tuple[float, float]:
                                                                    beta.reshape(y.shape[:-1]))
 
 
-def gao_peak(alpha, beta) -> tuple[np.ndarray, np.ndarray]:
-    """The fitted curve's peak: d* = alpha / (2 beta) and its gain alpha^2 / (4 beta) where beta > 0 and alpha > 0;
-    a curve that never turns down (beta <= 0) peaks at d = inf; one that falls from the start (alpha <= 0, beta > 0)
-    at d = 0 with gain 0."""
+def gao_peak(alpha, beta, form: str = "best_of_n") -> tuple[np.ndarray, np.ndarray]:
+    """The fitted curve's peak (d*, gain there), d = inf where beta <= 0 (it never turns down).
+
+    Best-of-n: d* = alpha / (2 beta), gain alpha^2 / (4 beta) where alpha > 0 (alpha <= 0: d = 0, gain 0). RL: the
+    derivative alpha - beta (log d + 1) vanishes at d* = exp(alpha / beta - 1), where the gain is beta d* (> 0 for any
+    alpha: -beta d log d rises first)."""
     alpha, beta = np.asarray(alpha, dtype=np.float64), np.asarray(beta, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if form == "rl":
+            d_peak = np.where(beta > 0, np.exp(np.minimum(alpha / np.where(beta > 0, beta, 1.0) - 1, 700)), np.inf)
+            return d_peak, np.where(beta > 0, beta * d_peak, np.inf)
         d_peak = np.where(beta > 0, np.maximum(alpha, 0) / (2 * beta), np.inf)
         gain = np.where(beta > 0, np.maximum(alpha, 0) ** 2 / (4 * beta), np.inf)
     return d_peak, gain
 
 
-def gao_fit_interval(d, values, draws: int = DRAWS, seed: int = 0, level: float = LEVEL) -> dict:
+def gao_fit_interval(d, values, draws: int = DRAWS, seed: int = 0, level: float = LEVEL,
+                     form: str = "best_of_n") -> dict:
     """:func:`gao_fit` on the mean curve of ``values`` ((P, J) or (R, P, J), gold per prompt and n; the gain is taken
     from the first point, d[0] = 0), with intervals for alpha, beta, the peak's d and its gain (an interval end of
     inf: some resamples never turn down), and the fit's R^2.
@@ -361,13 +383,13 @@ def gao_fit_interval(d, values, draws: int = DRAWS, seed: int = 0, level: float 
     the percentile interval of the crossed bootstrap's refits, which promises no level (``peak_note`` says so)."""
     v = _as_runs_prompts(values)
     curve = v.mean((0, 1))
-    alpha, beta = gao_fit(d, curve - curve[0])
-    d_peak, gain = gao_peak(alpha, beta)
-    per_unit = np.stack(gao_fit(d, v - v[..., :1]), axis=-1)      # (R, P, 2): each run's and prompt's alpha, beta
+    alpha, beta = gao_fit(d, curve - curve[0], form)
+    d_peak, gain = gao_peak(alpha, beta, form)
+    per_unit = np.stack(gao_fit(d, v - v[..., :1], form), axis=-1)      # (R, P, 2): each run's and prompt's alpha, beta
     fitted_alpha, fitted_beta = contrast_intervals([per_unit], [1.0], draws, seed, level)
     boot = bootstrap_means(v, draws, seed)
-    b_peak, b_gain = gao_peak(*gao_fit(d, boot - boot[:, :1]))
-    fitted = np.asarray(d) * (alpha - beta * np.asarray(d))
+    b_peak, b_gain = gao_peak(*gao_fit(d, boot - boot[:, :1], form), form)
+    fitted = _gao_design(np.asarray(d, dtype=np.float64), form) @ np.array([alpha, beta])
     resid = (curve - curve[0]) - fitted
     total = ((curve - curve[0]) - (curve - curve[0]).mean()) ** 2
     out = {"alpha": alpha, "beta": beta, "d_peak": float(d_peak), "gain_peak": float(gain),

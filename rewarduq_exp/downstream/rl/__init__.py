@@ -1,0 +1,1 @@
+"""Policy optimisation against a trained reward model, measured against the world's gold (``downstream.py task=rl``)."""

@@ -1,0 +1,97 @@
+"""VADER as an RL world, in Gao et al.'s (2023) gold-model setup: no human rates the policy's new sentences, so the
+gold is a second reward model, trained on more of the crowd's ratings than the proxy (``task.gold_run``: any
+completed run on ``dataset=vader_pairs`` or ``vader_ratings``; docs/downstream.md says which one the study used).
+
+The prompts are the run's own user turns, one per training corpus; the reference imitates the held-out sentences
+best-of-n draws from (the ``eval`` split); the shortcut feature is the length in words (the proxy was trained on
+sentences up to its training split's longest).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from rewarduq_exp.data.synthetic import Candidates
+from rewarduq_exp.downstream.vader_gold import VaderGold
+
+
+class VaderTextWorld:
+    """The parts of a world the RL task reads (:class:`~rewarduq_exp.data.synthetic.SyntheticWorld`'s names)."""
+
+    def __init__(self, vader: VaderGold):
+        self.vader = vader
+        self.corpora = list(vader.data.corpora)
+        self.num_topics = len(self.corpora)
+        self.train_split = vader.data.train_split
+        self.name = vader.name
+
+    def prompt(self, topic: int) -> list[dict]:
+        return self.vader.prompt(self.corpora[int(topic)])
+
+    def load(self, split: str) -> pd.DataFrame:
+        return self.vader.load(split)
+
+    def training_feature_max(self) -> dict[str, float]:
+        return self.vader.training_feature_max()
+
+    @staticmethod
+    def text_features(texts) -> dict[str, np.ndarray]:
+        return {"words": pd.Series(list(texts), dtype=object).str.count(r"\S+").to_numpy(np.int64)}
+
+    def candidates(self, split: str, n_prompts: int, n_candidates: int, seed: int = 0) -> Candidates:
+        """Held-out sentences (``eval``), ``n_prompts`` prompts cycling over the training corpora; a request for
+        more sentences than the smallest corpus holds draws that many (each sentence once per prompt)."""
+        rows = self.vader.data.split_rows("eval")
+        smallest = int(rows.groupby("corpus").size().reindex(self.corpora).fillna(0).min())
+        c = self.vader.candidates("eval", n_prompts, min(int(n_candidates), smallest), seed=seed)
+        c.topic = np.arange(n_prompts) % self.num_topics
+        return c
+
+
+class GoldModelText:
+    """``gold(topics, texts)``: the gold run's reward of each text under its corpus's prompt (as the gold run was
+    trained: its own prompt format), and the length feature."""
+
+    def __init__(self, world: VaderTextWorld, gold_model, gold_world: VaderGold):
+        self.world = world
+        self.gold_model = gold_model
+        self.gold_world = gold_world
+
+    def gold(self, topics, texts) -> np.ndarray:
+        prompts = [self.gold_world.prompt(self.world.corpora[int(t)]) for t in topics]
+        completions = [[{"role": "assistant", "content": t}] for t in texts]
+        return self.gold_model.score(prompts, completions).reward.to_numpy(np.float64)
+
+    def features(self, texts) -> dict[str, np.ndarray]:
+        return self.world.text_features(texts)
+
+
+def rl_world(config, config_path, gold_run=None, *, device: str = "cpu", cache_dir=None, batch_size=None,
+             trust_remote_code: bool = False):
+    """(world, text gold) of a run for the RL task: the synthetic world with its own gold, or VADER with the gold
+    run's reward (``gold_run`` required there)."""
+    from rewarduq_exp.core.errors import UserError
+    from rewarduq_exp.data.synthetic import SyntheticWorld
+    from rewarduq_exp.downstream.rl.world_text import WorldText
+    from rewarduq_exp.downstream.world_runs import world_of
+
+    world = world_of(config, config_path)
+    if isinstance(world, SyntheticWorld):
+        return world, WorldText(world)
+    if gold_run is None:
+        raise UserError("task=rl on a VADER run needs a gold: task.gold_run=<a completed run on dataset=vader_pairs or "
+                        "vader_ratings, trained on more ratings than the proxy> (Gao et al.'s gold-model setup)")
+    from pathlib import Path
+
+    from rewarduq_exp.api import load_run
+    from rewarduq_exp.runner.trained_run import read_run_config
+
+    _, gold_config = read_run_config(Path(str(gold_run)))
+    gold_world = world_of(gold_config, Path(str(gold_run)) / ".hydra" / "config.yaml")
+    if not isinstance(gold_world, VaderGold):
+        raise UserError(f"task.gold_run={gold_run} was not trained on VADER ratings; the gold of a VADER run must be")
+    gold_model = load_run(str(gold_run), device=device, cache_dir=cache_dir, batch_size=batch_size, progress=False,
+                          trust_remote_code=trust_remote_code)
+    text_world = VaderTextWorld(world)
+    return text_world, GoldModelText(text_world, gold_model, gold_world)
