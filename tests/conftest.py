@@ -76,6 +76,7 @@ LONGEST_FIRST = [
     # make test-e2e
     "test_borp_run.py",                     # ~105
     "test_plan_memory.py",                  # ~55
+    "test_rl.py",                           # ~45 (make test: ~25)
     "test_new_method_in_its_own_files.py",  # ~40
     "test_run_ownership.py",                # ~37
     "test_cli_datasets.py",                 # ~36
