@@ -10,7 +10,10 @@
 - the study end to end on the tiny model (files and their sanity), Ctrl-C and resume (e2e), bad settings in one line;
   ``sample`` on the study's reference (the completion mask up to the first EOS, the caller's random state kept); a
   worker's loaded scorer reused only by jobs of the same settings;
-- Gao et al.'s RL form (statistics.gao_fit / gao_peak, form="rl") and analysis.at_d by hand.
+- Gao et al.'s RL form (statistics.gao_fit / gao_peak, form="rl") and analysis.at_d by hand;
+- VADER in Gao et al.'s gold-model setup (e2e): a tiny proxy run studied against a gold run trained on more pairs, the
+  gold of a measurement recomputed from the gold run; a VADER study without task.gold_run, or with a gold run that is
+  no VADER run, refused in one line before anything loads.
 """
 
 import gzip
@@ -518,3 +521,125 @@ def test_ctrl_c_then_the_same_command_gives_the_numbers_of_a_study_never_stopped
             pd.testing.assert_frame_equal(a, b, check_exact=True)
         else:
             assert (out / name).read_bytes() == (never_stopped / name).read_bytes(), name
+
+
+# ------------------------------------------------------------------------------------- VADER: a gold run's reward
+
+# Two tiny-model ENS-MLP runs on the local VADER archive (tests/test_vader_ratings.py, never downloaded) with the same
+# splits: the proxy on 6 pairs, the gold on every pair of the train split (Gao et al.'s gold-model setup)
+VADER_RUN = ["method=ens_mlp", "dataset=vader_pairs", "dataset.min_gap=0.5", "dataset.eval_fraction=0.4", *NO_FIGURES]
+# 8 RL runs of 2 steps: the conservative k chosen on seed 9 from 0 and 1; mean, k and filter on 2 seeds
+TINY_VADER_RL = [*(a for a in TINY_RL if not a.startswith(("task.objectives=", "task.seeds="))),
+                 "task.objectives=[mean,conservative,filter]", "task.seeds=[0,1]"]
+
+
+@pytest.fixture(scope="module")
+def vader_sdist(tmp_path_factory) -> Path:
+    from test_vader_ratings import larger_sdist
+
+    from rewarduq_exp.data import vader_ratings
+
+    return larger_sdist(tmp_path_factory.mktemp("vader_sdist") / vader_ratings.SDIST)
+
+
+def vader_run(tmp_path_factory, shared_cache, sdist: Path, name: str, *args) -> Path:
+    from test_vader_ratings import train_run
+
+    folder, _ = train_run(tmp_path_factory.mktemp(name), shared_cache, [*VADER_RUN, f"dataset.path={sdist}", *args])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vader_proxy(tmp_path_factory, shared_cache, vader_sdist) -> Path:
+    return vader_run(tmp_path_factory, shared_cache, vader_sdist, "vader_proxy", "dataset.n_train=6")
+
+
+@pytest.fixture(scope="module")
+def vader_gold(tmp_path_factory, shared_cache, vader_sdist) -> Path:
+    return vader_run(tmp_path_factory, shared_cache, vader_sdist, "vader_gold", "dataset.n_train=null")
+
+
+@pytest.mark.e2e
+def test_rl_on_a_vader_run_measures_the_gold_runs_reward(vader_proxy, vader_gold, shared_cache, tmp_path):
+    """``task=rl run=<proxy> task.gold_run=<gold>`` end to end: the gold of a measurement is the gold run's reward of
+    the same text under its own prompt for the slot's corpus, recomputed here apart from the task; the reference
+    check has the length in words and no filler (VADER has none)."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rewarduq_exp import load_run
+    from rewarduq_exp.data.vader_ratings import pair_prompt
+    from rewarduq_exp.downstream.rl.policy_samples import sample
+
+    out = tmp_path / "rl_vader"
+    proc = downstream(tmp_path, shared_cache, out, f"run={vader_proxy}", f"task.gold_run={vader_gold}", *TINY_VADER_RL)
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "completed" and status["rl_runs"] == 8, status
+    for name in (*TABLES, "samples.csv.gz"):
+        assert (out / name).is_file(), name
+    assert f"tables and figures in {out}" in proc.stdout
+
+    corpora = list(OmegaConf.load(vader_proxy / ".hydra" / "config.yaml").dataset.corpora)
+    gold_model = load_run(vader_gold, device="cpu", cache_dir=shared_cache, progress=False)
+
+    def gold_of(topics, texts) -> np.ndarray:
+        """The gold run's reward, each text under the user turn it was trained with for the topic's corpus."""
+        prompts = [pair_prompt(corpora[int(t)]) for t in topics]
+        return gold_model.score(prompts, [[{"role": "assistant", "content": t}] for t in texts]).reward.to_numpy()
+
+    # the reference's samples (the pool, its texts kept): the check's gold mean is the gold run's
+    (reference,) = (out / "reference").iterdir()
+    pool = pd.read_csv(reference / "pool.csv")
+    pool_gold = gold_of(pool.topic, pool.text.fillna("").tolist())
+    check = pd.read_csv(out / "reference_check.csv")
+    assert list(check.statistic) == ["gold", "words"] and (check.n_reference == 16).all(), check
+    gold_row = check.set_index("statistic").loc["gold"]
+    assert gold_row.reference_mean == pytest.approx(pool_gold.mean(), abs=1e-5)
+    assert gold_row.reference_sd == pytest.approx(pool_gold.std(ddof=1), abs=1e-5)
+    words = check.set_index("statistic").loc["words"]   # the length against the proxy's longest training text
+    assert 0 <= words.reference_beyond_train <= 1 and 0 <= words.generator_beyond_train <= 1, check
+
+    # one measurement: step 0 of the mean objective on RL seed 0 is the reference's completions of the slots' prompts
+    # under the evaluation's seed (training.evaluate_policy), drawn again here; their gold is the gold run's reward
+    samples = read_gz(out / "samples.csv.gz")
+    assert set(samples.step) == {0, 1, 2} and set(samples.slot) == set(range(16)) and (samples.filler == 0).all()
+    row = samples[(samples.step == 0) & (samples.rl_seed == 0) & (samples.objective == "mean")].sort_values("slot")
+    assert len(row) == 16 and (row.topic.to_numpy() == np.arange(16) % len(corpora)).all()
+    model = AutoModelForCausalLM.from_pretrained(reference).eval()
+    tokenizer = AutoTokenizer.from_pretrained(reference)
+    found = sample(model, tokenizer, [pair_prompt(corpora[int(t)]) for t in row.topic], 8, seed=1_000_003 * 1 + 0)
+    assert row.words.tolist() == [len(t.split()) for t in found.texts]   # the same completions
+    np.testing.assert_allclose(row.gold.to_numpy(), gold_of(row.topic, found.texts), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(row.gold.to_numpy(), row.reward.to_numpy())   # the gold is not the proxy's reward
+
+    summary = pd.read_csv(out / "summary.csv")
+    choices = pd.read_csv(out / "choices.csv")
+    k = float(choices[choices.chosen].coef.iloc[0])
+    assert set(summary.objective_label) == {"mean", "filter", f"conservative@{k:g}"}
+    assert (summary.seeds == 2).all() and summary.gold_final.notna().all()
+    comparisons = pd.read_csv(out / "comparisons.csv")
+    assert not comparisons.empty and set(comparisons.baseline) == {"mean"}
+
+
+def test_rl_on_a_vader_run_without_a_gold_run_is_one_line_before_anything_loads(vader_proxy, shared_cache, tmp_path):
+    out = tmp_path / "rl"
+    proc = downstream(tmp_path, shared_cache, out, f"run={vader_proxy}", *TINY_VADER_RL, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "task.gold_run=" in lines[0], proc.stderr[-2000:]
+    assert not (out / "status.json").exists() and not (out / "reference").exists() and not (out / "rl_runs").exists()
+
+
+@pytest.mark.parametrize("gold", ["synthetic", "missing"])
+def test_a_gold_run_that_is_not_a_vader_run_is_one_line(vader_proxy, trained_run, shared_cache, tmp_path, gold):
+    _, synthetic = trained_run
+    gold_run = synthetic if gold == "synthetic" else tmp_path / "no_such_run"
+    message = (f"task.gold_run={gold_run} was not trained on VADER ratings" if gold == "synthetic"
+               else f"task.gold_run: run={gold_run} is not a run folder")
+    out = tmp_path / "rl"
+    proc = downstream(tmp_path, shared_cache, out, f"run={vader_proxy}", f"task.gold_run={gold_run}", *TINY_VADER_RL,
+                      check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr[-2000:]
+    assert not (out / "status.json").exists() and not (out / "reference").exists()

@@ -30,6 +30,7 @@ from rewarduq_exp.downstream.rl.objectives import CHOSEN, NEEDS_DRAWS, NEEDS_FEA
 from rewarduq_exp.downstream.rl.reference import CHECK_SEED, generator_key, reference_check, train_reference
 from rewarduq_exp.downstream.rl.settings import check_rl_settings
 from rewarduq_exp.downstream.rl.training import RLSettings
+from rewarduq_exp.downstream.rl.vader_world import check_gold_run
 from rewarduq_exp.downstream.world_runs import completed_world_runs
 from rewarduq_exp.runner.trained_run import run_cache_dir
 
@@ -133,6 +134,7 @@ def rl(cfg, out_dir: Path) -> dict:
     runs = completed_world_runs(cfg.run)
     if task.get("plan"):
         return print_plan(cfg, runs)
+    check_gold_run([r.config for r in runs], task.get("gold_run"))   # VADER runs: before the status and any model
     started = time.time()
     _write_status(out_dir, state="running", started=started, runs=[str(r.path) for r in runs])
     try:

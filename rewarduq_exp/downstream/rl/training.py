@@ -73,12 +73,13 @@ def evaluate_policy(policy, reference, tokenizer, scorer: RunScorer, objective: 
     with torch.no_grad():
         scores = scorer.score(prompts, found.texts, ("draws",) if scorer.has_draws else ())
     features = world_text.features(found.texts)
+    no_filler = np.zeros(len(found.texts), dtype=np.int64)   # VADER's texts have no filler word: its feature is words
     return pd.DataFrame({
         "step": step, "slot": np.arange(len(topics)), "topic": topics,
         "gold": world_text.gold(topics, found.texts), "reward": scores["reward"], "u": scores["u"],
         "objective_value": scorer.objective_values(objective, prompts, found.texts, scores),
         "kl": kl.numpy(), "kl_log_ratio": kl_log_ratio.numpy(), "tokens": found.lengths.numpy(),
-        "words": features["words"], "filler": features["filler"], "beyond": scorer.beyond(found.texts)})
+        "words": features["words"], "filler": features.get("filler", no_filler), "beyond": scorer.beyond(found.texts)})
 
 
 def train_policy(reference_dir, scorer: RunScorer, objective: Objective, world_text, settings: RLSettings,

@@ -67,11 +67,40 @@ class GoldModelText:
         return self.world.text_features(texts)
 
 
+def gold_world_of(gold_run) -> VaderGold:
+    """The world of ``task.gold_run`` (read from its config, nothing loads); one line when it is missing, is no
+    completed run or was not trained on VADER ratings."""
+    from pathlib import Path
+
+    from rewarduq_exp.core.errors import UserError
+    from rewarduq_exp.downstream.world_runs import VADER_WORLDS, world_of
+    from rewarduq_exp.runner.trained_run import read_run_config
+
+    if gold_run is None:
+        raise UserError("task=rl on a VADER run needs a gold: task.gold_run=<a completed run on dataset=vader_pairs or "
+                        "vader_ratings, trained on more ratings than the proxy> (Gao et al.'s gold-model setup)")
+    try:
+        _, gold_config = read_run_config(Path(str(gold_run)))
+    except UserError as err:   # its message names run=: say which setting it is
+        raise UserError(f"task.gold_run: {err}") from None
+    if gold_config.dataset.get("_target_") not in VADER_WORLDS:
+        raise UserError(f"task.gold_run={gold_run} was not trained on VADER ratings; the gold of a VADER run must be")
+    return world_of(gold_config, Path(str(gold_run)) / ".hydra" / "config.yaml")
+
+
+def check_gold_run(configs, gold_run) -> None:
+    """Before anything loads: a study of any VADER run (``configs``: the runs' configs) needs ``task.gold_run``, a
+    completed VADER run (:func:`gold_world_of`); a study of synthetic runs only does not read it."""
+    from rewarduq_exp.downstream.world_runs import VADER_WORLDS
+
+    if any(c.dataset.get("_target_") in VADER_WORLDS for c in configs):
+        gold_world_of(gold_run)
+
+
 def rl_world(config, config_path, gold_run=None, *, device: str = "cpu", cache_dir=None, batch_size=None,
              trust_remote_code: bool = False):
     """(world, text gold) of a run for the RL task: the synthetic world with its own gold, or VADER with the gold
     run's reward (``gold_run`` required there)."""
-    from rewarduq_exp.core.errors import UserError
     from rewarduq_exp.data.synthetic import SyntheticWorld
     from rewarduq_exp.downstream.rl.world_text import WorldText
     from rewarduq_exp.downstream.world_runs import world_of
@@ -79,18 +108,9 @@ def rl_world(config, config_path, gold_run=None, *, device: str = "cpu", cache_d
     world = world_of(config, config_path)
     if isinstance(world, SyntheticWorld):
         return world, WorldText(world)
-    if gold_run is None:
-        raise UserError("task=rl on a VADER run needs a gold: task.gold_run=<a completed run on dataset=vader_pairs or "
-                        "vader_ratings, trained on more ratings than the proxy> (Gao et al.'s gold-model setup)")
-    from pathlib import Path
-
+    gold_world = gold_world_of(gold_run)
     from rewarduq_exp.api import load_run
-    from rewarduq_exp.runner.trained_run import read_run_config
 
-    _, gold_config = read_run_config(Path(str(gold_run)))
-    gold_world = world_of(gold_config, Path(str(gold_run)) / ".hydra" / "config.yaml")
-    if not isinstance(gold_world, VaderGold):
-        raise UserError(f"task.gold_run={gold_run} was not trained on VADER ratings; the gold of a VADER run must be")
     gold_model = load_run(str(gold_run), device=device, cache_dir=cache_dir, batch_size=batch_size, progress=False,
                           trust_remote_code=trust_remote_code)
     text_world = VaderTextWorld(world)
