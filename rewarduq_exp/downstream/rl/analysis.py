@@ -156,9 +156,19 @@ def comparisons_table(report: pd.DataFrame, draws: int, seed: int) -> pd.DataFra
     return pd.DataFrame(rows)
 
 
+CHOSEN_PATTERN = r"^(conservative|knn|uncertainty_weighted)@.*$"
+
+
+def objective_key(labels: pd.Series) -> pd.Series:
+    """What stays the same across worlds: the objective, its coefficient dropped where it was chosen per run (the
+    chosen k may differ between worlds); the KL penalty keeps its coefficient (every one is reported)."""
+    return labels.str.replace(CHOSEN_PATTERN, r"\1", regex=True)
+
+
 def over_worlds_table(summary: pd.DataFrame, comparisons: pd.DataFrame) -> pd.DataFrame:
     rows = []
     cell = ["method", "filler_bias"]
+    summary = summary.assign(objective=objective_key(summary.objective_label))
     for statistic in ("gain_final", "largest_drop", "d_final", "filler_final", "gold_final"):
         for keys, group in summary.groupby([*cell, "objective"]):
             # the chosen coefficient may differ between worlds: the objective (not its label) is the unit
@@ -168,9 +178,8 @@ def over_worlds_table(summary: pd.DataFrame, comparisons: pd.DataFrame) -> pd.Da
                 "mean": found.estimate, "lo": found.lo, "hi": found.hi, "note": found.note,
                 "per_world": ";".join(f"{v:.4g}" for v in group.sort_values("world")[statistic])})
     if not comparisons.empty:
-        comp = comparisons.assign(objective=comparisons.objective.str.split("@").str[0],
-                                  baseline=comparisons.baseline.str.replace(r"^(conservative|knn|uncertainty_weighted)@"
-                                                                            r".*$", r"\1", regex=True))
+        comp = comparisons.assign(objective=objective_key(comparisons.objective),
+                                  baseline=objective_key(comparisons.baseline))
         for keys, group in comp.groupby([*cell, "objective", "baseline", "at"]):
             found = over_worlds_interval(group["diff"].to_numpy())
             rows.append(dict(zip([*cell, "objective", "baseline", "at"], keys)) | {
@@ -196,23 +205,48 @@ def _iv(mean, lo, hi, digits: int = 2) -> str:
 
 
 def summary_lines(tables: dict, check: pd.DataFrame) -> list[str]:
-    lines = ["reference policy against the generator (KS statistic, p):"]
-    for _, r in check.iterrows():
-        lines.append(f"  world {r.world} {r.statistic:6s} reference {r.reference_mean:7.3f}  generator "
-                     f"{r.generator_mean:7.3f}  KS {r.ks:.3f} (p {r.ks_p:.2g})")
-    summary = tables["summary"]
-    lines.append("RL on each objective (report seeds; gold gained from the reference and the largest drop, 95 % "
-                 "intervals over seeds and slots):")
-    for _, r in summary.sort_values([*RUN_KEYS, "objective_label"]).iterrows():
-        lines.append(f"  {r.run:40s} {r.objective_label:26s} d {r.d_final:5.2f}  gold {r.gold_final:+.2f} "
-                     f"gain {_iv(r.gain_final, r.gain_final_lo, r.gain_final_hi)}  drop "
-                     f"{_iv(r.largest_drop, r.largest_drop_lo, r.largest_drop_hi)}  fillers {r.filler_final:.1f}")
+    """What the study prints: the reference against the generator, then per method, strength and objective the
+    effect over worlds (one run per world: its own interval where there is one world) of the gold gained by the end
+    and the gold against ``mean`` at the end and at matched KL."""
+    lines = ["reference policy against the generator (means; two-sample KS statistic and p-value):"]
+    for (reference, world), block in check.groupby(["reference", "world"], sort=False):
+        parts = [f"{r.statistic} {r.reference_mean:.2f} vs {r.generator_mean:.2f} (KS {r.ks:.3f}, p {r.ks_p:.2g})"
+                 for r in block.itertuples()]
+        lines.append(f"  world {world}: " + "; ".join(parts))
     over = tables["over_worlds"]
-    comp = over[(over.table == "comparisons") & (over.worlds > 1)]
-    if not comp.empty:
-        lines.append("over worlds (mean over the worlds, 95 % t-interval over their estimates):")
-        for _, r in comp.iterrows():
-            mark = " *" if np.isfinite(r.lo) and (r.lo > 0 or r.hi < 0) else ""
-            lines.append(f"  {r.method:8s} filler_bias={r.filler_bias:g} {r.objective:22s} - {r.baseline:22s} "
-                         f"{r['at']:9s} {_iv(r['mean'], r.lo, r.hi)}{mark}")
+    summary = tables["summary"]
+    single = summary.world.nunique() < 2
+    lines.append("RL per objective (report seeds; d = sqrt(KL) at the end; gold gained from the reference and gold - "
+                 "mean's at the end / at matched KL, 95 % intervals " + ("over seeds and slots):" if single else
+                                                                         "over worlds):"))
+    lines.append(f"  {'method':8s} {'bias':>4s} {'objective':22s} {'d':>5s} {'fillers':>7s}  {'gain':26s} "
+                 f"{'vs mean, end':26s} {'vs mean, matched KL':26s}")
+    summary = summary.assign(objective=objective_key(summary.objective_label))
+    for (method, bias, objective), group in summary.groupby(["method", "filler_bias", "objective"]):
+        if single:
+            r = group.iloc[0]
+            gain = _iv(r.gain_final, r.gain_final_lo, r.gain_final_hi)
+        else:
+            g = over[(over.table == "summary") & (over.statistic == "gain_final") & (over.method == method)
+                     & (over.filler_bias == bias) & (over.objective == objective)].iloc[0]
+            gain = _iv(g["mean"], g.lo, g.hi)
+        versus = []
+        for at in ("final", "matched_d"):
+            found = _versus_mean(tables, over, method, bias, objective, at, single)
+            versus.append(found)
+        lines.append(f"  {method:8s} {bias:4g} {objective:22s} {group.d_final.mean():5.2f} "
+                     f"{group.filler_final.mean():7.2f}  {gain:26s} {versus[0]:26s} {versus[1]:26s}")
     return lines
+
+
+def _versus_mean(tables: dict, over: pd.DataFrame, method, bias, objective, at: str, single: bool) -> str:
+    if objective == "mean":
+        return "-"
+    if single:
+        comp = tables["comparisons"]
+        found = comp[(comp.method == method) & (comp.filler_bias == bias) & (comp.baseline == "mean")
+                     & (comp["at"] == at) & (objective_key(comp.objective) == objective)]
+        return _iv(found["diff"].iloc[0], found.diff_lo.iloc[0], found.diff_hi.iloc[0]) if len(found) else "-"
+    found = over[(over.table == "comparisons") & (over.method == method) & (over.filler_bias == bias)
+                 & (over.objective == objective) & (over.baseline == "mean") & (over["at"] == at)]
+    return _iv(found["mean"].iloc[0], found.lo.iloc[0], found.hi.iloc[0]) if len(found) else "-"
