@@ -97,6 +97,21 @@ def check_gold_run(configs, gold_run) -> None:
         gold_world_of(gold_run)
 
 
+_GOLD_MODELS: dict = {}
+
+
+def _gold_model(gold_run: str, device: str, cache_dir, batch_size, trust_remote_code: bool):
+    """The gold run's model, loaded once per process (every proxy run of a study, and every RL run of a worker,
+    shares it)."""
+    key = (gold_run, device, str(cache_dir), batch_size, trust_remote_code)
+    if key not in _GOLD_MODELS:
+        from rewarduq_exp.api import load_run
+
+        _GOLD_MODELS[key] = load_run(gold_run, device=device, cache_dir=cache_dir, batch_size=batch_size,
+                                     progress=False, trust_remote_code=trust_remote_code)
+    return _GOLD_MODELS[key]
+
+
 def rl_world(config, config_path, gold_run=None, *, device: str = "cpu", cache_dir=None, batch_size=None,
              trust_remote_code: bool = False):
     """(world, text gold) of a run for the RL task: the synthetic world with its own gold, or VADER with the gold
@@ -109,9 +124,6 @@ def rl_world(config, config_path, gold_run=None, *, device: str = "cpu", cache_d
     if isinstance(world, SyntheticWorld):
         return world, WorldText(world)
     gold_world = gold_world_of(gold_run)
-    from rewarduq_exp.api import load_run
-
-    gold_model = load_run(str(gold_run), device=device, cache_dir=cache_dir, batch_size=batch_size, progress=False,
-                          trust_remote_code=trust_remote_code)
+    gold_model = _gold_model(str(gold_run), device, cache_dir, batch_size, trust_remote_code)
     text_world = VaderTextWorld(world)
     return text_world, GoldModelText(text_world, gold_model, gold_world)
