@@ -193,6 +193,8 @@ BOUNDS: dict[str, Bound] = {
     "task.eval_samples": Bound(2, 1_000_000, "completions", "each measurement samples, scores and measures every one"),
     "task.max_tokens": Bound(1, 32_768, "tokens", "every completion may run this long in every step"),
     "task.check_samples": Bound(2, 1_000_000, "completions", "the reference samples and scores every one"),
+    "task.seeds": Bound(0, 2**31 - 1, "", "a seed", each=True),
+    "task.select_seeds": Bound(0, 2**31 - 1, "", "a seed", each=True),
     "task.workers": Bound(1, 256, "processes", "each worker process holds a policy, its reference and a reward model"),
     "task.sft.examples": Bound(1, 10_000_000, "completions", "each is generated and tokenised before the SFT"),
     "task.sft.steps": Bound(0, 1_000_000, "steps", "each step trains the policy on a batch"),
