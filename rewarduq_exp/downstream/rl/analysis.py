@@ -13,6 +13,7 @@ narrower than Student's t, the seeds' part at R - 1 degrees of freedom). A study
   (paired per seed and slot), the largest drop of gold from any step to a later one with its simultaneous band
   (``largest_drop_interval``), and Gao et al.'s RL form gold(d) - gold(0) = d (alpha - beta log d) fitted to the mean
   curve (d per step: the mean over seeds of sqrt(KL)), its alpha and beta with intervals;
+- ``summary.csv`` also holds each objective's difference from ``mean`` at the end and at matched KL;
 - ``comparisons.csv``: gold of an objective minus a baseline's on the same seeds and slots, ``at`` the end of
   training (the same number of steps) and at matched KL (``matched_d``: the largest d both reach on every seed, each
   seed's curve interpolated there, linearly in d between the two measurements around it; d made non-decreasing
@@ -189,11 +190,32 @@ def over_worlds_table(summary: pd.DataFrame, comparisons: pd.DataFrame) -> pd.Da
     return pd.DataFrame(rows)
 
 
+def with_versus_mean(summary: pd.DataFrame, comparisons: pd.DataFrame) -> pd.DataFrame:
+    """``summary`` with each objective's paired difference against ``mean`` (same seeds and slots) at the end
+    (``vs_mean_final*``) and at matched KL (``vs_mean_matched*``, at ``vs_mean_matched_d``); the full set of pairs
+    is ``comparisons.csv``."""
+    if comparisons.empty:
+        return summary
+    versus = comparisons[comparisons.baseline == "mean"]
+    out = summary
+    for at, prefix in (("final", "vs_mean_final"), ("matched_d", "vs_mean_matched")):
+        part = versus[versus["at"] == at].rename(columns={"objective": "objective_label", "diff": prefix,
+                                                          "diff_lo": f"{prefix}_lo", "diff_hi": f"{prefix}_hi",
+                                                          "diff_note": f"{prefix}_note"})
+        keep = [*RUN_KEYS, "objective_label", prefix, f"{prefix}_lo", f"{prefix}_hi", f"{prefix}_note"]
+        if at == "matched_d":
+            part = part.rename(columns={"d_a": "vs_mean_matched_d"})
+            keep.append("vs_mean_matched_d")
+        out = out.merge(part[keep], on=[*RUN_KEYS, "objective_label"], how="left")
+    return out
+
+
 def analyse(samples: pd.DataFrame, choices: pd.DataFrame, draws: int, seed: int) -> dict[str, pd.DataFrame]:
     samples = with_labels(samples)
     report = samples[samples.role == "report"]
     summary = summary_table(report, draws, seed)
     comparisons = comparisons_table(report, draws, seed)
+    summary = with_versus_mean(summary, comparisons)
     return {"curves": curves_table(samples), "summary": summary, "comparisons": comparisons,
             "over_worlds": over_worlds_table(summary, comparisons), "choices": choices}
 
