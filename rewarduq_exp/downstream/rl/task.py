@@ -36,8 +36,8 @@ from rewarduq_exp.runner.trained_run import run_cache_dir
 
 log = logging.getLogger("rewarduq_exp")
 
-FEATURE_METHODS = ("ens_mlp", "bay_lin", "epinet")    # heads on frozen features: draws and a feature space
-DRAW_METHODS = FEATURE_METHODS
+# heads on frozen features: each has draws (members, indices, posterior samples) and a feature space
+FEATURE_METHODS = ("ens_mlp", "bay_lin", "epinet")
 
 
 def policy_config(name, run_config):
@@ -108,7 +108,7 @@ def prepare_references(runs, cfg, out_dir: Path, device: str, show: bool) -> tup
 
 def _supported(method: str, objective: str) -> bool:
     if objective in NEEDS_DRAWS:
-        return method in DRAW_METHODS
+        return method in FEATURE_METHODS
     if objective in NEEDS_FEATURES:
         return method in FEATURE_METHODS
     return True
