@@ -79,7 +79,7 @@ def test_runtime_settings_are_never_saved(name):
 
 BAD_VALUES = [
     ("ens_mlp", {"num_heads": 1}, "method.num_heads=1 is invalid: must be an integer >= 2"),
-    ("ens_mlp", {"num_heads": "abc"}, "method.num_heads='abc' is invalid: must be an integer >= 2"),
+    ("ens_mlp", {"num_heads": "abc"}, "method.num_heads=abc is invalid: must be an integer"),
     ("ens_mlp", {"learning_rate": 0}, "method.learning_rate=0 is invalid: must be a number > 0"),
     ("ens_mlp", {"adam_betas": [0.9]}, "method.adam_betas=a list of 1 values is invalid: must be two numbers in"),
     ("bay_lin", {"hessian": "full"}, "method.hessian='full' is invalid; allowed: unweighted, weighted"),
@@ -96,8 +96,10 @@ BAD_VALUES = [
     ("borp", {"beta": 0}, "method.beta=0 is invalid: must be a number > 0"),
     ("borp", {"judge_scoring": "x"}, "method.judge_scoring='x' is invalid: allowed values are digit"),
     ("borp", {"regressor": "x"}, "regressor='x' is invalid; allowed: "),
-    ("mallows", {"max_iter": "many"}, "method.max_iter='many' is invalid: must be an integer"),
-    ("plackett_luce", {"hidden": [0]}, "method.hidden=[0] is invalid: a list of layer widths >= 1"),
+    ("mallows", {"max_iter": "many"}, "method.max_iter=many is invalid: must be an integer"),
+    ("plackett_luce", {"hidden": [0]}, "method.hidden holds 0, which is invalid: must be an integer >= 1"),
+    ("plackett_luce", {"hidden": [100, 10**6]}, "method.hidden holds 1000000, which is too large: at most 65536 units"),
+    ("ens_mlp", {"num_heads": 5000}, "method.num_heads=5000 is too large: at most 1024 heads (the paper's K is 20"),
     ("rank_classifier", {"calibration_fraction": 1.0}, "method.calibration_fraction=1.0 is invalid: must be in (0,"),
     ("rpc", {"eps": "tiny"}, "method.eps='tiny' is invalid: must be a number"),
     ("pl_rpc", {"aggregation": "x"}, "method.aggregation='x' is invalid: allowed values are mle"),

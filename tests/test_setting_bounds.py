@@ -20,6 +20,7 @@ from rewarduq_exp.core.checks import check_like_default, check_n_bins, is_seed
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.setting_bounds import BOUNDS, MAX_BINS, REAL_VALUED, check_bound, check_config_bounds
 from rewarduq_exp.data.registry import available
+from rewarduq_exp.methods.registry import method_bounds, method_class, method_names
 from rewarduq_exp.runner.cli import register_resolvers
 from rewarduq_exp.runner.validation import check_max_length
 
@@ -34,24 +35,46 @@ def _compose(config: str, overrides: list[str]) -> DictConfig:
         return compose(config, overrides=overrides)
 
 
+def _bounds_of(method: str) -> dict:
+    """The bounds method ``method``'s settings declare (``method.<key>`` -> Bound)."""
+    return method_class(method).settings_class.bounds()
+
+
+def _method_of_file(path, cfg) -> str | None:
+    """The method a shipped config file sets values of: its own (conf/method/<name>.yaml), the tuned values' folder
+    (conf/tuned/<name>/), the method a sweep overrides (``- override /method: <name>``), else None."""
+    parts = path.relative_to(CONF).parts
+    if parts[0] == "method":
+        return path.stem
+    if parts[0] == "tuned" and len(parts) > 2:
+        return parts[1]
+    for entry in cfg.get("defaults", []) or []:
+        if OmegaConf.is_dict(entry) and "override /method" in entry:
+            return entry["override /method"]
+    return None
+
+
 def _shipped_configs():
-    """(file, its settings under the key they have in a composed config) of every shipped config file."""
+    """(file, its settings under the key they have in a composed config, the bounds of the method it sets values of)
+    of every shipped config file."""
     for path in sorted(CONF.rglob("*.yaml")):
         group = path.relative_to(CONF).parts[0]
         if group == "hydra":
             continue
         cfg = OmegaConf.load(path)
         packaged_global = group in ("tuned", "sweep") or path.parent == CONF   # '# @package _global_' or a root file
-        yield path, cfg if packaged_global else OmegaConf.create({group: cfg})
+        method = _method_of_file(path, cfg)
+        yield (path, cfg if packaged_global else OmegaConf.create({group: cfg}),
+               _bounds_of(method) if method in method_names() else {})
 
 
 def test_every_shipped_config_and_the_papers_sizes_pass():
     """Every shipped config file (models, methods, datasets, probes, metrics, tasks, tuned configs, sweeps: their
     values as a composed config holds them), and the paper's largest runs composed: Qwen3-32B at max_length 8192
     with K = 64 heads, ENS-LoRA with 20 members, MCD-DPO with 64 masks (the paper's K: 20, 8, 20)."""
-    for path, cfg in _shipped_configs():
+    for path, cfg, bounds in _shipped_configs():
         try:
-            check_config_bounds(cfg)
+            check_config_bounds(cfg, extra=bounds)
         except UserError as err:
             raise AssertionError(f"{path.relative_to(ROOT)}: {err}") from None
     register_resolvers()
@@ -60,7 +83,7 @@ def test_every_shipped_config_and_the_papers_sizes_pass():
                           ["model=qwen3-4b", "method=ens_lora", "max_length=4096", "method.num_members=20"],
                           ["model=qwen3-4b", "method=mcd_dpo", "max_length=8192", "method.num_samples=64"]):
             cfg = compose("train", overrides=overrides)
-            check_config_bounds(cfg)
+            check_config_bounds(cfg, extra=method_bounds(cfg.method))
             assert check_max_length(int(cfg.max_length), cfg.model, None) == cfg.max_length   # window: 40,960
 
 
@@ -70,11 +93,12 @@ def test_every_sweep_grid_value_passes():
 
     parser = OverridesParser.create()
     for sweep in available("sweep", CONF):
-        params = OmegaConf.load(CONF / "sweep" / f"{sweep}.yaml").hydra.sweeper.params
-        for key, grid in params.items():
+        cfg = OmegaConf.load(CONF / "sweep" / f"{sweep}.yaml")
+        bounds = _bounds_of(_method_of_file(CONF / "sweep" / f"{sweep}.yaml", cfg))
+        for key, grid in cfg.hydra.sweeper.params.items():
             override = parser.parse_override(f"{key}={grid}")
             for value in override.sweep_iterator() if override.is_sweep_override() else [override.value()]:
-                check_bound(key, value)
+                check_bound(key, value, bound=bounds.get(key))
 
 
 def _integer_settings(node: dict, prefix: str = ""):
@@ -90,16 +114,23 @@ def _integer_settings(node: dict, prefix: str = ""):
 
 
 def test_every_integer_setting_of_the_shipped_configs_is_in_the_table():
-    """A new integer setting must be placed: bounded (it sizes something or just takes integers) or real-valued."""
+    """A new integer setting must be placed: bounded (it sizes something or just takes integers) or real-valued. A
+    method's settings are placed on its settings dataclass (``setting(bound=...)``, or typed float), read through
+    the method table: adding a method edits no table here."""
     unplaced = set()
     for path in sorted(CONF.rglob("*.yaml")):
         group = path.relative_to(CONF).parts[0]
         if group in ("hydra", "tuned", "sweep"):
             continue
         prefix = "" if path.parent == CONF else f"{group}."
+        placed, real = set(BOUNDS), set(REAL_VALUED)
+        if group == "method":
+            settings = method_class(path.stem).settings_class
+            placed |= set(settings.bounds())
+            real |= settings.real_valued()
         for key in _integer_settings(OmegaConf.to_container(OmegaConf.load(path), resolve=False), prefix):
-            if key not in BOUNDS and key not in REAL_VALUED and not is_seed(key):
-                unplaced.add(key)
+            if key not in placed and key not in real and not is_seed(key):
+                unplaced.add(f"{key} ({path.relative_to(ROOT)})")
     assert not unplaced, sorted(unplaced)
 
 
@@ -130,8 +161,9 @@ def test_the_synthetic_worlds_own_limits_are_the_tables():
     ("task.n_max", True, "task.n_max=true is invalid: must be an integer"),
 ])
 def test_refused_values(key, value, message):
+    bound = _method_bound(key)
     with pytest.raises(UserError) as err:
-        check_bound(key, value)
+        check_bound(key, value, bound=bound)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
@@ -142,7 +174,16 @@ def test_refused_values(key, value, message):
 def test_accepted_values(key, value):
     """Values of the right kind within the bounds, settings the table does not hold (a seed has its own check, a
     learning rate none here), and interpolations (judged once resolved)."""
-    assert check_bound(key, value) == value
+    assert check_bound(key, value, bound=_method_bound(key)) == value
+
+
+def _method_bound(key: str):
+    """The bound of ``method.<key>`` as the first method that has the setting declares it (None: no method bounds
+    it, or not a method setting)."""
+    for name in method_names():
+        if key in _bounds_of(name):
+            return _bounds_of(name)[key]
+    return None
 
 
 def test_integer_defaults_refuse_fractions_but_real_valued_settings_take_them():
@@ -150,12 +191,14 @@ def test_integer_defaults_refuse_fractions_but_real_valued_settings_take_them():
     number (minutes, epochs)."""
     with pytest.raises(UserError, match=r"^method\.log_every=2\.5 is invalid: must be an integer \(its default is "
                                         r"10\)$"):
-        check_like_default("method.log_every", 2.5, 10)
+        check_like_default("method.log_every", 2.5, 10, bound=_method_bound("method.log_every"), real_valued=False)
     with pytest.raises(UserError, match=r"^dataset\.folds=5\.0 is invalid: must be an integer \(its default is 5\); "
                                         r"write it without a decimal point or exponent: dataset\.folds=5$"):
         check_like_default("dataset.folds", 5.0, 5)
     assert check_like_default("checkpoint.every_minutes", 0.5, 30) == 0.5
-    assert check_like_default("method.num_epochs", 0.5, 1) == 0.5
+    ens_mlp = method_class("ens_mlp").settings_class
+    assert "method.num_epochs" in ens_mlp.real_valued() and "method.num_heads" not in ens_mlp.real_valued()
+    assert check_like_default("method.num_epochs", 0.5, 1, real_valued=True) == 0.5
     assert check_like_default("method.beta", 3, 2.0) == 3          # an integer where a float is the default
 
 

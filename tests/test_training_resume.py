@@ -21,9 +21,11 @@ from rewarduq_exp.core.training_checkpoint import Phase, TrainingCheckpoints
 from rewarduq_exp.data.synthetic import SyntheticWorld
 from rewarduq_exp.methods.adamw import FunctionalAdamW
 from rewarduq_exp.methods.bay_lin import BayLin
+from rewarduq_exp.methods.ddu import DduHead
 from rewarduq_exp.methods.ens_lora import EnsLoRA
 from rewarduq_exp.methods.ens_mlp import EnsMLP
 from rewarduq_exp.methods.epinet import Epinet
+from rewarduq_exp.methods.knn import KnnHead
 from rewarduq_exp.methods.label_ranking import PlackettLuceNet, RankClassifierNet
 from rewarduq_exp.ranking.permutations import orderings_to_ranks
 from rewarduq_exp.ranking.plackett_luce import PlackettLuce
@@ -88,6 +90,8 @@ CASES = {
     "ens_mlp": lambda backbone: _feature_head(EnsMLP, num_heads=3, hidden_dim=8, learning_rate=1e-2),
     "bay_lin": lambda backbone: _feature_head(BayLin, learning_rate=1e-2),
     "epinet": lambda backbone: _feature_head(Epinet, hidden_dim=8, index_dim=3, learning_rate=1e-2),
+    "knn": lambda backbone: _feature_head(KnnHead, hidden_dim=8, learning_rate=1e-2),
+    "ddu": lambda backbone: _feature_head(DduHead, hidden_dim=8, learning_rate=1e-2),
     "ens_lora": _ens_lora,
     "la_lora": la_lora_case,
     "plackett_luce": lambda backbone: _ranking(PlackettLuceNet),

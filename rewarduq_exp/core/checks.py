@@ -63,14 +63,17 @@ def check_seed(key: str, value) -> int:
     return check_integer(key, value, minimum=0, maximum=SEED_MAX)
 
 
-def check_like_default(key: str, value, default, shown: str | None = None):
+def check_like_default(key: str, value, default, shown: str | None = None, bound=None,
+                       real_valued: bool | None = None):
     """A value given for setting ``key`` must be of the kind of its default: true or false for a boolean, a number
     for a number (null too: several numbers mean "off" or "all" when null), settings one by one for a group of
     settings; seeds as :func:`check_seed`. Text and null defaults take anything (their own checks judge it).
 
     Our configs are plain YAML, so OmegaConf types nothing: ``progress=maybe`` would arrive as the text "maybe"
     (and count as true), ``dataset.n_train=abc`` as the text "abc", which fails deep inside a constructor.
-    ``shown``: the value as the user wrote it (default: as it is written on the command line)."""
+    ``shown``: the value as the user wrote it (default: as it is written on the command line). ``bound``: the
+    setting's own bound (a method's settings carry theirs), else the table's; ``real_valued``: whether a whole
+    default still takes any number (default: :data:`~rewarduq_exp.core.setting_bounds.REAL_VALUED`)."""
     from omegaconf import DictConfig
 
     shown = _shown(value) if shown is None else shown
@@ -87,7 +90,8 @@ def check_like_default(key: str, value, default, shown: str | None = None):
         # An integer default makes an integer setting (probe.layer=-1.5 ran as -1 while the config said -1.5), except
         # the few that take any number (minutes, epochs: setting_bounds.REAL_VALUED); 2.0 is refused too (why:
         # rewarduq_exp/core/setting_bounds.py)
-        if (isinstance(default, int) and value is not None and key not in REAL_VALUED
+        real = key in REAL_VALUED if real_valued is None else real_valued
+        if (isinstance(default, int) and value is not None and not real
                 and (problem := integer_kind_problem(key, value, default, shown))):
             raise UserError(problem)
     elif isinstance(default, (DictConfig, dict)) and not isinstance(value, (DictConfig, dict)) and value is not None:
@@ -95,7 +99,7 @@ def check_like_default(key: str, value, default, shown: str | None = None):
         raise UserError(f"{key}={shown} is invalid: {key} is a group of settings ({', '.join(map(str, default))}), "
                         f"not one value; set them one by one, e.g. {key}.{first}=<value>")
     # the bounds of the settings that size an allocation (bins, K, batches, max_length, ...), whatever the default
-    return check_bound(key, value, shown)
+    return check_bound(key, value, shown, bound=bound)
 
 
 def check_max_grad_norm(value, key: str = "method.max_grad_norm") -> float | None:

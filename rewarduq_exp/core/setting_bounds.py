@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rewarduq_exp.core.errors import UserError
@@ -64,9 +64,10 @@ WIDTH = 65_536            # hidden units of a head
 
 _TOKENS_WHY = "more than any backbone's context window: the paper's Qwen3 read 40,960 tokens, the longest 1M"
 _BINS_WHY = "each bin needs pairs; with 1000 eval pairs more than 1000 bins are empty"
-_ROWS_WHY = ("more than most preference datasets hold, UltraFeedback 62K pairs; the paper's batches are 16-64 "
-             "pairs, and a batch's activations are held at once")
 
+# The settings of the run, the data, the metrics, the planner and the tasks. A method's integer settings carry their
+# bounds on its settings dataclass (``setting(bound=...)`` in :mod:`rewarduq_exp.methods.settings`), so adding a method
+# edits nothing here; the checks below take them as ``bound=`` / ``extra=``.
 BOUNDS: dict[str, Bound] = {
     # ---- sequence lengths and token budgets
     "max_length": Bound(1, TOKENS, "tokens", _TOKENS_WHY + "; the backbone's own window is checked once it is known",
@@ -74,11 +75,6 @@ BOUNDS: dict[str, Bound] = {
     "plan.mean_tokens": Bound(1, TOKENS, "tokens", _TOKENS_WHY, allow=(None,)),
     "probe.batch_tokens": Bound(1, TOKENS, "tokens", "16x the largest budget auto picks, 65,536 on a GPU; one "
                                 "forward holds the activations of every token", allow=(AUTO,)),
-    "method.score_batch_tokens": Bound(1, TOKENS, "tokens", "16x the largest budget auto picks, 65,536 on a GPU; "
-                                       "one forward holds the activations of every token", allow=(AUTO,)),
-    "method.logprob_chunk": Bound(1, BATCH_ROWS, "positions", "each position holds a whole vocabulary of logits: "
-                                  "65,536 positions of Qwen3's 151,936 words are 40 GB in float32; auto takes "
-                                  "64M logits", allow=(AUTO,)),
     # ---- pairs and rows
     "dataset.n_train": Bound(2, PAIRS, "training examples", "a generated world holds ~2 KB of text per pair in "
                              "memory: 1M pairs are ~2 GB, more than the largest real preference set used here, Tulu "
@@ -100,47 +96,7 @@ BOUNDS: dict[str, Bound] = {
     "dataset.num_topics": Bound(1, 16, "topics", "the synthetic world has 16 topic words"),
     "plan.n_train": Bound(1, 10**9, "pairs", "more than any preference dataset", allow=(None,)),
     "plan.n_eval": Bound(1, 10**9, "pairs", "more than any preference dataset", allow=(None,)),
-    # ---- ensembles, MC samples and heads
-    "method.num_heads": Bound(2, 1024, "heads", "the paper's K is 20; each head is an MLP trained with its gradients, "
-                              "AdamW states and anchor copy; their memory is checked against the device's too"),
-    "method.num_members": Bound(2, 256, "members", "the paper's K is 8; each member is a LoRA adapter on every Linear "
-                                "of the backbone, with a replica of every batch"),
-    "method.num_samples": Bound(2, 10_000, "dropout masks", "the paper's K is 20; each mask is one more pass of every "
-                                "scored token through the LM head"),
-    "method.hidden_dim": Bound(1, WIDTH, "units", "the paper's heads have 128; K heads of this width are checked "
-                               "against the device's memory too"),
-    "method.num_hidden_layers": Bound(1, 256, "layers", "the paper's heads have 2; each layer is a hidden_dim^2 "
-                                      "matrix per head"),
-    "method.hidden": Bound(1, WIDTH, "units", "the paper's label rankers have two layers of 100", each=True),
-    "method.lora_rank": Bound(1, 8192, "", "a rank beyond the backbone's width adds nothing, and Qwen3-32B is 5120 "
-                              "wide; the paper's is 16"),
-    "method.n_components": Bound(1, WIDTH, "components", "more than any backbone's width, the features' dimension",
-                                 allow=(None,)),
-    "method.mc_samples": Bound(1, 10_000_000, "samples", "each is a ranking held in memory; the default is 20,000"),
-    "method.exact_max_m": Bound(1, 10, "items", "exact enumeration holds all m! rankings: 10! is 3.6M, 11! is 40M"),
-    "method.max_iter": Bound(1, 10_000_000, "steps", "a local search that has not converged by then will not"),
-    "method.n_iter": Bound(0, 1_000_000, "iterations", "the maximum-likelihood fit needs 5-15, the reference 100"),
-    "method.marglik_refits": Bound(0, 100, "refits", "each trains BAY-LIN's head again; lambda settles in 2-4"),
-    "method.index_dim": Bound(1, 1024, "dimensions",
-                              "the epinet papers use 8-30; g's output, the prior ensemble and each index grow with it"),
-    "method.num_index_samples": Bound(1, 10_000, "indices",
-                                      "each is one more copy of the epinet's activations of every training row"),
-    "method.num_eval_indices": Bound(2, 10_000, "indices",
-                                     "each is one more copy of the epinet's activations of every scored row"),
-    "method.epinet_hidden_dim": Bound(1, WIDTH, "units", "the epinet is a small MLP; 64 by default"),
-    "method.epinet_num_hidden_layers": Bound(1, 256, "layers", "each layer is an epinet_hidden_dim^2 matrix"),
-    "method.prior_hidden_dim": Bound(1, WIDTH, "units", "index_dim prior MLPs of this width"),
-    "method.cv": Bound(2, 1000, "folds", "every fold fits every pair's classifier again"),
-    "method.cv_folds": Bound(2, 1000, "folds", "every fold fits the regressor again"),
-    "method.num_threads": Bound(1, 4096, "threads", "more threads than any machine has cores", allow=(None,)),
-    "method.n_jobs": Bound(-4096, 4096, "jobs", "more jobs than any machine has cores (a negative count is joblib's: "
-                           "-1 = every core)", allow=(None,)),
-    "method.log_every": Bound(1, None, "steps"),
     # ---- batches
-    "method.batch_size": Bound(1, BATCH_ROWS, "pairs", _ROWS_WHY),
-    "method.micro_batch_size": Bound(1, BATCH_ROWS, "pairs", _ROWS_WHY, allow=(AUTO,)),
-    "method.score_batch_size": Bound(1, BATCH_ROWS, "rows", "one forward holds the activations of every row; auto "
-                                     "lets the token budget decide", allow=(AUTO,)),
     "probe.batch_size": Bound(1, BATCH_ROWS, "rows", "one forward holds the activations of every row; auto lets the "
                               "token budget decide", allow=(AUTO,)),
     "task.batch_size": Bound(1, BATCH_ROWS, "rows", "one forward holds the activations of every row",
@@ -208,9 +164,8 @@ MAX_CANDIDATES = 4_194_304
 # Settings whose default is a whole number but that take any number: minutes, epochs (a fraction of one is a shorter
 # schedule), LoRA's alpha, the kernel's p-norm, a score offset, BoRP's score range. Every other setting with an
 # integer default takes integers only (:func:`rewarduq_exp.core.checks.check_like_default`).
-REAL_VALUED = frozenset({"checkpoint.every_minutes", "progress_log_minutes", "method.num_epochs",
-                         "task.method.num_epochs", "method.lora_alpha", "metric.ranking.kernel_p",
-                         "dataset.score_offset", "method.score_range"})
+REAL_VALUED = frozenset({"checkpoint.every_minutes", "progress_log_minutes", "task.method.num_epochs",
+                         "metric.ranking.kernel_p", "dataset.score_offset"})
 
 
 def is_integer(value) -> bool:
@@ -241,11 +196,12 @@ def bound_of(key: str) -> Bound | None:
     return BOUNDS.get(key)
 
 
-def check_bound(key: str, value, text: str | None = None):
-    """``value`` of setting ``key`` (dotted, as on the command line) when the table has no entry for it or it is of
-    the entry's kind and within its bounds; else a one-line :class:`UserError`. ``text``: the value as the user wrote
+def check_bound(key: str, value, text: str | None = None, bound: Bound | None = None):
+    """``value`` of setting ``key`` (dotted, as on the command line) when it has no bound or it is of the bound's kind
+    and within it; else a one-line :class:`UserError`. ``bound``: the setting's own (a method's settings carry theirs,
+    :func:`rewarduq_exp.methods.settings.setting`); default: this table's entry. ``text``: the value as the user wrote
     it. Interpolations (``${...}``) are judged once resolved."""
-    bound = BOUNDS.get(key)
+    bound = BOUNDS.get(key) if bound is None else bound
     if bound is None or (isinstance(value, str) and "${" in value):
         return value
     if bound.each:
@@ -280,11 +236,12 @@ def _check_one(key: str, value, bound: Bound, text: str | None, element: bool = 
     return value
 
 
-def check_config_bounds(cfg, prefixes: Sequence[str] | None = None, at: str = "") -> None:
-    """Every setting of the table that the composed config ``cfg`` holds (all of them, or those under
-    ``prefixes``), and the products the table bounds (:data:`MAX_CANDIDATES`). ``at``: the key of ``cfg`` in the
-    whole config (``metric`` for a run's metric config). Values that do not resolve here are left to the setting's
-    own check."""
+def check_config_bounds(cfg, prefixes: Sequence[str] | None = None, at: str = "",
+                        extra: Mapping[str, Bound] | None = None) -> None:
+    """Every setting of the table (and of ``extra``: the bounds the run's method declares on its settings,
+    ``method.<key>``) that the composed config ``cfg`` holds (all of them, or those under ``prefixes``), and the
+    products the table bounds (:data:`MAX_CANDIDATES`). ``at``: the key of ``cfg`` in the whole config (``metric``
+    for a run's metric config). Values that do not resolve here are left to the setting's own check."""
     from omegaconf import OmegaConf
 
     def value_of(key: str):
@@ -300,11 +257,13 @@ def check_config_bounds(cfg, prefixes: Sequence[str] | None = None, at: str = ""
             found = OmegaConf.to_container(found, resolve=True) if OmegaConf.is_list(found) else _ABSENT
         return found
 
-    keys = [k for k in BOUNDS if prefixes is None or k.startswith(tuple(prefixes))]
-    for key in keys:
+    table = {**BOUNDS, **(extra or {})}
+    for key, bound in table.items():
+        if prefixes is not None and not key.startswith(tuple(prefixes)):
+            continue
         value = value_of(key)
         if value is not _ABSENT and value != "???":
-            check_bound(key, value)
+            check_bound(key, value, bound=bound)
     prompts, n_max = value_of("task.prompts"), value_of("task.n_max")
     if is_integer(prompts) and is_integer(n_max) and prompts * n_max > MAX_CANDIDATES:
         raise UserError(f"task.prompts={prompts} x task.n_max={n_max} = {prompts * n_max} candidates per split is too "

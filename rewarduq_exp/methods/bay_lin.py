@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.setting_bounds import Bound
 from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
 from rewarduq_exp.methods.settings import (
     AdamWSettings,
@@ -59,7 +60,6 @@ from rewarduq_exp.methods.settings import (
     one_of,
     positive,
     setting,
-    whole,
 )
 
 HESSIAN_MODES = ("unweighted", "weighted")
@@ -99,7 +99,8 @@ class BayLinSettings(FeatureHeadSettings, AdamWSettings, config="bay_lin"):
     hessian: str = setting(check=listed(HESSIAN_MODES), doc="unweighted (paper) | weighted (BT curvature per pair)")
     center_features: bool = setting(check=cast(bool), doc="u at z - mean(z_train) (ablation)")
     prior_precision: str = setting(check=one_of(PRIOR_PRECISION_MODES), doc="fixed | marglik")
-    marglik_refits: int = setting(check=whole(0, 100), doc="marglik: rounds of refitting theta and lambda")
+    marglik_refits: int = setting(bound=Bound(0, 100, "refits", "each trains BAY-LIN's head again; lambda settles in "
+                                              "2-4"), doc="marglik: rounds of refitting theta and lambda")
 
     def validate(self) -> None:
         super().validate()

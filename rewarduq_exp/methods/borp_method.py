@@ -22,6 +22,7 @@ import pandas as pd
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.hashing import stable_hash
+from rewarduq_exp.core.setting_bounds import WIDTH, Bound
 from rewarduq_exp.methods.base import RewardMethod, Scores, read_method_info, saved_size, write_method_info
 from rewarduq_exp.methods.borp import (
     BorpPrediction,
@@ -84,12 +85,15 @@ class BorpSettings(MethodSettings, config="borp"):
     :class:`~rewarduq_exp.methods.borp.BorpProbe` (its messages)."""
 
     regressor: str = setting(doc="pls | pca")
-    n_components: int | None = setting(doc="null: chosen by cross-validation")
-    cv_folds: int = setting(check=cast(int), doc="folds of the cross-validation")
+    n_components: int | None = setting(doc="null: chosen by cross-validation",
+                                       bound=Bound(1, WIDTH, "components", "more than any backbone's width, the "
+                                                   "features' dimension", allow=(None,)))
+    cv_folds: int = setting(bound=Bound(2, 1000, "folds", "every fold fits the regressor again"),
+                            doc="folds of the cross-validation")
     extra_features: bool = setting(check=cast(bool), doc="append ||d|| and the distance to the centroid")
     resample: bool = setting(check=cast(bool), doc="geometric resampling of the training set")
     resample_power: float = setting(check=cast(float), doc="0: no change .. 1: flat histogram")
-    score_range: list = setting(check=cast(lambda v: [float(x) for x in v], "a list of numbers"),
+    score_range: list[float] = setting(check=cast(lambda v: [float(x) for x in v], "a list of numbers"),
                                doc="[low, high] of the ratings")
     beta: float = setting(check=_beta, doc="bounds score +- beta * u")
     baselines: bool = setting(check=cast(bool), doc="also score with the judge and a mean-pooled ridge")

@@ -45,13 +45,14 @@ from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.payload_bounds import MAX_FEATURE_DIM, AtMost, Expected
 from rewarduq_exp.core.progress import progress
 from rewarduq_exp.core.saved_files import load_safetensors
+from rewarduq_exp.core.setting_bounds import Bound
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.methods.base import Scores, bradley_terry_nll
 from rewarduq_exp.methods.lora import adapters
 from rewarduq_exp.methods.lora.body import fresh_head, member_seed
 from rewarduq_exp.methods.lora.memory import mixed_setting
 from rewarduq_exp.methods.lora.method import LoRARewardMethod, LoRASettings
-from rewarduq_exp.methods.settings import auto_flag, positive, setting
+from rewarduq_exp.methods.settings import auto_flag, setting
 from rewarduq_exp.models.multi_lora import MultiLoRAModel, from_peft, quiet_peft
 
 __all__ = ["EnsLoRA", "member_seed"]
@@ -61,7 +62,8 @@ __all__ = ["EnsLoRA", "member_seed"]
 class EnsLoRASettings(LoRASettings, config="ens_lora"):
     """Defaults and comments: ``conf/method/ens_lora.yaml``."""
 
-    num_members: int = setting(check=positive(cast=int, integer=True, minimum=2, inclusive=True), doc="K")
+    num_members: int = setting(bound=Bound(2, 256, "members", "the paper's K is 8; each member is a LoRA adapter on "
+                                           "every Linear of the backbone, with a replica of every batch"), doc="K")
     mixed_adapter_training: bool | str = setting(runtime=True, check=auto_flag, doc="all members in one batched "
                                                                                   "forward in training")
     mixed_adapter_scoring: bool | str = setting(runtime=True, check=auto_flag, doc="... and in scoring")

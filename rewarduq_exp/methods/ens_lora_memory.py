@@ -21,7 +21,6 @@ from rewarduq_exp.methods.lora.memory import (
     training_phase,
 )
 from rewarduq_exp.models.memory_plan import Phase, Plan, PlanContext
-from rewarduq_exp.models.token_budget import check_setting
 
 
 def plan(ctx: PlanContext) -> Plan:
@@ -30,19 +29,19 @@ def plan(ctx: PlanContext) -> Plan:
     budget in member-tokens."""
     m, a = ctx.method, ctx.arch
     k = int(m.num_members)
-    mixed_auto = m.get("mixed_adapter_training", "auto") == "auto"
-    choice = planned_training(ctx, k, mixed_setting(m.get("mixed_adapter_training", "auto"),
-                                                    "method.mixed_adapter_training"), mixed_auto)
+    mixed_auto = m.mixed_adapter_training == "auto"
+    choice = planned_training(ctx, k, mixed_setting(m.mixed_adapter_training, "method.mixed_adapter_training"),
+                              mixed_auto)
     body, trainable = body_trainable(ctx, k)
     running = k if choice.mixed else 1
 
     def phase(ckpt: bool) -> Phase:
         return training_phase(ctx, f"{k} LoRA adapters + heads", running, choice, ckpt, k)
 
-    rows_cap = check_setting(m.get("score_batch_size", "auto"), "method.score_batch_size")
-    per_text = k if mixed_setting(m.get("mixed_adapter_scoring", "auto"), "method.mixed_adapter_scoring") else 1
+    rows_cap = m.score_batch_size
+    per_text = k if mixed_setting(m.mixed_adapter_scoring, "method.mixed_adapter_scoring") else 1
     per_token = inference_token_cost(ctx)
-    tokens = ctx.budget_tokens(m.get("score_batch_tokens", "auto"), "method.score_batch_tokens", per_token,
+    tokens = ctx.budget_tokens(m.score_batch_tokens, "method.score_batch_tokens", per_token,
                                body + trainable * 4, None if rows_cap == "auto" else rows_cap * per_text)
     scoring = Phase("scoring", {"frozen body": body, f"{k} LoRA adapters + heads": trainable * 4,
                                 f"activations (inference, batches of {tokens:,} member-tokens)": tokens * per_token})
@@ -52,7 +51,7 @@ def plan(ctx: PlanContext) -> Plan:
              "scoring": k * (2 * a.params_body + 2 * lora) * 2 * ctx.n_eval * ctx.mean_tokens}
     plan = ctx.plan(a.params_body + trainable, trainable, [phase(ckpt), scoring], flops, checkpointing=ckpt)
     plan.without_checkpointing = max(phase(not ckpt).peak, scoring.peak)
-    micro_setting = check_setting(m.get("micro_batch_size", "auto"), "method.micro_batch_size")
+    micro_setting = m.micro_batch_size
     plan.notes.append(f"micro-batch of {choice.micro_batch_size} pairs x {running} member(s) "
                       f"({'auto' if micro_setting == 'auto' else 'as set'}), activation checkpointing "
                       f"{'on' if ckpt else 'off'}")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.setting_bounds import WIDTH, Bound
 from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
 from rewarduq_exp.methods.settings import AdamWSettings, FeatureHeadSettings, positive, setting
 from rewarduq_exp.methods.training import run_training
@@ -85,9 +86,13 @@ class BatchedMLPHeads(nn.Module):
 class EnsMLPSettings(FeatureHeadSettings, AdamWSettings, config="ens_mlp"):
     """Defaults and comments: ``conf/method/ens_mlp.yaml``."""
 
-    num_heads: int = setting(check=positive(integer=True, minimum=2, inclusive=True), doc="K")
-    hidden_dim: int = setting(check=positive(integer=True, minimum=1, inclusive=True))
-    num_hidden_layers: int = setting(check=positive(integer=True, minimum=1, inclusive=True))
+    num_heads: int = setting(bound=Bound(2, 1024, "heads", "the paper's K is 20; each head is an MLP trained with its "
+                                         "gradients, AdamW states and anchor copy; their memory is checked against "
+                                         "the device's too"), doc="K")
+    hidden_dim: int = setting(bound=Bound(1, WIDTH, "units", "the paper's heads have 128; K heads of this width are "
+                                          "checked against the device's memory too"))
+    num_hidden_layers: int = setting(bound=Bound(1, 256, "layers", "the paper's heads have 2; each layer is a "
+                                                 "hidden_dim^2 matrix per head"))
     init_gain: float = setting(check=positive(), doc="Xavier-uniform gain")
     reg_lambda: float = setting(check=positive(inclusive=True), doc="lambda: anchor to the initial parameters")
     center_gamma: float = setting(check=positive(inclusive=True), doc="gamma: mean (r_c + r_r)^2")

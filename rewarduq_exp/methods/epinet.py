@@ -53,8 +53,9 @@ import torch
 from torch import nn
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.setting_bounds import WIDTH, Bound
 from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
-from rewarduq_exp.methods.settings import AdamWSettings, FeatureHeadSettings, one_of, positive, setting, whole
+from rewarduq_exp.methods.settings import AdamWSettings, FeatureHeadSettings, one_of, positive, setting
 
 INDEX_DISTRIBUTIONS = ("gaussian", "sphere", "one_hot")
 EPINET_INPUTS = ("features_and_hidden", "hidden")   # x~ = [z, phi(z)] | phi(z)
@@ -132,17 +133,28 @@ class EpinetHead(nn.Module):
 class EpinetSettings(FeatureHeadSettings, AdamWSettings, config="epinet"):
     """Defaults and comments: ``conf/method/epinet.yaml``."""
 
-    hidden_dim: int = setting(check=whole(1, 65_536), doc="base head mu's width")
-    num_hidden_layers: int = setting(check=whole(1, 256), doc="base head mu's depth")
-    index_dim: int = setting(check=whole(1, MAX_INDEX_DIM), doc="D: size of the epistemic index xi")
+    hidden_dim: int = setting(bound=Bound(1, WIDTH, "units", "the base head is an ENS-MLP head; 128 by default"),
+                              doc="base head mu's width")
+    num_hidden_layers: int = setting(bound=Bound(1, 256, "layers", "each layer is a hidden_dim^2 matrix"),
+                                     doc="base head mu's depth")
+    index_dim: int = setting(bound=Bound(1, MAX_INDEX_DIM, "dimensions", "the epinet papers use 8-30; g's output, "
+                                         "the prior ensemble and each index grow with it"),
+                             doc="D: size of the epistemic index xi")
     index_distribution: str = setting(check=one_of(INDEX_DISTRIBUTIONS), doc="reference distribution of xi")
-    epinet_hidden_dim: int = setting(check=whole(1, 65_536), doc="width of the learnable epinet g")
-    epinet_num_hidden_layers: int = setting(check=whole(1, 256), doc="hidden layers of g")
-    prior_hidden_dim: int = setting(check=whole(1, 65_536), doc="width of each fixed prior MLP")
+    epinet_hidden_dim: int = setting(bound=Bound(1, WIDTH, "units", "the epinet is a small MLP; 64 by default"),
+                                     doc="width of the learnable epinet g")
+    epinet_num_hidden_layers: int = setting(bound=Bound(1, 256, "layers", "each layer is an epinet_hidden_dim^2 "
+                                                        "matrix"), doc="hidden layers of g")
+    prior_hidden_dim: int = setting(bound=Bound(1, WIDTH, "units", "index_dim prior MLPs of this width"),
+                                    doc="width of each fixed prior MLP")
     prior_scale: float = setting(check=positive(inclusive=True), doc="weight of the prior network (0: none)")
     epinet_input: str = setting(check=one_of(EPINET_INPUTS), doc="what the epinet and the prior read")
-    num_index_samples: int = setting(check=whole(1, MAX_INDEX_DRAWS), doc="indices drawn per training batch")
-    num_eval_indices: int = setting(check=whole(2, MAX_INDEX_DRAWS), doc="fixed indices for prediction")
+    num_index_samples: int = setting(bound=Bound(1, MAX_INDEX_DRAWS, "indices", "each is one more copy of the "
+                                                 "epinet's activations of every training row"),
+                                     doc="indices drawn per training batch")
+    num_eval_indices: int = setting(bound=Bound(2, MAX_INDEX_DRAWS, "indices", "each is one more copy of the "
+                                                "epinet's activations of every scored row"),
+                                    doc="fixed indices for prediction")
     reg_lambda: float = setting(check=positive(inclusive=True), doc="L2 x mean squared trainable parameter")
     center_gamma: float = setting(check=positive(inclusive=True), doc="gamma: mean (r_c + r_r)^2 over indices")
     beta: float = setting(check=positive(), doc="bounds reward +- beta * u")
@@ -205,7 +217,7 @@ class Epinet(FeatureHeadMethod):
             parts["L2 penalty (p^2, kept for backward)"] = trainable * 4
         rows = 2 * batch
         train = (rows * (feature_dim + 2 * h * nh) + s * rows * ((ne + 2) * e + 2 * k) + 2 * k * rows * p) * 4
-        chunk = int(m.get("score_batch_size") or EpinetSettings.__dataclass_fields__["score_batch_size"].default)
+        chunk = int(m.score_batch_size)
         chunk = min(chunk, ctx.n_eval) if ctx.n_eval else chunk
         score = (chunk * (feature_dim + 2 * h) + cls._eval_count(m) * chunk * ((min(ne, 2) + 1) * e + 2 * k)
                  + 2 * k * chunk * p) * 4

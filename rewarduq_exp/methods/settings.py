@@ -35,15 +35,29 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.setting_bounds import AUTO, BATCH_ROWS, TOKENS, Bound, check_bound
+
+# Bounds several families share (a method's own are written on its fields).
+_ROWS_WHY = ("more than most preference datasets hold, UltraFeedback 62K pairs; the paper's batches are 16-64 "
+             "pairs, and a batch's activations are held at once")
+PAIRS_PER_STEP = Bound(1, BATCH_ROWS, "pairs", _ROWS_WHY)
+PAIRS_PER_FORWARD = Bound(1, BATCH_ROWS, "pairs", _ROWS_WHY, allow=(AUTO,))
+ROWS_PER_SCORING_FORWARD = Bound(1, BATCH_ROWS, "rows", "one forward holds the activations of every row; auto lets "
+                                 "the token budget decide", allow=(AUTO,))
+TOKENS_PER_SCORING_FORWARD = Bound(1, TOKENS, "tokens", "16x the largest budget auto picks, 65,536 on a GPU; one "
+                                   "forward holds the activations of every token", allow=(AUTO,))
+LOG_EVERY = Bound(1, None, "steps")
 
 
-def setting(*, default=MISSING, runtime: bool = False, check=None, doc: str = ""):
+def setting(*, default=MISSING, runtime: bool = False, check=None, bound: Bound | None = None, doc: str = ""):
     """A field of a settings dataclass. ``default``: only on a base class, for a value its configs never write (or
     write as an interpolation); otherwise the default comes from the method's YAML. ``runtime``: changes how the
     method runs, never saved in ``method.json``. ``check(value, key) -> value``: the one-line check of the value (it
-    may normalise it, e.g. ``float``), ``key`` is ``method.<name>``. ``doc``: what it is (the YAML's comment says
-    more)."""
-    meta = {"runtime": runtime, "check": check, "doc": doc}
+    may normalise it, e.g. ``float``), ``key`` is ``method.<name>``. ``bound``: an integer setting's range
+    (:class:`~rewarduq_exp.core.setting_bounds.Bound`: the limit and why), checked before ``check`` here and, before
+    anything is built, on the command line and in a run's composed config (:meth:`MethodSettings.bounds`): the one
+    place a method's integer bounds are written. ``doc``: what it is (the YAML's comment says more)."""
+    meta = {"runtime": runtime, "check": check, "bound": bound, "doc": doc}
     if isinstance(default, list):
         return field(default_factory=functools.partial(list, default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -64,6 +78,8 @@ class MethodSettings:
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
+            if f.metadata.get("bound") is not None:
+                check_bound(f"method.{f.name}", getattr(self, f.name), bound=f.metadata["bound"])
             check = f.metadata.get("check")
             if check is not None:
                 setattr(self, f.name, check(getattr(self, f.name), f"method.{f.name}"))
@@ -88,6 +104,20 @@ class MethodSettings:
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def bounds(cls) -> dict[str, Bound]:
+        """``method.<name>`` -> the bound of each integer setting (the command line's and the composed config's checks
+        read them from here, through :func:`~rewarduq_exp.methods.registry.method_bounds`)."""
+        return {f"method.{f.name}": f.metadata["bound"] for f in dataclasses.fields(cls)
+                if f.metadata.get("bound") is not None}
+
+    @classmethod
+    def real_valued(cls) -> frozenset[str]:
+        """``method.<name>`` of the settings typed ``float`` (or ``list[float]``, ``float | None``): they take any
+        number though their config may write a whole one (``num_epochs: 1``); every other setting with a whole
+        default takes integers only."""
+        return frozenset(f"method.{f.name}" for f in dataclasses.fields(cls) if "float" in str(f.type))
 
     @classmethod
     def runtime_names(cls) -> list[str]:
@@ -234,7 +264,7 @@ def _take_defaults(cls, config) -> None:
             raise broken(f"{key} has a default both in code and in the config; write it once, in the config")
         if key not in own:
             own[key] = current.type
-        setattr(cls, key, setting(default=value, **{k: current.metadata.get(k) for k in ("runtime", "check")},
+        setattr(cls, key, setting(default=value, **{k: current.metadata.get(k) for k in ("runtime", "check", "bound")},
                                   doc=current.metadata.get("doc", "")))
     for key in list(own) + list(inherited):
         current = cls.__dict__.get(key, MISSING) if key in own else inherited[key]
@@ -253,7 +283,7 @@ class AdamWSettings(MethodSettings):
     clipping (:class:`~rewarduq_exp.methods.schedule.TrainingSchedule`, which checks them together)."""
 
     learning_rate: float = setting(doc="AdamW's peak learning rate")
-    batch_size: int = setting(doc="pairs per optimiser step")
+    batch_size: int = setting(bound=PAIRS_PER_STEP, doc="pairs per optimiser step")
     num_epochs: float = setting(doc="passes over the training pairs")
     warmup_ratio: float = setting(doc="share of the steps of linear warm-up")
     weight_decay: float = setting(doc="AdamW's decoupled weight decay")
@@ -277,10 +307,11 @@ class FeatureHeadSettings(MethodSettings):
 
     seed: int = setting(default=0, check=cast(int), doc="initialisation and minibatch order")
     device: str = setting(default="auto", runtime=True, doc="auto | cpu | cuda | cuda:<i>")
-    score_batch_size: int = setting(default=4096, runtime=True, check=cast(int), doc="features per scoring batch")
+    score_batch_size: int = setting(default=4096, runtime=True, check=cast(int), bound=ROWS_PER_SCORING_FORWARD,
+                                    doc="features per scoring batch")
     show_progress: bool = setting(default=True, runtime=True, doc="progress bars")
-    log_every: int = setting(default=10, runtime=True, check=cast(int), doc="a training-log record every this "
-                                                                             "many steps")
+    log_every: int = setting(default=10, runtime=True, check=cast(int), bound=LOG_EVERY,
+                             doc="a training-log record every this many steps")
 
 
 @dataclass(kw_only=True)
@@ -289,5 +320,5 @@ class LabelRankingSettings(MethodSettings):
 
     seed: int = setting(default=0, check=cast(int), doc="initialisation, minibatch order, random_state")
     show_progress: bool = setting(default=False, runtime=True, check=cast(bool), doc="progress bars")
-    log_every: int = setting(default=10, runtime=True, check=cast(int), doc="a training-log record every this "
-                                                                             "many steps")
+    log_every: int = setting(default=10, runtime=True, check=cast(int), bound=LOG_EVERY,
+                             doc="a training-log record every this many steps")

@@ -108,9 +108,11 @@ def attention_flops(a: Architecture, tokens: float, mean_tokens: int) -> float:
 
 @dataclass
 class PlanContext:
-    """What a method's memory model is given: the composed train config (``cfg.method`` holds its settings), the
-    backbone's shapes on the meta device, the device and the backbone's dtype there, and the data sizes. Sequences
-    are planned at ``length`` (max_length) tokens, times at ``mean_tokens``."""
+    """What a method's memory model is given: the composed train config, the method's settings as its constructor
+    checks them (``method``: its settings dataclass, so a memory model reads ``ctx.method.num_heads`` already checked
+    and normalised, never the raw config node), the backbone's shapes on the meta device, the device and the
+    backbone's dtype there, and the data sizes. Sequences are planned at ``length`` (max_length) tokens, times at
+    ``mean_tokens``."""
 
     cfg: DictConfig
     name: str
@@ -122,10 +124,7 @@ class PlanContext:
     length: int
     mean_tokens: int
     tflops: float
-
-    @property
-    def method(self) -> DictConfig:
-        return self.cfg.method
+    method: object   # the method's checked settings (a MethodSettings dataclass)
 
     @property
     def math_kernel(self) -> bool:

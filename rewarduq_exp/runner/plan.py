@@ -158,8 +158,18 @@ def make_plan(cfg: DictConfig) -> Plan:
     length = int(cfg.max_length)
     mean_tokens = int(OmegaConf.select(cfg, "plan.mean_tokens", default=None) or length)
     tflops = float(OmegaConf.select(cfg, "plan.tflops", default=None) or DEFAULT_TFLOPS)
-    ctx = PlanContext(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens, tflops)
-    return method_class(name).plan_memory(ctx)
+    cls = method_class(name)
+    ctx = PlanContext(cfg, name, a, device, dtype, n_train, n_eval, length, mean_tokens, tflops,
+                      method=checked_settings(cls, cfg.method))
+    return cls.plan_memory(ctx)
+
+
+def checked_settings(cls, method_cfg):
+    """The settings of method class ``cls`` that a composed ``method`` config gives, checked as its constructor checks
+    them (a value it refuses is the same one-line error here, before anything is planned)."""
+    values = OmegaConf.to_container(method_cfg, resolve=True)
+    values.pop("_target_", None)
+    return cls.settings_class.build(values)
 
 
 # ---------------------------------------------------------------------------------------------------- output

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from rewarduq_exp.core.checks import check_integer, check_seed, is_seed
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.setting_bounds import check_config_bounds
+from rewarduq_exp.methods.registry import method_bounds
 from rewarduq_exp.metrics import check_alphas, check_n_bins
 from rewarduq_exp.metrics.kwise import check_tie_rule
 from rewarduq_exp.metrics.reward_bench import check_scoring
@@ -46,7 +47,7 @@ def validate_run_config(cfg: DictConfig) -> None:
     (:mod:`rewarduq_exp.core.setting_bounds`), also when it comes from a config file, and the sizes that depend on
     the backbone or the device checked against them (:func:`check_model_limits`), before anything is allocated."""
     check_seeds(cfg)
-    check_config_bounds(cfg)
+    check_config_bounds(cfg, extra=method_bounds(cfg.get("method")))   # the method's own bounds: its settings
     check_integer("max_length", cfg.max_length, minimum=1)
     validate_metric_config(cfg.metric)
     check_cache_dir(cfg.paths.cache_dir)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import brentq
 
+from rewarduq_exp.core.setting_bounds import Bound
 from rewarduq_exp.methods.base import LabelRankingMethod
 from rewarduq_exp.methods.label_ranking._common import check_xy
 from rewarduq_exp.methods.settings import LabelRankingSettings, cast, setting
@@ -17,10 +18,13 @@ from rewarduq_exp.ranking.mallows import Mallows, expected_distance
 class MallowsSettings(LabelRankingSettings, config="mallows"):
     """Defaults and comments: ``conf/method/mallows.yaml``."""
 
-    max_iter: int = setting(check=cast(int), doc="local-search steps at most")
+    max_iter: int = setting(bound=Bound(1, 10_000_000, "steps", "a local search that has not converged by then will "
+                                        "not"), doc="local-search steps at most")
     theta_max: float = setting(check=cast(float), doc="upper bound of theta")
-    mc_samples: int = setting(check=cast(int), doc="Monte-Carlo samples of sub-k marginals")
-    exact_max_m: int = setting(check=cast(int), doc="up to this many items, exact enumeration")
+    mc_samples: int = setting(bound=Bound(1, 10_000_000, "samples", "each is a ranking held in memory; the default "
+                                          "is 20,000"), doc="Monte-Carlo samples of sub-k marginals")
+    exact_max_m: int = setting(bound=Bound(1, 10, "items", "exact enumeration holds all m! rankings: 10! is 3.6M, 11! "
+                                           "is 40M"), doc="up to this many items, exact enumeration")
 
 
 class MallowsLearner(LabelRankingMethod):

@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.setting_bounds import BATCH_ROWS, WIDTH, Bound
 from rewarduq_exp.methods.base import LabelRankingMethod, TrainingSchedule, run_training, saved_size
 from rewarduq_exp.methods.label_ranking._common import check_xy
 from rewarduq_exp.methods.label_ranking.temperature import fit_temperature
-from rewarduq_exp.methods.settings import LabelRankingSettings, cast, positive, setting
+from rewarduq_exp.methods.settings import LabelRankingSettings, cast, setting
 from rewarduq_exp.ranking.categorical import RankCategorical
 from rewarduq_exp.ranking.permutations import ranks_to_orderings
 from rewarduq_exp.ranking.plackett_luce import PlackettLuce
@@ -68,12 +69,18 @@ class NetSettings(LabelRankingSettings):
     """What PL and RC share; the defaults are each learner's (``conf/method/plackett_luce.yaml``,
     ``conf/method/rank_classifier.yaml``)."""
 
-    hidden: list = setting(check=_widths, doc="hidden layer widths")
+    hidden: list = setting(check=_widths, doc="hidden layer widths",
+                           bound=Bound(1, WIDTH, "units", "the paper's label rankers have two layers of 100",
+                                       each=True))
     learning_rate: float = setting(doc="Adam's constant learning rate")
-    num_epochs: int = setting(check=positive(cast=int, integer=True), doc="passes over the training rows")
-    batch_size: int = setting(doc="rows per step")
+    num_epochs: int = setting(bound=Bound(1, 1_000_000, "epochs", "each epoch passes over every training row"),
+                              doc="passes over the training rows")
+    batch_size: int = setting(bound=Bound(1, BATCH_ROWS, "rows", "a batch's activations are held at once"),
+                              doc="rows per step")
     weight_decay: float = setting(doc="AdamW's decoupled weight decay (0: Adam)")
-    num_threads: int | None = setting(runtime=True, doc="torch threads while fitting (null: torch's default)")
+    num_threads: int | None = setting(runtime=True, doc="torch threads while fitting (null: torch's default)",
+                                      bound=Bound(1, 4096, "threads", "more threads than any machine has cores",
+                                                  allow=(None,)))
 
     def schedule(self) -> TrainingSchedule:
         """Appendix C: Adam with a constant learning rate and no clipping."""

@@ -10,6 +10,7 @@ import numpy as np
 from scipy.special import expit, logsumexp
 
 from rewarduq_exp.core.checks import check_positive
+from rewarduq_exp.core.setting_bounds import Bound
 from rewarduq_exp.methods.label_ranking.rpc import PairwiseSettings, RPCLearner
 from rewarduq_exp.methods.settings import one_of, positive, setting
 from rewarduq_exp.ranking.plackett_luce import PlackettLuce
@@ -162,7 +163,9 @@ class PLRPCSettings(PairwiseSettings, config="pl_rpc"):
     """Defaults and comments: ``conf/method/pl_rpc.yaml``."""
 
     aggregation: str = setting(check=one_of(PL_RPC_AGGREGATIONS), doc="mle | zermelo_reference")
-    n_iter: int = setting(check=positive(cast=int, integer=True), doc="Zermelo steps, or Newton steps at most")
+    n_iter: int = setting(check=positive(cast=int, integer=True), doc="Zermelo steps, or Newton steps at most",
+                          bound=Bound(0, 1_000_000, "iterations", "the maximum-likelihood fit needs 5-15, the "
+                                      "reference 100"))
     tol: float = setting(check=positive(cast=float), doc="mle: Newton's stopping tolerance")
 
 

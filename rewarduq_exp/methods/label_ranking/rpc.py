@@ -13,6 +13,7 @@ from sklearn.tree import DecisionTreeClassifier
 
 from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.core.errors import UserError, first_line
+from rewarduq_exp.core.setting_bounds import Bound
 from rewarduq_exp.methods.base import LabelRankingMethod, saved_size
 from rewarduq_exp.methods.label_ranking._common import check_xy
 from rewarduq_exp.methods.settings import LabelRankingSettings, cast, setting
@@ -45,9 +46,12 @@ def _damaged_models_file(path: Path, err: Exception) -> UserError:
 class PairwiseSettings(LabelRankingSettings):
     """What RPC and PL-RPC share (``conf/method/rpc.yaml``, ``conf/method/pl_rpc.yaml``)."""
 
-    cv: int = setting(check=cast(int), doc="Platt scaling's cross-validation folds")
+    cv: int = setting(bound=Bound(2, 1000, "folds", "every fold fits every pair's classifier again"),
+                      doc="Platt scaling's cross-validation folds")
     eps: float = setting(check=cast(float), doc="pairwise probabilities clipped to [eps, 1 - eps]")
-    n_jobs: int | None = setting(runtime=True, doc="pairs fitted in parallel (joblib)")
+    n_jobs: int | None = setting(runtime=True, doc="pairs fitted in parallel (joblib)",
+                                 bound=Bound(-4096, 4096, "jobs", "more jobs than any machine has cores (a negative "
+                                             "count is joblib's: -1 = every core)", allow=(None,)))
 
 
 @dataclass(kw_only=True)

@@ -17,7 +17,7 @@ from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.lora.memory import body_trainable, planned_training, training_flops, training_phase
 from rewarduq_exp.models.activation_memory import training_token_bytes
 from rewarduq_exp.models.memory_plan import Phase, Plan, PlanContext
-from rewarduq_exp.models.token_budget import budget_from_memory, check_setting
+from rewarduq_exp.models.token_budget import budget_from_memory
 
 # A text's Jacobian of one block and laplace-torch's inv_square_form on it (W, Q1^T W Q2, its scaled copy, Q1 .. Q2^T,
 # the product): float32 copies of the block's weight per text, alive together.
@@ -66,8 +66,7 @@ def plan(ctx: PlanContext) -> Plan:
     ckpt = choice.gradient_checkpointing
     weights = {"frozen body": body, "LoRA adapter + head (float32 weights and gradients)": 2 * trainable * 4}
     cost = training_token_bytes(a, ctx.length, ctx.dtype_bytes, ctx.math_kernel, False)
-    tokens_setting = check_setting(m.get("score_batch_tokens", "auto"), "method.score_batch_tokens")
-    rows_cap = check_setting(m.get("score_batch_size", "auto"), "method.score_batch_size")
+    tokens_setting, rows_cap = m.score_batch_tokens, m.score_batch_size
 
     def tokens(row_bytes: float) -> int:
         if tokens_setting != "auto":
@@ -104,7 +103,7 @@ def plan(ctx: PlanContext) -> Plan:
     plan = ctx.plan(a.params_body + trainable, trainable, [training(ckpt), curvature, decomposition, scoring],
                     flops, checkpointing=ckpt)
     plan.without_checkpointing = max(training(not ckpt).peak, curvature.peak, decomposition.peak, scoring.peak)
-    micro_setting = check_setting(m.get("micro_batch_size", "auto"), "method.micro_batch_size")
+    micro_setting = m.micro_batch_size
     plan.notes.append(f"micro-batch of {choice.micro_batch_size} pairs "
                       f"({'auto' if micro_setting == 'auto' else 'as set'}), activation checkpointing "
                       f"{'on' if ckpt else 'off'} in training (never in the Laplace passes); K-FAC over "

@@ -21,7 +21,7 @@ from rewarduq_exp.models.activation_memory import (
     training_token_bytes,
 )
 from rewarduq_exp.models.memory_plan import DTYPE_BYTES, Phase, PlanContext, attention_flops
-from rewarduq_exp.models.token_budget import check_setting, choose_micro_batch, fits_in_memory
+from rewarduq_exp.models.token_budget import choose_micro_batch, fits_in_memory
 
 
 def mixed_setting(value, key: str) -> bool:
@@ -66,7 +66,7 @@ def body_trainable(ctx: PlanContext, members: int) -> tuple[float, int]:
     """(bytes of the frozen body on the device, trainable parameters of ``members`` LoRA adapters + heads) of a run
     of ``ctx`` (LoRA on every Linear of the body: the only targets the planner knows the shapes of)."""
     m, a = ctx.method, ctx.arch
-    if m.get("target_modules", "all-linear") != "all-linear":
+    if m.target_modules != "all-linear":
         raise UserError(f"plan: {ctx.name} is planned for method.target_modules=all-linear only")
     return a.params_body * DTYPE_BYTES[ctx.dtype], members * (a.lora_params(int(m.lora_rank)) + a.hidden)
 
@@ -79,8 +79,7 @@ def planned_training(ctx: PlanContext, members: int, mixed: bool, mixed_auto: bo
     return choose_training(ctx.arch, ctx.length, ctx.dtype_bytes, ctx.math_kernel, ctx.device,
                            ctx.memory() - body - trainable * 4, trainable, min(int(m.batch_size), ctx.n_train),
                            members, mixed, mixed_auto,
-                           check_auto_flag(m.get("gradient_checkpointing", "auto"), "method.gradient_checkpointing"),
-                           check_setting(m.get("micro_batch_size", "auto"), "method.micro_batch_size"))
+                           m.gradient_checkpointing, m.micro_batch_size)
 
 
 def training_phase(ctx: PlanContext, label: str, members_running: int, choice: TrainingChoice, ckpt: bool,

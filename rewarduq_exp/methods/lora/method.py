@@ -35,11 +35,24 @@ import rewarduq_exp.methods.lora.body as body  # the module, not the package __i
 import rewarduq_exp.methods.lora.texts as texts  # the module, not the package __init__
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.setting_bounds import Bound
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.methods.base import RewardMethod, read_method_info, run_training, write_method_info
 from rewarduq_exp.methods.lora.memory import choose_training
 from rewarduq_exp.methods.lora.steps import ANCHORS, anchor_value, sum_over_processes
-from rewarduq_exp.methods.settings import AdamWSettings, auto_flag, auto_or_whole, cast, listed, positive, setting
+from rewarduq_exp.methods.settings import (
+    LOG_EVERY,
+    PAIRS_PER_FORWARD,
+    ROWS_PER_SCORING_FORWARD,
+    TOKENS_PER_SCORING_FORWARD,
+    AdamWSettings,
+    auto_flag,
+    auto_or_whole,
+    cast,
+    listed,
+    positive,
+    setting,
+)
 from rewarduq_exp.models.backbone import resolve_device
 from rewarduq_exp.models.shared_prefix import shared_prefix_hidden, token_batches
 
@@ -64,7 +77,8 @@ class LoRASettings(AdamWSettings):
     """What every LoRA reward model has; the defaults are each method's own (``conf/method/ens_lora.yaml``,
     ``conf/method/la_lora.yaml``)."""
 
-    lora_rank: int = setting(check=positive(cast=int, integer=True, minimum=1, inclusive=True), doc="r")
+    lora_rank: int = setting(bound=Bound(1, 8192, "", "a rank beyond the backbone's width adds nothing, and "
+                                         "Qwen3-32B is 5120 wide; the paper's is 16"), doc="r")
     lora_alpha: float = setting(check=positive(cast=float), doc="LoRA scaling alpha / r")
     lora_dropout: float = setting(check=_dropout, doc="LoRA dropout (training only)")
     target_modules: str | list = setting(check=_target_modules, doc="all-linear or a list of module names")
@@ -73,12 +87,14 @@ class LoRASettings(AdamWSettings):
     center_gamma: float = setting(check=positive(cast=float, inclusive=True), doc="gamma: mean (r_c + r_r)^2")
     beta: float = setting(check=positive(cast=float), doc="bounds reward +- beta * u")
     head_init: str = setting(check=listed(body.HEAD_INITS), doc="auto | pretrained | fresh")
-    micro_batch_size: int | str = setting(check=auto_or_whole, doc="pairs per forward + backward (auto: what fits)")
+    micro_batch_size: int | str = setting(check=auto_or_whole, bound=PAIRS_PER_FORWARD,
+                                          doc="pairs per forward + backward (auto: what fits)")
     gradient_checkpointing: bool | str = setting(runtime=True, check=auto_flag, doc="auto | true | false")
-    score_batch_size: int | str = setting(runtime=True, check=auto_or_whole, doc="texts per scoring forward")
-    score_batch_tokens: int | str = setting(runtime=True, check=auto_or_whole, doc="tokens per scoring forward")
-    log_every: int = setting(runtime=True, check=positive(cast=int, integer=True, minimum=1, inclusive=True),
-                             doc="a training-log record every this many steps")
+    score_batch_size: int | str = setting(runtime=True, check=auto_or_whole, bound=ROWS_PER_SCORING_FORWARD,
+                                          doc="texts per scoring forward")
+    score_batch_tokens: int | str = setting(runtime=True, check=auto_or_whole, bound=TOKENS_PER_SCORING_FORWARD,
+                                            doc="tokens per scoring forward")
+    log_every: int = setting(runtime=True, bound=LOG_EVERY, doc="a training-log record every this many steps")
     seed: int = setting(default=0, check=cast(int), doc="initialisation, minibatch order, dropout")
     device: str = setting(default="auto", runtime=True, doc="auto | cpu | cuda | cuda:<i>")
     show_progress: bool = setting(default=True, runtime=True, doc="progress bars")

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from rewarduq_exp.core.checks import check_auto_flag
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.models.activation_memory import inference_token_bytes, training_token_bytes
 from rewarduq_exp.models.memory_plan import Phase, Plan, PlanContext, attention_flops, budget_tokens
 from rewarduq_exp.models.shapes import Architecture
-from rewarduq_exp.models.token_budget import check_setting
 
 # Logit elements one chunk of the chunked log-softmax may hold (rows x positions x vocabulary): 64M float32 values,
 # 256 MB. Large chunks keep the LM head's GEMM efficient on a GPU (64 positions x 152k vocabulary is a skinny one).
@@ -105,12 +103,11 @@ def plan(ctx: PlanContext) -> Plan:
     bf16 = dtype == "bfloat16"
     cuda = device == "cuda"
     k = int(m.num_samples)
-    chunk_setting = check_setting(m.get("logprob_chunk", "auto"), "method.logprob_chunk")
+    chunk_setting = m.logprob_chunk
     chunk = auto_chunk(a.vocab, 1) if chunk_setting == "auto" else chunk_setting
     score_chunk = auto_chunk(a.vocab, k) if chunk_setting == "auto" else chunk_setting
-    gc = m.get("gradient_checkpointing", "auto")
-    gc = check_auto_flag(gc, "method.gradient_checkpointing")
-    micro_setting = check_setting(m.get("micro_batch_size", "auto"), "method.micro_batch_size")
+    gc = m.gradient_checkpointing
+    micro_setting = m.micro_batch_size
     batch = min(int(m.batch_size), n_train)
     memory = ctx.memory()
     weights = p * 4.0
@@ -131,10 +128,10 @@ def plan(ctx: PlanContext) -> Plan:
             parts[f"autocast's bf16 weight copies{' + one chunk of logits' if cuda else ''}"] = rest
         return Phase("training", parts)
 
-    rows_cap = check_setting(m.get("score_batch_size", "auto"), "method.score_batch_size")
+    rows_cap = m.score_batch_size
     head = scoring_head(a, k, score_chunk, bf16)
     per_token = scoring_token(a, length, math_kernel)
-    tokens = budget_tokens(m.get("score_batch_tokens", "auto"), "method.score_batch_tokens", cfg, device, per_token,
+    tokens = budget_tokens(m.score_batch_tokens, "method.score_batch_tokens", cfg, device, per_token,
                            2 * weights + head, None if rows_cap == "auto" else rows_cap, length)
     scoring = Phase("scoring", {"policy weights (float32)": weights, "reference weights (float32)": weights,
                                 f"activations (inference, batches of {tokens:,} tokens)": tokens * per_token,

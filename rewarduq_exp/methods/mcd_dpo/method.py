@@ -34,6 +34,7 @@ from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.payload_bounds import Expected, check_tensors
 from rewarduq_exp.core.progress import progress
 from rewarduq_exp.core.saved_files import check_safetensors
+from rewarduq_exp.core.setting_bounds import AUTO, BATCH_ROWS, Bound
 from rewarduq_exp.methods.base import (
     RewardMethod,
     Scores,
@@ -60,6 +61,11 @@ from rewarduq_exp.methods.mcd_dpo.memory import (
 from rewarduq_exp.methods.mcd_dpo.trainer import _checkpointing_key, _history, _make_trainer_class
 from rewarduq_exp.methods.mcd_dpo.weights import _load_params, _param_tensors, full_weights, load_causal_lm
 from rewarduq_exp.methods.settings import (
+    LOG_EVERY,
+    PAIRS_PER_FORWARD,
+    PAIRS_PER_STEP,
+    ROWS_PER_SCORING_FORWARD,
+    TOKENS_PER_SCORING_FORWARD,
     MethodSettings,
     auto_flag,
     auto_or_whole,
@@ -90,24 +96,31 @@ class McdDpoSettings(MethodSettings, config="mcd_dpo"):
     learning_rate: float = setting(check=cast(float), doc="eta")
     dpo_beta: float = setting(check=positive(cast=float), doc="beta of the DPO loss and the implicit reward")
     dropout: float = setting(check=_dropout, doc="p: dropout before the LM head (train and MC inference)")
-    num_samples: int = setting(check=positive(cast=int, integer=True, minimum=2, inclusive=True), doc="K masks")
+    num_samples: int = setting(bound=Bound(2, 10_000, "dropout masks", "the paper's K is 20; each mask is one more "
+                                           "pass of every scored token through the LM head"), doc="K masks")
     beta: float = setting(check=positive(cast=float), doc="bounds reward +- beta * u (0 leaves no interval)")
-    batch_size: int = setting(check=cast(int), doc="effective batch")
-    micro_batch_size: int | str = setting(check=auto_or_whole, doc="pairs per forward (auto: what fits)")
+    batch_size: int = setting(bound=PAIRS_PER_STEP, doc="effective batch")
+    micro_batch_size: int | str = setting(check=auto_or_whole, bound=PAIRS_PER_FORWARD,
+                                          doc="pairs per forward (auto: what fits)")
     num_epochs: float = setting(check=cast(float))
     warmup_ratio: float = setting(check=cast(float))
     weight_decay: float = setting(check=cast(float))
     # None (no clipping) or a number > 0; it reaches DPOConfig explicitly (see _make_trainer)
     max_grad_norm: float | None = setting(check=grad_norm, doc="clip the total gradient norm (null: off)")
-    score_batch_size: int | str = setting(runtime=True, check=auto_or_whole, doc="sequences per scoring forward")
-    score_batch_tokens: int | str = setting(runtime=True, check=auto_or_whole, doc="padded tokens per forward")
-    logprob_chunk: int | str = setting(runtime=True, check=auto_or_whole, doc="positions per log-softmax chunk")
+    score_batch_size: int | str = setting(runtime=True, check=auto_or_whole, bound=ROWS_PER_SCORING_FORWARD,
+                                          doc="sequences per scoring forward")
+    score_batch_tokens: int | str = setting(runtime=True, check=auto_or_whole, bound=TOKENS_PER_SCORING_FORWARD,
+                                            doc="padded tokens per forward")
+    logprob_chunk: int | str = setting(runtime=True, check=auto_or_whole, doc="positions per log-softmax chunk",
+                                       bound=Bound(1, BATCH_ROWS, "positions", "each position holds a whole "
+                                                   "vocabulary of logits: 65,536 positions of Qwen3's 151,936 words "
+                                                   "are 40 GB in float32; auto takes 64M logits", allow=(AUTO,)))
     gradient_checkpointing: bool | str = setting(runtime=True, check=auto_flag, doc="auto | true | false")
     seed: int = setting(default=0, check=cast(int), doc="initialisation, data order, dropout masks")
     device: str = setting(default="auto", runtime=True, doc="auto | cpu | cuda | cuda:<i>")
     show_progress: bool = setting(default=True, runtime=True, doc="progress bars")
-    log_every: int = setting(default=1, runtime=True, check=cast(int), doc="a training-log record every this many "
-                                                                           "steps")
+    log_every: int = setting(default=1, runtime=True, check=cast(int), bound=LOG_EVERY,
+                             doc="a training-log record every this many steps")
 
     def validate(self) -> None:
         super().validate()
