@@ -315,8 +315,8 @@ def active_learning(cfg, out_dir: Path) -> dict:
     learners = [r for r in runs if isinstance(makers[r.label](0), FeatureHeadMethod)]
     for r in runs:
         if r not in learners:
-            log.warning("skipping %s: active learning retrains frozen-backbone methods (ens_mlp, bay_lin) only",
-                        r.label)
+            log.warning("skipping %s: active learning retrains the heads on frozen features only (%s)", r.label,
+                        ", ".join(feature_head_methods()))
     for r in learners or runs[:1]:  # none left: the first run's refusal says why
         check_learner(makers[r.label](0), r.label, strategies)
     data = {r.label: pool_and_eval(r, cfg.task) for r in learners}  # every pool checked before any training

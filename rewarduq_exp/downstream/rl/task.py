@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from rewarduq_exp.core.atomic_write import write_atomic
 from rewarduq_exp.core.config_dir import CONF_DIR
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.downstream.active_learning import feature_head_methods
 from rewarduq_exp.downstream.overoptimization import world_settings
 from rewarduq_exp.downstream.rl.jobs import Job, run_jobs
 from rewarduq_exp.downstream.rl.objectives import CHOSEN, NEEDS_DRAWS, NEEDS_FEATURES
@@ -36,8 +37,6 @@ from rewarduq_exp.runner.trained_run import run_cache_dir
 
 log = logging.getLogger("rewarduq_exp")
 
-# heads on frozen features: each has draws (members, indices, posterior samples) and a feature space
-FEATURE_METHODS = ("ens_mlp", "bay_lin", "epinet")
 
 
 def policy_config(name, run_config):
@@ -107,10 +106,13 @@ def prepare_references(runs, cfg, out_dir: Path, device: str, show: bool) -> tup
 
 
 def _supported(method: str, objective: str) -> bool:
+    """Whether ``objective`` can use a run of ``method``: draws (members, indices, posterior samples) for
+    worst_case and filter, a feature space for knn; asked of the method's class (any head on frozen features has the
+    feature space; knn, ddu and sngp have no draws), never a list of names."""
     if objective in NEEDS_DRAWS:
-        return method in FEATURE_METHODS
+        return method in feature_head_methods(with_draws=True)
     if objective in NEEDS_FEATURES:
-        return method in FEATURE_METHODS
+        return method in feature_head_methods()
     return True
 
 
