@@ -43,7 +43,7 @@ what is alive then: the measured phase's weights included):
   whole scoring batch as ``sample_rewards`` runs it (``McdDpo.mask_rewards_ids``: the policy with K masks + the
   float32 reference copy, under the method's own autocast). Planned: the scoring phase (the K full passes: n/a, no
   configuration runs them).
-* BAY-LIN: the Laplace posterior precision and its Cholesky factor (``posterior_precision``, ``BayLin.set_precision``)
+* BAY-LIN: the Laplace posterior precision and its Cholesky factor (``FullPosterior.fit``)
   at the backbone's hidden size over ``--pairs`` training pairs (default: UltraFeedback's 62,135), features on the
   device. Planned: the training phase with every feature cached (``plan.features_cached=true``).
 
@@ -187,7 +187,8 @@ class ShapeBench:
         free(self.device)
 
     def bay_lin_hessian(self) -> None:
-        from rewarduq_exp.methods.bay_lin import BayLin, posterior_precision
+        from rewarduq_exp.methods.bay_lin import BayLin
+        from rewarduq_exp.methods.posteriors import FullPosterior
 
         n, d = self.args.pairs, self.arch.hidden
         planned = self.planner.phase("bay_lin_hessian", ["method=bay_lin", "plan.features_cached=true"], "training")
@@ -204,7 +205,7 @@ class ShapeBench:
 
         def hessian():   # stage 2 of BayLin._fit_features (hessian=unweighted)
             dz = state["zc"] - state["zr"]
-            method.set_precision(posterior_precision(dz, state["w"].double(), method.reg_lambda))
+            method.posterior = FullPosterior.fit(dz, state["w"].double(), method.reg_lambda)
 
         self.measure("bay_lin_hessian", f"BAY-LIN Hessian + Cholesky (n={n:,}, d={d})", hessian,
                      flops=None, planned=planned)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.methods.bay_lin import BayLin, posterior_precision, quadratic_form_sqrt
+from rewarduq_exp.methods.bay_lin import BayLin
+from rewarduq_exp.methods.posteriors.full import posterior_precision, quadratic_form_sqrt
 
 
 def make_method(**kw):

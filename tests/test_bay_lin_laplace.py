@@ -1,5 +1,5 @@
-"""BAY-LIN's Laplace side: the evidence (rewarduq_exp/methods/laplace_evidence.py) against closed forms, the fitted
-prior precision (``method.prior_precision=marglik``), the GGN posterior against autograd, and parity with
+"""BAY-LIN's Laplace side: the evidence (rewarduq_exp/methods/posteriors/evidence.py) against closed forms, the
+fitted prior precision (``method.prior_precision=marglik``), the GGN posterior against autograd, and parity with
 laplace-torch (skipped where it is not installed: it is the extra ``laplace``)."""
 
 import json
@@ -15,8 +15,8 @@ from torch import nn
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import load_method
-from rewarduq_exp.methods.bay_lin import posterior_precision, quadratic_form_sqrt
-from rewarduq_exp.methods.laplace_evidence import effective_parameters, fit_prior_precision, log_evidence
+from rewarduq_exp.methods.posteriors.evidence import effective_parameters, fit_prior_precision, log_evidence
+from rewarduq_exp.methods.posteriors.full import posterior_precision, quadratic_form_sqrt
 
 F64 = torch.float64
 
@@ -184,10 +184,35 @@ def test_marglik_run_saves_and_loads_back_identically(tmp_path):
         np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
 
 
+def test_a_number_sets_the_posteriors_lambda_apart_from_the_maps_and_fixed_is_reg_lambda(tmp_path):
+    """prior_precision: fixed is the number reg_lambda (the same head and precision to the bit); another number changes
+    H = G + lambda I only (the MAP is reg_lambda's). The saved file keeps BAY-LIN's layout; lambda comes back from the
+    settings."""
+    fixed, zc, zr, w = fitted(hessian="weighted")
+    same, *_ = fitted(hessian="weighted", prior_precision=0.1)   # make_method's reg_lambda
+    other, *_ = fitted(hessian="weighted", prior_precision=3.0)
+    assert torch.equal(fixed.precision, same.precision) and torch.equal(fixed.head.weight, other.head.weight)
+    torch.testing.assert_close(other.precision, curvature(fixed, zc, zr, w) + 3.0 * torch.eye(8, dtype=F64),
+                               rtol=0, atol=0)
+    other.save(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "state.safetensors"), framework="pt") as fh:
+        assert set(fh.keys()) == {"head.weight", "precision", "feature_mean"}
+    loaded = load_method(tmp_path, device="cpu", show_progress=False)
+    assert loaded.prior_precision == 3.0 and loaded.posterior.prior_precision == 3.0
+    assert loaded.posterior.log_evidence(-1.0, 1.0) == pytest.approx(other.posterior.log_evidence(-1.0, 1.0),
+                                                                     rel=1e-9)
+
+
 @pytest.mark.parametrize("kw, message", [
-    (dict(prior_precision="evidence"), "method.prior_precision='evidence' is invalid"),
+    (dict(prior_precision="evidence"), "method.prior_precision='evidence' is invalid; allowed: marglik or a number "
+                                       r"> 0, or fixed \(= method.reg_lambda\)$"),
+    (dict(prior_precision=0), "method.prior_precision=0 is invalid"),
     (dict(marglik_refits=-1), "method.marglik_refits=-1 is invalid"),
     (dict(marglik_refits=2), "method.marglik_refits=2 needs method.prior_precision=marglik"),
+    (dict(marglik_refits=2, prior_precision=1.0), "method.marglik_refits=2 needs method.prior_precision=marglik "
+                                                  r"\(with prior_precision=1.0 lambda is that number"),
 ])
 def test_bad_marglik_settings(kw, message):
     with pytest.raises(UserError, match=message):

@@ -19,15 +19,18 @@ removes it and leaves the data-dependent part (docs/methods.md, BAY-LIN, shows t
 margin, so rewards and all accuracy metrics (win rate) are identical either way; only u, the bounds and the confidence
 metrics change.
 
-``prior_precision=marglik`` (default ``fixed``: lambda = ``reg_lambda``, the paper's) fits lambda instead by maximising
-the Laplace approximation of the log marginal likelihood (MacKay 1992; Daxberger et al. 2021, "Laplace Redux")
+The posterior's lambda is ``prior_precision`` (one meaning in every Laplace method: rewarduq_exp/methods/posteriors/):
+``fixed`` (the default, the paper's) is lambda = ``reg_lambda``, the MAP fit's; a number sets it apart from the MAP's;
+``marglik`` fits lambda instead by maximising the Laplace approximation of the log marginal likelihood (MacKay 1992;
+Daxberger et al. 2021, "Laplace Redux")
 
     log p(D | lambda) ~= sum_i w_i log s_i - lambda/2 ||theta||^2 + d/2 log lambda - 1/2 log det(G + lambda I),
 
-with G = sum_i c_i dz_i dz_i^T the data term of eq. 15 for the chosen ``hessian`` (rewarduq_exp/methods/
-laplace_evidence.py: the formula, and why one eigendecomposition of G and Brent's method in log lambda find the
-maximum). By default theta stays the MAP trained with ``reg_lambda`` and only H's lambda changes (post hoc, as
-laplace-torch's ``optimize_prior_precision(method="marglik")``). ``marglik_refits = k`` then alternates k times:
+with G = sum_i c_i dz_i dz_i^T the data term of eq. 15 for the chosen ``hessian`` (the posterior is a
+:class:`~rewarduq_exp.methods.posteriors.FullPosterior`; rewarduq_exp/methods/posteriors/evidence.py: the formula, and
+why one eigendecomposition of G and Brent's method in log lambda find the maximum). By default theta stays the MAP
+trained with ``reg_lambda`` and only H's lambda changes (post hoc, as laplace-torch's
+``optimize_prior_precision(method="marglik")``). ``marglik_refits = k`` then alternates k times:
 retrain theta (from the same initialisation and data order) as the mode of the posterior with prior precision
 lambda, i.e. minimise the mean NLL + (lambda / 2W) ||theta||^2 with W = sum_i w_i (the posterior's negative log density
 divided by W, so the loss keeps the scale the learning rate was tuned at), and fit lambda again at the new theta.
@@ -42,6 +45,7 @@ rank 0 fits on all cached features and broadcasts the head and H, see FeatureHea
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -52,28 +56,18 @@ from torch import nn
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.setting_bounds import Bound
 from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
+from rewarduq_exp.methods.posteriors import MARGLIK, FullPosterior, prior_precision_setting
 from rewarduq_exp.methods.settings import (
     AdamWSettings,
     FeatureHeadSettings,
     cast,
     listed,
-    one_of,
     positive,
     setting,
 )
 
 HESSIAN_MODES = ("unweighted", "weighted")
-PRIOR_PRECISION_MODES = ("fixed", "marglik")  # lambda = reg_lambda | fitted by the Laplace evidence
-
-
-def posterior_precision(dz: torch.Tensor, coef: torch.Tensor, reg_lambda: float, chunk: int = 8192) -> torch.Tensor:
-    """lambda * I + sum_i coef_i dz_i dz_i^T in float64, accumulated in chunks (eq. 15)."""
-    d = dz.shape[1]
-    h = torch.zeros(d, d, dtype=torch.float64, device=dz.device)
-    for i in range(0, len(dz), chunk):
-        x = dz[i:i + chunk].double()
-        h += x.T @ (x * coef[i:i + chunk].double()[:, None])
-    return h + reg_lambda * torch.eye(d, dtype=torch.float64, device=dz.device)
+FIXED = "fixed"   # prior_precision=fixed: lambda = reg_lambda, the MAP fit's (the paper's)
 
 
 def margins_float64(dz: torch.Tensor, theta: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
@@ -83,30 +77,26 @@ def margins_float64(dz: torch.Tensor, theta: torch.Tensor, chunk: int = 8192) ->
     return torch.cat([dz[i:i + chunk].double() @ theta for i in range(0, len(dz), chunk)])
 
 
-def quadratic_form_sqrt(cholesky_lower: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """sqrt(z_b^T H^-1 z_b) for every row b of ``z``, with ``H = L L^T``: the norm of ``L^-1 z_b``."""
-    v = torch.linalg.solve_triangular(cholesky_lower, z.double().T, upper=False)  # (d, B)
-    return v.pow(2).sum(0).sqrt()
-
-
 @dataclass(kw_only=True)
 class BayLinSettings(FeatureHeadSettings, AdamWSettings, config="bay_lin"):
     """Defaults and comments: ``conf/method/bay_lin.yaml``."""
 
-    reg_lambda: float = setting(check=positive(), doc="lambda: L2 of the MAP fit, prior precision (> 0: H must be "
-                                                      "positive definite)")
+    reg_lambda: float = setting(check=positive(), doc="lambda: L2 of the MAP fit, and the prior precision with "
+                                                      "prior_precision=fixed (> 0: H must be positive definite)")
     beta: float = setting(check=positive(), doc="bounds reward +- beta * u")
     hessian: str = setting(check=listed(HESSIAN_MODES), doc="unweighted (paper) | weighted (BT curvature per pair)")
     center_features: bool = setting(check=cast(bool), doc="u at z - mean(z_train) (ablation)")
-    prior_precision: str = setting(check=one_of(PRIOR_PRECISION_MODES), doc="fixed | marglik")
+    prior_precision: str | float = setting(check=prior_precision_setting(FIXED, meaning="= method.reg_lambda"),
+                                           doc="fixed (= reg_lambda) | marglik | a number > 0")
     marglik_refits: int = setting(bound=Bound(0, 100, "refits", "each trains BAY-LIN's head again; lambda settles in "
                                               "2-4"), doc="marglik: rounds of refitting theta and lambda")
 
     def validate(self) -> None:
         super().validate()
-        if self.marglik_refits and self.prior_precision != "marglik":
+        if self.marglik_refits and self.prior_precision != MARGLIK:
+            held = "reg_lambda" if self.prior_precision == FIXED else "that number"
             raise UserError(f"method.marglik_refits={self.marglik_refits} needs method.prior_precision=marglik "
-                            f"(with prior_precision={self.prior_precision} lambda is reg_lambda and nothing is "
+                            f"(with prior_precision={self.prior_precision} lambda is {held} and nothing is "
                             "refitted)")
 
 
@@ -119,8 +109,7 @@ class BayLin(FeatureHeadMethod):
     def __init__(self, encoder=None, **values):
         super().__init__(encoder, **values)
         self.head: nn.Linear | None = None
-        self.precision: torch.Tensor | None = None
-        self.cholesky: torch.Tensor | None = None
+        self.posterior: FullPosterior | None = None   # over the head's weights (posteriors/full.py)
         self.feature_mean: torch.Tensor | None = None
         self.laplace_summary: dict = {}   # prior_precision=marglik: the fitted lambda and evidence (fit_summary)
 
@@ -138,11 +127,18 @@ class BayLin(FeatureHeadMethod):
         dz = zc - zr
         self.feature_mean = (zc.mean(0) + zr.mean(0)) / 2 if self.center_features else torch.zeros_like(zc[0])
         self._fit_map(dz, weight, self.reg_lambda, f"{self.name} MAP")
-        if self.prior_precision == "marglik":
+        if self.prior_precision == MARGLIK:
             self._fit_marglik(dz, weight)
             return
         with torch.no_grad():
-            self.set_precision(posterior_precision(dz, self._curvature_coef(dz, weight), self.reg_lambda))
+            self.posterior = FullPosterior.fit(dz, self._curvature_coef(dz, weight), self.fixed_prior_precision())
+
+    def fixed_prior_precision(self) -> float | None:
+        """The posterior's lambda where the settings give it: ``reg_lambda`` (``fixed``) or the number; None for
+        ``marglik`` (fitted)."""
+        if self.prior_precision == MARGLIK:
+            return None
+        return self.reg_lambda if self.prior_precision == FIXED else float(self.prior_precision)
 
     def _fit_map(self, dz, weight, reg: float, desc: str) -> None:
         """Eq. 14: AdamW on the (weighted) mean BT NLL + (reg / 2) ||theta||^2, from the seeded initialisation."""
@@ -167,8 +163,6 @@ class BayLin(FeatureHeadMethod):
     def _fit_marglik(self, dz, weight) -> None:
         """lambda by the Laplace evidence at the MAP head (post hoc), then ``marglik_refits`` rounds of: retrain the
         head as the posterior mode under that lambda, fit lambda again (module docstring). H = G + lambda I."""
-        from rewarduq_exp.methods.laplace_evidence import effective_parameters, fit_prior_precision, log_evidence
-
         total_weight = float(weight.double().sum())
         lambdas, seconds = [], 0.0
         for k in range(self.marglik_refits + 1):
@@ -181,47 +175,48 @@ class BayLin(FeatureHeadMethod):
                 theta = self.head.weight.detach().double()[0]
                 log_lik = float((weight.double() * F.logsigmoid(margins_float64(dz, theta))).sum())
                 theta_sq = float(theta @ theta)
-                curvature = posterior_precision(dz, self._curvature_coef(dz, weight), 0.0)
-                eigenvalues = torch.linalg.eigvalsh(curvature).cpu().numpy()   # one d x d float64 eigendecomposition
-            if k == 0:
-                evidence_at_reg_lambda = log_evidence(log_lik, theta_sq, eigenvalues, self.reg_lambda)
-            lambdas.append(fit_prior_precision(theta_sq, eigenvalues))
+                posterior = FullPosterior.fit(dz, self._curvature_coef(dz, weight))
+                if k == 0:
+                    evidence_at_reg_lambda = posterior.log_evidence(log_lik, theta_sq, self.reg_lambda)
+                lambdas.append(posterior.optimise_prior_precision(theta_sq))   # H = G + lambda I and its factor
             seconds += time.perf_counter() - t0
+        self.posterior = posterior
         lam = lambdas[-1]
-        eye = torch.eye(curvature.shape[0], dtype=curvature.dtype, device=curvature.device)
-        self.set_precision(curvature + lam * eye)
         self.laplace_summary = {
             "marglik_prior_precision": lam,
-            "marglik_log_evidence": log_evidence(log_lik, theta_sq, eigenvalues, lam),
+            "marglik_log_evidence": posterior.log_evidence(log_lik, theta_sq),
             "marglik_log_evidence_at_reg_lambda": evidence_at_reg_lambda,   # the first fit's head, lambda = reg_lambda
-            "marglik_effective_parameters": effective_parameters(eigenvalues, lam),
+            "marglik_effective_parameters": posterior.effective_parameters(),
             "marglik_log_likelihood": log_lik,
             "marglik_theta_sq_norm": theta_sq,
             "seconds_marglik": seconds}
         if self.marglik_refits:
             self.laplace_summary["marglik_prior_precision_rounds"] = lambdas
 
-    def set_precision(self, precision: torch.Tensor) -> None:
-        self.precision = precision
-        self.cholesky, info = torch.linalg.cholesky_ex(precision)
-        if int(info) != 0:
-            raise RuntimeError("the BAY-LIN posterior precision is not positive definite; raise method.reg_lambda")
+    @property
+    def precision(self) -> torch.Tensor:
+        """H = G + lambda I (eq. 15), float64."""
+        return self.posterior.precision
+
+    @property
+    def cholesky(self) -> torch.Tensor:
+        return self.posterior.cholesky
 
     def _score_features(self, z):
         reward = self.head(z).squeeze(-1)
-        return reward, quadratic_form_sqrt(self.cholesky, z - self.feature_mean).to(reward.dtype)
+        return reward, self.posterior.predictive_sd(z - self.feature_mean).to(reward.dtype)
 
     def _sample_features(self, z: torch.Tensor) -> torch.Tensor:
-        """Rewards under weights drawn from the Laplace posterior N(theta, H^-1): theta + L^-T eps with H = L L^T,
-        so z^T w = r(z) + (L^-1 z)^T eps. The draws are seeded (the same eps for every call), so chosen and
-        rejected, and repeated calls, share them."""
-        v = torch.linalg.solve_triangular(self.cholesky, (z - self.feature_mean).double().T, upper=False)  # (d, B)
-        gen = torch.Generator(device="cpu").manual_seed(self.seed)
-        eps = torch.randn(self.POSTERIOR_SAMPLES, v.shape[0], generator=gen, dtype=torch.float64).to(v.device)
-        return self.head(z).squeeze(-1).double()[None, :] + eps @ v
+        """Rewards under weights drawn from the Laplace posterior N(theta, H^-1) (FullPosterior.sample_offsets). The
+        draws are seeded (the same for every call), so chosen and rejected, and repeated calls, share them."""
+        offsets = self.posterior.sample_offsets(z - self.feature_mean, self.POSTERIOR_SAMPLES, self.seed)
+        return self.head(z).squeeze(-1).double()[None, :] + offsets
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"head.weight": self.head.weight, "precision": self.precision, "feature_mean": self.feature_mean}
+        # BAY-LIN's file keeps the layout it always had (the precision only; lambda is in method.json: the settings,
+        # or fit_summary's marglik_prior_precision), so run folders saved before the posterior API still load
+        return {"head.weight": self.head.weight, "precision": self.posterior.precision,
+                "feature_mean": self.feature_mean}
 
     def expected_state(self, feature_dim, why: str) -> dict:
         """The MAP head (1, d), the posterior precision (d, d) and the feature mean (d,) for ``feature_dim`` = d."""
@@ -246,5 +241,13 @@ class BayLin(FeatureHeadMethod):
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self._build(tensors["head.weight"].shape[1])
         self.head.load_state_dict({"weight": tensors["head.weight"]})
-        self.set_precision(tensors["precision"].double())
+        self.posterior = FullPosterior.from_precision(tensors["precision"].double(),
+                                                      self.fixed_prior_precision() or math.nan)
         self.feature_mean = tensors["feature_mean"].float()
+
+    def load(self, directory):
+        super().load(directory)
+        fitted = self.fit_summary.get("marglik_prior_precision")
+        if self.prior_precision == MARGLIK and isinstance(fitted, float):
+            self.posterior.prior_precision = fitted   # only for the evidence of a loaded run: P is as saved
+        return self

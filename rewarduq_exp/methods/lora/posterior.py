@@ -17,7 +17,7 @@ What is not taken from laplace-torch, and why:
   likelihood log p(D | theta*) - 1/2 (log det P - log det(delta I) + delta ||theta* - 0||^2) (a zero prior mean) by
   100 Adam steps on log delta from 1. The same objective is maximised exactly here: a block's eigenvalues are the
   products of its factors' eigenvalues, so the whole spectrum is known and the root of the evidence's derivative is
-  found by :func:`rewarduq_exp.methods.laplace_evidence.fit_prior_precision` (BAY-LIN's evidence, the same formula),
+  found by :func:`rewarduq_exp.methods.posteriors.evidence.fit_prior_precision` (BAY-LIN's evidence, the same formula),
   wherever it lies (Adam's 100 steps of ~0.1 reach at most e^10 from delta = 1).
 """
 
@@ -91,14 +91,14 @@ class KronPosterior:
 
     def fit_prior_precision(self, theta_sq_norm: float) -> float:
         """The delta that maximises the Laplace evidence (module docstring) with theta* held fixed; sets it."""
-        from rewarduq_exp.methods.laplace_evidence import fit_prior_precision
+        from rewarduq_exp.methods.posteriors.evidence import fit_prior_precision
 
         self.delta = float(fit_prior_precision(theta_sq_norm, self.spectrum()))
         return self.delta
 
     def log_evidence(self, log_lik: float, theta_sq_norm: float) -> tuple[float, float]:
         """(log marginal likelihood, effective number of parameters) at the current delta."""
-        from rewarduq_exp.methods.laplace_evidence import effective_parameters, log_evidence
+        from rewarduq_exp.methods.posteriors.evidence import effective_parameters, log_evidence
 
         g = self.spectrum()
         return log_evidence(log_lik, theta_sq_norm, g, self.delta), effective_parameters(g, self.delta)
