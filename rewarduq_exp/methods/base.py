@@ -25,13 +25,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 
 from rewarduq_exp.core import distributed, heap
 from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.saved_files import load_safetensors, read_json_object
 from rewarduq_exp.core.strict_json import dumps_json, nulls_to_nan
+from rewarduq_exp.methods.losses import (  # noqa: F401  (importable from here too)
+    bradley_terry_loss,
+    bradley_terry_nll,
+    weighted_mean,
+)
 from rewarduq_exp.methods.schedule import LR_SCHEDULES, TrainingSchedule  # noqa: F401  (importable from here too)
 from rewarduq_exp.methods.settings import FeatureHeadSettings, LabelRankingSettings, MethodSettings
 from rewarduq_exp.methods.training import cosine_schedule_with_warmup, run_training  # noqa: F401  (importable here)
@@ -71,15 +75,6 @@ class Scores:
         return Scores(self.reward[index], self.u[index], self.beta)
 
 
-
-
-def weighted_mean(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return (values * weight).sum() / weight.sum()
-
-
-def bradley_terry_nll(margin: torch.Tensor) -> torch.Tensor:
-    """-log sigmoid(r_chosen - r_rejected), elementwise (the Bradley-Terry likelihood of the label)."""
-    return -F.logsigmoid(margin)
 
 
 def write_method_info(directory: Path, method, **extra) -> None:

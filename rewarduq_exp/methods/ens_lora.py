@@ -42,13 +42,10 @@ from torch import nn
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.atomic_write import atomic_dir, atomic_path
 from rewarduq_exp.core.errors import UserError, one_line
-from rewarduq_exp.core.payload_bounds import MAX_FEATURE_DIM, AtMost, Expected
 from rewarduq_exp.core.progress import progress
-from rewarduq_exp.core.saved_files import load_safetensors
 from rewarduq_exp.core.setting_bounds import Bound
 from rewarduq_exp.data.contract import render_all
-from rewarduq_exp.methods.base import Scores, bradley_terry_nll
-from rewarduq_exp.methods.lora import adapters
+from rewarduq_exp.methods.base import Scores
 from rewarduq_exp.methods.lora.body import fresh_head, member_seed
 from rewarduq_exp.methods.lora.memory import mixed_setting
 from rewarduq_exp.methods.lora.method import LoRARewardMethod, LoRASettings
@@ -164,20 +161,11 @@ class EnsLoRA(LoRARewardMethod):
     # ------------------------------------------------------------------ training
     def _micro_backward(self, ids, mask, rows, w, b: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if mixed:   # all K members in one forward and one backward
-            r = self.member_rewards_ids(ids, mask, mixed=True, shared=rows)   # (K, 2b)
-            bt_m = (bradley_terry_nll(r[:, :b] - r[:, b:]) * w).sum(1)
-            center_m = ((r[:, :b] + r[:, b:]).pow(2) * w).sum(1)
-            (bt_m + self.center_gamma * center_m).sum().backward()
-            return bt_m.detach(), center_m.detach()
-        bt_m, center_m = [], []   # one pass (and one backward) per member: its 2b rows under member k only
-        for k, name in enumerate(self.member_names):
-            rk = self._pooled(ids, mask, [name] * (2 * b), shared=rows) @ self.head[k]
-            bt_k = (bradley_terry_nll(rk[:b] - rk[b:]) * w).sum()
-            center_k = ((rk[:b] + rk[b:]).pow(2) * w).sum()
-            (bt_k + self.center_gamma * center_k).backward()
-            bt_m.append(bt_k.detach())
-            center_m.append(center_k.detach())
-        return torch.stack(bt_m), torch.stack(center_m)
+            return self._pairs_backward(self.member_rewards_ids(ids, mask, mixed=True, shared=rows), b, w)  # (K, 2b)
+        # one pass (and one backward) per member: its 2b rows under member k only
+        parts = [self._pairs_backward(self._pooled(ids, mask, [name] * (2 * b), shared=rows) @ self.head[k], b, w)
+                 for k, name in enumerate(self.member_names)]
+        return torch.stack([bt for bt, _ in parts]), torch.stack([center for _, center in parts])
 
     def _clip(self):
         return self._clip_per_member
@@ -247,44 +235,21 @@ class EnsLoRA(LoRARewardMethod):
         directory.mkdir(parents=True, exist_ok=True)
         with atomic_dir(directory / "adapters", replace=True) as tmp:
             self.model.save_adapters(tmp)
-        with atomic_path(directory / "heads.safetensors") as tmp:
+        with atomic_path(directory / self.heads_file) as tmp:
             save_file({"weight": self.head.detach().float().cpu().contiguous()}, str(tmp))
         self._write_info(directory, members=self.member_names)
 
-    def load(self, directory: str | os.PathLike) -> EnsLoRA:
-        directory = Path(directory)
-        info = self._read_info(directory)
+    def _saved_adapters(self, info: dict, directory: Path) -> dict[str, Path]:
         members = info.get("members")
         if members != self.member_names:
             # The folder names come from the file: anything but the members this method saves (m0, m1, ...) could
             # point outside the run folder.
             raise UserError(one_line(f"{directory / 'method.json'}: field \"members\" is {members!r}; a saved "
                                      f"{self.name} with num_members={self.num_members} has {self.member_names}"))
-        self._check_backbone(info, directory)
-        # Every file PEFT reads is checked first (rewarduq_exp/methods/lora/adapters.py), before the base model is
-        # loaded.
-        folders = {name: directory / "adapters" / name for name in members}
-        for name, folder in folders.items():
-            adapters.check_adapter_files(folder, self.lora_rank, self.lora_alpha, self.label,
-                                         f"adapter of member {name}")
-        heads_path = directory / "heads.safetensors"
-        heads = load_safetensors(heads_path, expected={"weight": Expected(
-            (self.num_members, AtMost(MAX_FEATURE_DIM)), "f", f"num_members={self.num_members}, at most "
-            f"{MAX_FEATURE_DIM} features")})
-        base, _ = self._load_base(with_score_head=False)  # the trained heads replace any pretrained one
-        hidden = int(base.config.hidden_size)
-        if heads["weight"].shape[1] != hidden:
-            raise UserError(one_line(f"{heads_path}: tensor 'weight' has shape {tuple(heads['weight'].shape)}, but "
-                                     f"model '{self._backbone().name}' has hidden size {hidden}; the run folder is "
-                                     "damaged or was trained on another backbone"))
-        for folder in folders.values():  # each LoRA tensor's shape, from the rank and the base's Linear it belongs to
-            adapters.check_adapter_shapes(base, folder, self.lora_rank, self._backbone().name)
-        # PEFT reads its own format (run folders of either implementation), then the weights move into the stacked
-        # module.
-        peft_model = adapters.load_peft(base, folders, self._backbone().name)
-        self.model = from_peft(peft_model, members).to(self.device)
-        self.head = nn.Parameter(heads["weight"].to(self.device), requires_grad=False)
-        self.head_init_used = info.get("hyperparameters", {}).get("head_init_used")
-        self.fit_summary = info.get("fit_summary", {})
+        return {name: directory / "adapters" / name for name in members}
+
+    def _attach_saved(self, peft_model, heads: torch.Tensor, directory: Path) -> None:
+        # the weights move from PEFT's layout into the stacked module
+        self.model = from_peft(peft_model, self.member_names).to(self.device)
+        self.head = nn.Parameter(heads.to(self.device), requires_grad=False)
         self._finish_model()
-        return self

@@ -39,8 +39,7 @@ import rewarduq_exp.methods.lora.adapters as adapters  # the module, not the pac
 import rewarduq_exp.methods.lora.texts as texts  # the module, not the package __init__
 from rewarduq_exp.core import distributed, heap
 from rewarduq_exp.core.atomic_write import atomic_dir, atomic_path
-from rewarduq_exp.core.errors import UserError, one_line
-from rewarduq_exp.core.payload_bounds import MAX_FEATURE_DIM, AtMost, Expected
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.progress import progress
 from rewarduq_exp.core.saved_files import check_safetensors, load_safetensors
 from rewarduq_exp.data.contract import render_all
@@ -161,11 +160,8 @@ class LaLoRA(LoRARewardMethod):
     # ------------------------------------------------------------------ training
     def _micro_backward(self, ids, mask, rows, w, b: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         # ENS-LoRA's pass of one member (its per-member path), K = 1
-        r = self._pooled(ids, mask, None, shared=rows) @ self.head[0]
-        bt = (bradley_terry_nll(r[:b] - r[b:]) * w).sum()
-        center = ((r[:b] + r[b:]).pow(2) * w).sum()
-        (bt + self.center_gamma * center).backward()
-        return bt.detach()[None], center.detach()[None]
+        bt, center = self._pairs_backward(self._pooled(ids, mask, None, shared=rows) @ self.head[0], b, w)
+        return bt[None], center[None]
 
     # ------------------------------------------------------------------ the Laplace posterior
     def _pass_tokens(self, longest: int, jacobians: bool) -> int:
@@ -315,25 +311,23 @@ class LaLoRA(LoRARewardMethod):
             save_file(self.posterior.tensors(), str(tmp))
         self._write_info(directory)
 
+    heads_file = HEAD
+
     def load(self, directory: str | os.PathLike) -> LaLoRA:
         require_laplace()
-        directory = Path(directory)
-        info = self._read_info(directory)
-        self._check_backbone(info, directory)
-        folder = directory / ADAPTER
-        adapters.check_adapter_files(folder, self.lora_rank, self.lora_alpha, self.label, "the LA-LoRA adapter")
-        head_path = directory / HEAD
-        head = load_safetensors(head_path, expected={"weight": Expected(
-            (1, AtMost(MAX_FEATURE_DIM)), "f", f"one head of at most {MAX_FEATURE_DIM} features")})["weight"]
+        return super().load(directory)
+
+    def _saved_adapters(self, info: dict, directory: Path) -> dict[str, Path]:
+        return {"default": directory / ADAPTER}
+
+    def _adapter_what(self, name: str) -> str:
+        return "the LA-LoRA adapter"
+
+    def _check_saved_files(self, directory: Path) -> None:
         check_safetensors(directory / LAPLACE)
-        base, _ = self._load_base(with_score_head=False)  # the trained head replaces any pretrained one
-        hidden = int(base.config.hidden_size)
-        if head.shape[1] != hidden:
-            raise UserError(one_line(f"{head_path}: tensor 'weight' has shape {tuple(head.shape)}, but model "
-                                     f"'{self._backbone().name}' has hidden size {hidden}; the run folder is damaged "
-                                     "or was trained on another backbone"))
-        adapters.check_adapter_shapes(base, folder, self.lora_rank, self._backbone().name)
-        self._attach(adapters.load_peft(base, {"default": folder}, self._backbone().name), head[0])
+
+    def _attach_saved(self, peft_model, heads: torch.Tensor, directory: Path) -> None:
+        self._attach(peft_model, heads[0])
         layers = self._layers()
         why = f"lora_rank={self.lora_rank} on model '{self._backbone().name}'"
         tensors = load_safetensors(directory / LAPLACE, expected=KronPosterior.expected(
@@ -343,6 +337,3 @@ class LaLoRA(LoRARewardMethod):
             raise UserError(f"{directory / LAPLACE}: tensor 'prior_precision' is {delta!r}, not a number > 0; the run "
                             "folder is damaged: copy it again or retrain")
         self.posterior = KronPosterior.from_tensors(tensors, list(layers), self.device)
-        self.head_init_used = info.get("hyperparameters", {}).get("head_init_used")
-        self.fit_summary = info.get("fit_summary", {})
-        return self

@@ -31,15 +31,19 @@ import numpy as np
 import pandas as pd
 import torch
 
+import rewarduq_exp.methods.lora.adapters as adapters  # the module, not the package __init__
 import rewarduq_exp.methods.lora.body as body  # the module, not the package __init__
 import rewarduq_exp.methods.lora.texts as texts  # the module, not the package __init__
 from rewarduq_exp.core import distributed
-from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.errors import UserError, one_line
+from rewarduq_exp.core.payload_bounds import MAX_FEATURE_DIM, AtMost, Expected
+from rewarduq_exp.core.saved_files import load_safetensors
 from rewarduq_exp.core.setting_bounds import Bound
 from rewarduq_exp.data.contract import render_all
 from rewarduq_exp.methods.base import RewardMethod, read_method_info, run_training, write_method_info
 from rewarduq_exp.methods.lora.memory import choose_training
 from rewarduq_exp.methods.lora.steps import ANCHORS, anchor_value, sum_over_processes
+from rewarduq_exp.methods.losses import bradley_terry_loss
 from rewarduq_exp.methods.settings import (
     LOG_EVERY,
     PAIRS_PER_FORWARD,
@@ -143,6 +147,15 @@ class LoRARewardMethod(RewardMethod):
     def _micro_backward(self, ids, mask, rows, weight, pairs: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Backward of one micro-batch's BT + gamma * center loss (rows: ``pairs`` chosen, then as many rejected;
         ``weight`` per pair, already normalised); returns the detached per-member (bt, center) sums, (K,) each."""
+
+    def _pairs_backward(self, r: torch.Tensor, pairs: int, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Backward of the BT + gamma * center loss of rewards ``r`` (..., 2 * ``pairs``: the chosen texts, then the
+        rejected ones; a leading axis for members), ``weight`` per pair, already normalised
+        (:func:`~rewarduq_exp.methods.losses.bradley_terry_loss`); returns the detached (bt, center) weighted sums,
+        one per leading index."""
+        bt, center = bradley_terry_loss(r[..., :pairs], r[..., pairs:], weight)
+        (bt + self.center_gamma * center).sum().backward()
+        return bt.detach(), center.detach()
 
     def _clip(self):
         """``run_training``'s ``clip``: None clips the total gradient norm (one member: its own)."""
@@ -375,3 +388,52 @@ class LoRARewardMethod(RewardMethod):
         saved_bb = info.get("backbone", {}).get("name") if isinstance(info.get("backbone"), dict) else None
         if saved_bb is not None and saved_bb != self._backbone().name:
             raise UserError(f"{directory} was trained on backbone '{saved_bb}', not model={self._backbone().name}")
+
+    heads_file = "heads.safetensors"   # the (K, d) heads a saved run holds beside its adapters
+
+    @abstractmethod
+    def _saved_adapters(self, info: dict, directory: Path) -> dict[str, Path]:
+        """The adapter folders a saved run holds, by adapter name, after the method's own checks of its
+        ``method.json`` (``info``): never a name the file chose, which could point outside the run folder."""
+
+    def _adapter_what(self, name: str) -> str:
+        """The adapter ``name`` in messages."""
+        return f"adapter of member {name}"
+
+    def _check_saved_files(self, directory: Path) -> None:
+        """Check the method's own files (LA-LoRA: its posterior) before the base model is loaded."""
+
+    @abstractmethod
+    def _attach_saved(self, peft_model, heads: torch.Tensor, directory: Path) -> None:
+        """Take the loaded PEFT model (the saved adapters on the frozen body) and the saved (K, d) heads as the
+        method's members, and load what else the run saved."""
+
+    def load(self, directory: str | os.PathLike):
+        """Rebuild the trained members from a saved run (``save``): every file PEFT reads is checked first
+        (:mod:`~rewarduq_exp.methods.lora.adapters`), before the base model is loaded, then each LoRA tensor's shape
+        against the rank and the base's Linear it belongs to; a bad file is one line naming it."""
+        directory = Path(directory)
+        info = self._read_info(directory)
+        folders = self._saved_adapters(info, directory)
+        self._check_backbone(info, directory)
+        for name, folder in folders.items():
+            adapters.check_adapter_files(folder, self.lora_rank, self.lora_alpha, self.label, self._adapter_what(name))
+        heads_path = directory / self.heads_file
+        K = self.num_members
+        heads = load_safetensors(heads_path, expected={"weight": Expected(
+            (K, AtMost(MAX_FEATURE_DIM)), "f", f"one head of at most {MAX_FEATURE_DIM} features" if K == 1
+            else f"num_members={K}, at most {MAX_FEATURE_DIM} features")})["weight"]
+        self._check_saved_files(directory)
+        base, _ = self._load_base(with_score_head=False)  # the trained heads replace any pretrained one
+        hidden = int(base.config.hidden_size)
+        if heads.shape[1] != hidden:
+            raise UserError(one_line(f"{heads_path}: tensor 'weight' has shape {tuple(heads.shape)}, but model "
+                                     f"'{self._backbone().name}' has hidden size {hidden}; the run folder is damaged "
+                                     "or was trained on another backbone"))
+        for folder in folders.values():
+            adapters.check_adapter_shapes(base, folder, self.lora_rank, self._backbone().name)
+        # PEFT reads its own format (run folders of either ENS-LoRA implementation)
+        self._attach_saved(adapters.load_peft(base, folders, self._backbone().name), heads, directory)
+        self.head_init_used = info.get("hyperparameters", {}).get("head_init_used")
+        self.fit_summary = info.get("fit_summary", {})
+        return self
