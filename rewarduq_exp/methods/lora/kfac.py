@@ -9,6 +9,10 @@ of 2,048-token texts is 25 GB of activations, more than an 80 GB device has left
 ``la(x)`` Jacobians are a (texts x parameters) matrix from ``torch.func.jacrev`` (33M parameters per text at 4B). What
 is computed here is what laplace-torch computes (``hessian_structure="kron"``, curvlinops' K-FAC "expand", the
 default), on the real tokens only: tests/test_la_lora.py checks the factors equal laplace-torch's on unpadded texts.
+That parity holds with laplace-torch called with a non-default argument, ``Laplace(..., asdl_fisher_kwargs=
+{"num_per_example_loss_terms": 1})`` (passed on to curvlinops' KFAC: one loss term per example, and an example is a
+text here); with its default (None: curvlinops infers the terms per example from the labels) its factors are scaled
+otherwise and are not these.
 
 K-FAC of the BT likelihood. A pair's log-likelihood is 2-class cross-entropy on the logits (r_rejected, r_chosen),
 whose Hessian in the logits is p (1 - p) [[1, -1], [-1, 1]] (p = sigmoid(r_c - r_r)): the GGN of a pair is

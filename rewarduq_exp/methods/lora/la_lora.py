@@ -11,7 +11,7 @@ head's weights.
   (:mod:`~rewarduq_exp.methods.lora.kfac`: laplace-torch's "kron" K-FAC on the real tokens), each text weighted by
   w^2 = p (1 - p) x its pair's weight, p from a reward pass over the pairs. Posterior precision H + delta I with a
   zero prior mean; delta = ``prior_precision``: a number, or ``marglik``, the maximiser of the Laplace evidence
-  (:mod:`~rewarduq_exp.methods.lora.posterior`).
+  (:class:`~rewarduq_exp.methods.posteriors.KronPosterior`).
 * Scoring: the linearised (GLM) predictive, reward = r(theta*), u = sqrt(J P^-1 J^T), bounds reward ± beta u; J
   from one backward per batch of texts, its blocks taken by laplace-torch's ``KronDecomposed`` as backward makes them.
   Texts run in plain forwards (a prompt shared between texts would mix their Jacobians).
@@ -48,7 +48,7 @@ from rewarduq_exp.methods.lora.body import fresh_head, member_seed
 from rewarduq_exp.methods.lora.kfac import KroneckerFactors, RowJacobians
 from rewarduq_exp.methods.lora.la_lora_memory import JACOBIAN_COPIES, laplace_tokens
 from rewarduq_exp.methods.lora.method import LoRARewardMethod, LoRASettings
-from rewarduq_exp.methods.lora.posterior import KronPosterior, require_laplace
+from rewarduq_exp.methods.posteriors import KronPosterior, prior_precision_setting, require_laplace
 from rewarduq_exp.methods.settings import setting
 from rewarduq_exp.models.multi_lora import quiet_peft
 from rewarduq_exp.models.shared_prefix import token_batches
@@ -81,18 +81,11 @@ class RewardNetwork(nn.Module):
         return torch.stack([r[n:], r[:n]], 1)
 
 
-def _prior_precision(value, key):
-    if value != "marglik" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                               or not 0 < value < math.inf):
-        raise UserError(f"{key}={value!r} is invalid; allowed: marglik or a number > 0")
-    return value if value == "marglik" else float(value)
-
-
 @dataclass(kw_only=True)
 class LaLoRASettings(LoRASettings, config="la_lora"):
     """Defaults and comments: ``conf/method/la_lora.yaml``."""
 
-    prior_precision: str | float = setting(check=_prior_precision, doc="delta of the prior: marglik or a number")
+    prior_precision: str | float = setting(check=prior_precision_setting(), doc="marglik or a number > 0")
 
 
 class LaLoRA(LoRARewardMethod):
@@ -236,14 +229,11 @@ class LaLoRA(LoRARewardMethod):
         factors, log_lik = self._curvature(chosen, rejected, shared, weight_all)
         self.posterior = KronPosterior.from_factors(factors)
         theta_sq = float(sum(p.double().pow(2).sum() for p in self._trainable()))
-        if self.prior_precision == "marglik":
-            self.posterior.fit_prior_precision(theta_sq)
-        else:
-            self.posterior.delta = float(self.prior_precision)
-        evidence, effective = self.posterior.log_evidence(log_lik, theta_sq)
+        self.posterior.apply_prior_precision(self.prior_precision, theta_sq)   # the number, or marglik's
+        evidence, effective = self.posterior.log_evidence(log_lik, theta_sq), self.posterior.effective_parameters()
         self.fit_summary.update({
             "laplace_parameters": int(sum(p.numel() for p in self._trainable())),
-            "laplace_blocks": len(self.posterior.blocks), "prior_precision_used": self.posterior.delta,
+            "laplace_blocks": len(self.posterior.blocks), "prior_precision_used": self.posterior.prior_precision,
             "log_marginal_likelihood": evidence, "effective_parameters": effective, "train_log_likelihood": log_lik,
             "seconds_laplace": time.perf_counter() - t0})
 
@@ -258,7 +248,8 @@ class LaLoRA(LoRARewardMethod):
             return reward, var
         params, layers = self._trainable(), self._layers()
         parts: dict[str, torch.Tensor] = {}   # per block, summed in block order (not as backward reaches them)
-        jacobians = RowJacobians(layers, lambda name, j: parts.__setitem__(name, self.posterior.variance(name, j)))
+        jacobians = RowJacobians(layers, lambda name, j: parts.__setitem__(name,
+                                                                          self.posterior.block_variance(name, j)))
         for p in params:
             p.requires_grad_(True)
         try:

@@ -34,5 +34,7 @@ from ``prior_precision=1``). :func:`prior_precision_setting` is the one check. B
 
 from rewarduq_exp.methods.posteriors.base import MARGLIK, LaplacePosterior, prior_precision_setting
 from rewarduq_exp.methods.posteriors.full import FullPosterior
+from rewarduq_exp.methods.posteriors.kron import KronPosterior, require_laplace
 
-__all__ = ["MARGLIK", "FullPosterior", "LaplacePosterior", "prior_precision_setting"]
+__all__ = ["MARGLIK", "FullPosterior", "KronPosterior", "LaplacePosterior", "prior_precision_setting",
+           "require_laplace"]

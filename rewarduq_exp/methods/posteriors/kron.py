@@ -1,10 +1,11 @@
-"""LA-LoRA's posterior: the Laplace approximation N(theta*, P^-1) over the trained weights (the LoRA adapter's and
-the head's), P = H + delta I with H the Kronecker-factored GGN of the Bradley-Terry likelihood at theta*
-(:mod:`~rewarduq_exp.methods.lora.kfac`), and the linearised (GLM) predictive of a text's reward: mean r(theta*),
-variance J P^-1 J^T with J the reward's gradient w.r.t. the weights.
+"""A Laplace posterior whose precision is Kronecker-factored per Linear layer (:class:`KronPosterior`): LA-LoRA's,
+over the trained weights of a network (the LoRA adapter's and the head's). P = H + lambda I, H the Kronecker-factored
+GGN of the Bradley-Terry likelihood (:mod:`~rewarduq_exp.methods.lora.kfac`), block diagonal over the layers with
+block G (x) A; the linearised (GLM) predictive of a text's reward has variance J P^-1 J^T, J the reward's gradient in
+the weights.
 
 The algebra is laplace-torch's: each block's factors G (out x out) and A (in x in) are eigendecomposed, the blocks
-form a ``laplace.utils.matrix.KronDecomposed`` (what ``KronLaplace`` holds as ``H`` after ``fit``), ``H + delta`` is
+form a ``laplace.utils.matrix.KronDecomposed`` (what ``KronLaplace`` holds as ``H`` after ``fit``), ``H + lambda`` is
 its posterior precision and ``inv_square_form`` its functional variance, taken block by block here (P is block
 diagonal, so the sum over blocks is ``KronLaplace.functional_variance`` of the whole Jacobian, which is never held).
 What is not taken from laplace-torch, and why:
@@ -14,23 +15,23 @@ What is not taken from laplace-torch, and why:
   Linear), and its ``state_dict`` is saved with pickle. The eigendecompositions here replace the factors one at a
   time and are saved as safetensors;
 * the prior precision: ``optimize_prior_precision(method="marglik")`` maximises laplace-torch's log marginal
-  likelihood log p(D | theta*) - 1/2 (log det P - log det(delta I) + delta ||theta* - 0||^2) (a zero prior mean) by
-  100 Adam steps on log delta from 1. The same objective is maximised exactly here: a block's eigenvalues are the
+  likelihood log p(D | theta*) - 1/2 (log det P - log det(lambda I) + lambda ||theta* - 0||^2) (a zero prior mean) by
+  100 Adam steps on log lambda from 1. The same objective is maximised exactly here: a block's eigenvalues are the
   products of its factors' eigenvalues, so the whole spectrum is known and the root of the evidence's derivative is
-  found by :func:`rewarduq_exp.methods.posteriors.evidence.fit_prior_precision` (BAY-LIN's evidence, the same formula),
-  wherever it lies (Adam's 100 steps of ~0.1 reach at most e^10 from delta = 1).
+  found by :func:`~rewarduq_exp.methods.posteriors.evidence.fit_prior_precision` (the formula every posterior here
+  shares), wherever it lies (Adam's 100 steps of ~0.1 reach at most e^10 from lambda = 1).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from rewarduq_exp.core.errors import UserError, first_line
 from rewarduq_exp.core.payload_bounds import Expected
+from rewarduq_exp.methods.posteriors.base import LaplacePosterior
 
 INSTALL = "pip install 'rewarduq_exp[laplace]'"
 PRIOR_KEY = "prior_precision"
@@ -62,18 +63,21 @@ def eigen(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.clamp_min(0).float(), vectors.float().contiguous()
 
 
-@dataclass
-class KronPosterior:
+class KronPosterior(LaplacePosterior):
     """Per block (a trained Linear, by module path): the eigendecompositions of its factors, laplace-torch's
-    ``KronDecomposed`` order ([G, A]); the prior precision ``delta`` (scalar)."""
+    ``KronDecomposed`` order ([G, A]); the prior precision (a scalar)."""
 
-    blocks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # out_vec, out_val, in_vec, in_val
-    delta: float
+    def __init__(self, blocks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                 prior_precision: float):
+        self.blocks = blocks   # name -> (out_vectors, out_values, in_vectors, in_values)
+        self.prior_precision = float(prior_precision)
+        self._spectrum = None
 
     @classmethod
-    def from_factors(cls, factors: dict[str, tuple[torch.Tensor, torch.Tensor]], delta: float = 1.0) -> KronPosterior:
-        """Eigendecompose ``factors`` ({block: (G, A)}), each replacing its factor as it is done (the dict is
-        emptied), so memory holds the factors or their decompositions, not both."""
+    def from_factors(cls, factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                     prior_precision: float = 1.0) -> KronPosterior:
+        """The fit: eigendecompose the K-FAC ``factors`` ({block: (G, A)}), each replacing its factor as it is done
+        (the dict is emptied), so memory holds the factors or their decompositions, not both."""
         blocks = {}
         for name in list(factors):
             g, a = factors.pop(name)
@@ -82,51 +86,52 @@ class KronPosterior:
             in_val, in_vec = eigen(a)
             del a
             blocks[name] = (out_vec, out_val, in_vec, in_val)
-        return cls(blocks, float(delta))
+        return cls(blocks, prior_precision)
 
-    def spectrum(self) -> np.ndarray:
-        """The eigenvalues of H (all blocks), float64: block G (x) A has the products of G's and A's."""
+    def _curvature_eigenvalues(self) -> np.ndarray:
+        """Block G (x) A has the products of G's and A's eigenvalues."""
         return np.concatenate([torch.outer(b[1].double(), b[3].double()).flatten().cpu().numpy()
                                for b in self.blocks.values()])
 
-    def fit_prior_precision(self, theta_sq_norm: float) -> float:
-        """The delta that maximises the Laplace evidence (module docstring) with theta* held fixed; sets it."""
-        from rewarduq_exp.methods.posteriors.evidence import fit_prior_precision
+    def _prior_changed(self) -> None:
+        """Nothing is factorised ahead: ``KronDecomposed`` adds lambda to the eigenvalues when it is used."""
 
-        self.delta = float(fit_prior_precision(theta_sq_norm, self.spectrum()))
-        return self.delta
+    @property
+    def num_parameters(self) -> int:
+        return int(sum(b[1].numel() * b[3].numel() for b in self.blocks.values()))
 
-    def log_evidence(self, log_lik: float, theta_sq_norm: float) -> tuple[float, float]:
-        """(log marginal likelihood, effective number of parameters) at the current delta."""
-        from rewarduq_exp.methods.posteriors.evidence import effective_parameters, log_evidence
-
-        g = self.spectrum()
-        return log_evidence(log_lik, theta_sq_norm, g, self.delta), effective_parameters(g, self.delta)
+    # ------------------------------------------------------------------ the linearised predictive
+    def _deltas(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([self.prior_precision], dtype=like.dtype, device=like.device)
 
     def block_precision(self, name: str):
-        """Block ``name`` of the posterior precision H + delta as laplace-torch's ``KronDecomposed``."""
+        """Block ``name`` of the posterior precision H + lambda as laplace-torch's ``KronDecomposed``."""
         kron_decomposed = require_laplace()
         out_vec, out_val, in_vec, in_val = self.blocks[name]
-        delta = torch.tensor([self.delta], dtype=out_val.dtype, device=out_val.device)
-        return kron_decomposed([[out_vec, in_vec]], [[out_val, in_val]], deltas=delta)
+        return kron_decomposed([[out_vec, in_vec]], [[out_val, in_val]], deltas=self._deltas(out_val))
 
-    def variance(self, name: str, jacobian: torch.Tensor) -> torch.Tensor:
-        """(rows,) J P^-1 J^T of block ``name`` for per-row Jacobians (rows, out, in) of its weight."""
+    def block_variance(self, name: str, jacobian: torch.Tensor) -> torch.Tensor:
+        """(rows,) J P^-1 J^T of block ``name`` for per-row Jacobians (rows, out, in) of its weight: the block's share
+        of the predictive variance (LA-LoRA takes each block as backward reaches it, so no whole J is held)."""
         rows = jacobian.shape[0]
         return self.block_precision(name).inv_square_form(jacobian.reshape(rows, 1, -1))[:, 0, 0]
 
+    def predictive_variance(self, jacobians: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(rows,) J P^-1 J^T for per-row Jacobians of every block ({name: (rows, out, in)}), summed in block
+        order."""
+        return torch.stack([self.block_variance(name, jacobians[name]) for name in self.blocks]).sum(0)
+
+    @property
     def precision(self):
         """The whole posterior precision as one ``KronDecomposed`` (the tests compare it with laplace-torch's)."""
         kron_decomposed = require_laplace()
         vectors = [[b[0], b[2]] for b in self.blocks.values()]
         values = [[b[1], b[3]] for b in self.blocks.values()]
-        first = next(iter(self.blocks.values()))[1]
-        return kron_decomposed(vectors, values, deltas=torch.tensor([self.delta], dtype=first.dtype,
-                                                                    device=first.device))
+        return kron_decomposed(vectors, values, deltas=self._deltas(next(iter(self.blocks.values()))[1]))
 
     # ------------------------------------------------------------------ safetensors
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {PRIOR_KEY: torch.tensor([self.delta], dtype=torch.float64)}
+        out = {PRIOR_KEY: torch.tensor([self.prior_precision], dtype=torch.float64)}
         for name, block in self.blocks.items():
             for part, t in zip(PARTS, block):
                 out[f"{name}.{part}"] = t.detach().cpu().contiguous()
@@ -144,6 +149,6 @@ class KronPosterior:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], names, device) -> KronPosterior:
-        delta = float(tensors[PRIOR_KEY][0])
+        prior = float(tensors[PRIOR_KEY][0])
         blocks = {name: tuple(tensors[f"{name}.{part}"].to(device) for part in PARTS) for name in names}
-        return cls(blocks, delta)
+        return cls(blocks, prior)
