@@ -14,7 +14,7 @@ from test_cli import NO_FIGURES, run
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import load_method
-from rewarduq_exp.methods.distance_scale import calibration_split, fit_distance_scale, probit_nll
+from rewarduq_exp.methods.distance_scale import bt_nll, calibration_split, fit_distance_scale
 from rewarduq_exp.methods.knn import KnnHead
 from rewarduq_exp.metrics import METRIC_NAMES
 
@@ -96,47 +96,50 @@ def test_u_is_larger_far_outside_the_training_data_than_inside(trained):
     g = torch.Generator().manual_seed(5)
     inside, outside = torch.zeros(200, 12), torch.zeros(200, 12)
     inside[:, :6], outside[:, 6:] = torch.randn(200, 6, generator=g), torch.randn(200, 6, generator=g)
-    assert m.scale > 0.1   # the head is over-confident on the held-out pairs: their likelihood gains from widening
+    assert m.scale > 0 and m.scale_fit.cf_held_out <= m.cf_target   # u's scale: the held-out CF target
     assert m.score_features(outside).u.mean() > 1.5 * m.score_features(inside).u.mean()
     assert np.mean(m.score_features(zc).reward > m.score_features(zr).reward) > 0.7
 
 
-def synthetic_scale_problem(c_true: float, n=20_000, seed=0):
-    """Head margins m, distances d_c, d_r, and labels drawn as the module's reading says: the true margin is
-    m + N(0, c^2 (d_c^2 + d_r^2)) and the chosen response wins with probability sigmoid(true margin). Returned
-    oriented (chosen = the winner), as preference data is."""
-    rng = np.random.default_rng(seed)
-    m = rng.normal(0.0, 2.0, n)
-    dc, dr = rng.uniform(0.2, 3.0, n), rng.uniform(0.2, 3.0, n)
-    true = m + rng.normal(0.0, 1.0, n) * c_true * np.sqrt(dc**2 + dr**2)
-    win = rng.random(n) < 1 / (1 + np.exp(-true))
-    return np.where(win, m, -m), np.where(win, dc, dr), np.where(win, dr, dc)
+def test_the_reward_scale_is_the_held_out_likelihoods_temperature():
+    """Labels drawn from sigmoid(2 m): the fitted a is 2 (20,000 pairs: within 5 %), and it lowers the NLL below the
+    head's own (a = 1)."""
+    rng = np.random.default_rng(0)
+    m = rng.normal(0.0, 1.0, 20_000)
+    win = rng.random(len(m)) < 1 / (1 + np.exp(-2.0 * m))
+    margin = np.where(win, m, -m)
+    found = fit_distance_scale(margin, np.ones_like(m), np.ones_like(m))
+    assert found.a == pytest.approx(2.0, rel=0.05) and found.nll < found.nll_as_trained
+    assert found.nll <= bt_nll(math.log(1.8), margin, np.ones_like(m))
 
 
-@pytest.mark.parametrize("c_true", [0.5, 1.5])
-def test_the_scale_is_recovered_where_the_reward_error_grows_with_the_distance(c_true):
-    """Measured: c = 0.47 and 1.46 for 0.5 and 1.5 (20,000 pairs; over seeds 0-2 within 7 %: sampling and the
-    probit approximation's own error)."""
-    margin, dc, dr = synthetic_scale_problem(c_true)
-    found = fit_distance_scale(margin, dc, dr)
-    assert found.c == pytest.approx(c_true, rel=0.12)
-    assert found.nll < found.nll_at_zero and found.pairs == len(margin)
-    d2 = dc**2 + dr**2
-    for other in (0.5 * c_true, 2 * c_true):   # a maximum, not a point of the range
-        assert found.nll < probit_nll(math.log(other), margin, d2, np.ones_like(margin))
-
-
-def test_the_scale_goes_to_the_bottom_of_its_range_when_the_margins_are_right_and_weights_count_as_copies():
+def test_the_distance_scale_is_the_smallest_meeting_the_cf_target_by_hand():
+    """c = the smallest scale at which the bounds r +- beta c d call at most cf_target of the held-out pairs (by
+    weight) confidently wrong; checked against a direct scan of every candidate c."""
     rng = np.random.default_rng(1)
-    margin, dc, dr = np.abs(rng.normal(3, 1, 500)), rng.uniform(1, 2, 500), rng.uniform(1, 2, 500)
-    found = fit_distance_scale(margin, dc, dr)
-    assert 0 < found.c < 1e-3 and found.nll <= found.nll_at_zero + 1e-12
-    margin, dc, dr = synthetic_scale_problem(1.0, n=300, seed=2)
-    weight = rng.integers(1, 4, 300).astype(float)
+    n = 400
+    margin, dc, dr = rng.normal(0.5, 1.0, n), rng.uniform(0.1, 2.0, n), rng.uniform(0.1, 2.0, n)
+    weight = rng.integers(1, 4, n).astype(float)
+    found = fit_distance_scale(margin, dc, dr, weight, beta=2.0, cf_target=0.05)
+    a_m = found.a * margin
+
+    def cf_share(c):   # bounds a r +- beta c d apart the wrong way: a m + beta c (d_c + d_r) < 0
+        return weight[a_m + 2.0 * c * (dc + dr) < 0].sum() / weight.sum()
+
+    assert cf_share(found.c) <= 0.05 + 1e-12 and found.cf_held_out == pytest.approx(cf_share(found.c))
+    assert cf_share(found.c * (1 - 1e-9)) > 0.05            # any smaller c breaks the target
+    assert found.feasible and found.pairs == n
     repeat = weight.astype(int)
-    weighted = fit_distance_scale(margin, dc, dr, weight)
-    copied = fit_distance_scale(np.repeat(margin, repeat), np.repeat(dc, repeat), np.repeat(dr, repeat))
-    assert weighted.c == pytest.approx(copied.c, rel=1e-4)
+    copied = fit_distance_scale(np.repeat(margin, repeat), np.repeat(dc, repeat), np.repeat(dr, repeat), beta=2.0,
+                                cf_target=0.05)
+    assert (copied.a, copied.c) == pytest.approx((found.a, found.c), rel=1e-6)   # a weight w counts as w copies
+
+
+def test_wrong_pairs_at_distance_zero_make_the_target_infeasible():
+    margin = np.array([-1.0, -1.0, 1.0, 1.0])
+    found = fit_distance_scale(margin, np.array([0.0, 1.0, 1.0, 1.0]), np.array([0.0, 1.0, 1.0, 1.0]),
+                               cf_target=0.1)
+    assert not found.feasible and found.cf_held_out == pytest.approx(0.25)   # the pair at distance 0 stays wrong
 
 
 def test_the_split_holds_out_a_seeded_share_and_always_one_pair_each_side():

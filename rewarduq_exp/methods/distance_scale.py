@@ -2,23 +2,27 @@
 d is a raw distance of z from the training features (the k-NN distance of :mod:`~rewarduq_exp.methods.knn`, the
 negative log density of :mod:`~rewarduq_exp.methods.ddu`) and c > 0 one scale that puts d into reward units.
 
-**The scale** (:func:`fit_distance_scale`, written once for both methods). Our reading of "u in reward units": u is
-the standard deviation of the error of the head's reward, growing in proportion to d. If the head's reward of a
-response is its true reward plus an error of standard deviation c * d, independent between the two responses of a
-pair, the Bradley-Terry probability that the chosen one wins, averaged over the errors, is by the probit
-approximation of the logistic-normal integral (MacKay 1992)
+**The scales** (:func:`fit_distance_scale`, written once for both methods), fitted on pairs the head never trained on:
+a seeded random ``calibration_fraction`` of the training pairs is held out; the head trains on the rest, the reference
+set (k-NN) or the density (DDU) is built from the rest's features, and the scales come from the held-out pairs'
+margins and distances, so the head's errors and the distances there are what they are on new data. (Training on all
+pairs and fitting on a fold would need a second training run for honest held-out margins, and a held-out feature
+that is also in the reference set is its own nearest neighbour.)
 
-    P(chosen wins) = sigmoid((r_c - r_r) / sqrt(1 + (pi / 8) c^2 (d_c^2 + d_r^2))).
+* The reward is a r, r the head's output and a > 0 the maximiser of the held-out pairs' Bradley-Terry likelihood
+  sigmoid(a (r_c - r_r)): a temperature, so the reward's probabilities are calibrated; it ranks nothing differently
+  (the win rate is the head's).
+* u = c d, c the smallest scale at which the bounds a r +- beta c d call at most ``cf_target`` (5 %) of the held-out
+  pairs confidently wrong (their intervals apart, the wrong way round): u is in reward units by construction, and the
+  distance decides which responses get the wide intervals. A pair the head ranks wrong stops being confidently wrong
+  once c >= -a m / (beta (d_c + d_r)), so c is a weighted quantile of these thresholds (no search).
 
-c is the maximiser of this likelihood on pairs the head never trained on: a seeded random ``calibration_fraction`` of
-the training pairs is held out; the head trains on the rest, the reference set (k-NN) or the density (DDU) is built
-from the rest's features, and c is fitted on the held-out pairs' margins and distances, so both the head's errors
-and the distances there are what they are on new data. (Training the head on all pairs and fitting c on a fold would
-need a second training run for honest held-out margins, and a held-out feature that is also in the reference set is
-its own nearest neighbour.) The search is over log c: a grid over twelve decades around the held-out pairs' typical
-sqrt(d_c^2 + d_r^2), then Brent's method between the best grid point's neighbours (scipy's bounded
-``minimize_scalar``), so c > 0 always; c at the bottom of the range means the held-out margins gain nothing from
-widening (the head is not over-confident where it is far from its data), and u is then near 0.
+Our first reading fitted c by the likelihood instead (u the standard deviation of the reward's error, growing with d;
+by the probit approximation P = sigmoid(a m / sqrt(1 + (pi/8) c^2 (d_c^2 + d_r^2)))). On the synthetic worlds it put c
+at the bottom of its range: within the training distribution the distance does not predict where the head errs, so
+the likelihood gains nothing from widening, u was about 0 and the raw bounds called 37-48 % of the filler world's
+pairs confidently wrong. The bounds' own risk gives u a usable size whatever the likelihood says; whether the
+distance *also* finds the far-off responses where a shortcut misleads the head is what the downstream studies ask.
 
 Bounds are reward +- beta * u (RewardUQ eq. 9); with u a standard deviation of the reward, beta = 1 is one of them.
 
@@ -44,56 +48,77 @@ from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weig
 from rewarduq_exp.methods.ens_mlp import BatchedMLPHeads
 from rewarduq_exp.methods.settings import AdamWSettings, FeatureHeadSettings, positive, setting
 
-PROBIT = math.pi / 8.0
-SCALE_DECADES = 6.0     # c * typical sqrt(d_c^2 + d_r^2) is searched in [1e-6, 1e6]
-GRID_POINTS = 97        # 8 a decade
+REWARD_DECADES = 3.0    # the reward scale a is searched in [1e-3, 1e3] (separable held-out pairs push it to the top)
 CHUNK = 8192            # rows standardised at once
 
 
 @dataclass(frozen=True)
 class ScaleFit:
-    """The fitted scale ``c`` and the held-out pairs' weighted mean NLL with it and with c -> 0 (plain
-    Bradley-Terry on the head's margins)."""
+    """The fitted reward scale ``a`` and distance scale ``c`` on ``pairs`` held-out pairs: the weighted mean
+    Bradley-Terry NLL with a (``nll``) and with the head as trained (``nll_as_trained``, a = 1), the share of them the
+    bounds call confidently wrong at c (``cf_held_out``) against the target (``cf_target``), and ``feasible``: False
+    when more than the target are wrong at distance 0 (no c can help them), c is then the largest finite threshold."""
 
+    a: float
     c: float
     nll: float
-    nll_at_zero: float
+    nll_as_trained: float
+    cf_target: float
+    cf_held_out: float
+    feasible: bool
     pairs: int
 
 
-def probit_nll(log_c: float, margin: np.ndarray, d2: np.ndarray, weight: np.ndarray) -> float:
-    """Weighted mean of -log sigmoid(margin / sqrt(1 + (pi/8) c^2 d2)), c = exp(log_c) (the module docstring)."""
-    z = margin / np.sqrt(1.0 + PROBIT * math.exp(2.0 * log_c) * d2)
-    return float(np.sum(weight * np.logaddexp(0.0, -z)) / np.sum(weight))
+def bt_nll(log_a: float, margin: np.ndarray, weight: np.ndarray) -> float:
+    """Weighted mean of -log sigmoid(a m), a = exp(log_a): the held-out pairs' Bradley-Terry NLL at reward scale a."""
+    return float(np.sum(weight * np.logaddexp(0.0, -math.exp(log_a) * margin)) / np.sum(weight))
 
 
-def fit_distance_scale(margin, d_chosen, d_rejected, weight=None) -> ScaleFit:
-    """The scale c > 0 that maximises the held-out pairs' likelihood
-    sigmoid(m / sqrt(1 + (pi/8) c^2 (d_c^2 + d_r^2))) (module docstring), m = r_chosen - r_rejected of the head,
-    d the raw distances of the two responses, ``weight`` the pair weights (a weight w counts as w copies)."""
+def cf_thresholds(margin: np.ndarray, d_sum: np.ndarray, beta: float) -> np.ndarray:
+    """t_i of each held-out pair: with bounds r +- beta c d, pair i is confidently wrong (its two intervals apart,
+    the wrong way round) exactly when c < t_i = -m_i / (beta (d_c + d_r)); 0 for a pair ranked right, inf for a
+    wrong pair at distance 0 (no c widens it)."""
+    t = np.zeros(len(margin))
+    wrong = margin < 0
+    with np.errstate(divide="ignore"):
+        t[wrong] = np.where(d_sum[wrong] > 0, -margin[wrong] / (beta * np.where(d_sum[wrong] > 0, d_sum[wrong], 1.0)),
+                            np.inf)
+    return t
+
+
+def fit_distance_scale(margin, d_chosen, d_rejected, weight=None, *, beta: float = 1.0,
+                       cf_target: float = 0.05) -> ScaleFit:
+    """The reward scale a and the distance scale c of the held-out pairs (module docstring): a > 0 maximises their
+    Bradley-Terry likelihood sigmoid(a m) (bounded Brent search over log a in [1e-3, 1e3]); c is the smallest scale at
+    which the bounds a r +- beta c d call at most ``cf_target`` of them (by weight) confidently wrong. ``margin``: the
+    head's r_chosen - r_rejected, ``d_*``: the raw distances, ``weight``: the pair weights (a weight w counts as w
+    copies)."""
     from scipy.optimize import minimize_scalar
 
     margin = np.asarray(margin, np.float64)
-    d2 = np.asarray(d_chosen, np.float64) ** 2 + np.asarray(d_rejected, np.float64) ** 2
+    d_sum = np.asarray(d_chosen, np.float64) + np.asarray(d_rejected, np.float64)
     weight = np.ones_like(margin) if weight is None else np.asarray(weight, np.float64)
-    if not (margin.shape == d2.shape == weight.shape) or margin.ndim != 1 or len(margin) == 0:
-        raise ValueError(f"margin {margin.shape}, distances {d2.shape} and weight {weight.shape} must be one "
+    if not (margin.shape == d_sum.shape == weight.shape) or margin.ndim != 1 or len(margin) == 0:
+        raise ValueError(f"margin {margin.shape}, distances {d_sum.shape} and weight {weight.shape} must be one "
                          "non-empty vector each")
-    at_zero = float(np.sum(weight * np.logaddexp(0.0, -margin)) / np.sum(weight))   # c -> 0: plain Bradley-Terry
-    positive_d = np.sqrt(d2[d2 > 0])
-    if len(positive_d) == 0:   # every held-out response at distance 0: u is 0 whatever c is
-        return ScaleFit(1.0, at_zero, at_zero, len(margin))
-    centre = -math.log(float(np.median(positive_d)))
-    span = SCALE_DECADES * math.log(10.0)
-    grid = np.linspace(centre - span, centre + span, GRID_POINTS)
-    values = [probit_nll(g, margin, d2, weight) for g in grid]
-    best = int(np.argmin(values))
-    lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
-    found = minimize_scalar(probit_nll, bounds=(lo, hi), args=(margin, d2, weight), method="bounded",
-                            options={"xatol": 1e-6})
-    log_c, nll = (float(found.x), float(found.fun)) if found.fun <= values[best] else (float(grid[best]),
-                                                                                         float(values[best]))
-    return ScaleFit(math.exp(log_c), nll, at_zero, len(margin))
+    span = REWARD_DECADES * math.log(10.0)
+    found = minimize_scalar(bt_nll, bounds=(-span, span), args=(margin, weight), method="bounded",
+                            options={"xatol": 1e-8})
+    a = math.exp(float(found.x))
+    t = cf_thresholds(a * margin, d_sum, beta)
+    order = np.argsort(-t, kind="stable")                    # descending thresholds
+    lost = np.cumsum(weight[order]) / weight.sum()           # share lost at any c below the threshold at each place
+    # the smallest c = t_(k) such that the pairs with t_i > c weigh at most cf_target: c is the first threshold
+    # (descending) whose strictly larger ones stay within the target
+    above = np.concatenate([[0.0], lost[:-1]])                # weight share of the thresholds before each place
+    ok = np.flatnonzero(above <= cf_target + 1e-12)
+    pick = t[order][ok[-1]]
+    finite = t[np.isfinite(t)]
+    feasible = bool(np.isfinite(pick))
+    c = float(pick) if feasible else float(finite.max(initial=0.0))
+    c = max(c, 0.0)
+    cf = float(np.sum(weight[t > c]) / weight.sum())
+    return ScaleFit(a, c, float(found.fun), bt_nll(0.0, margin, weight), float(cf_target), cf, feasible, len(margin))
 
 
 def held_out_count(n: int, fraction: float) -> int:
@@ -133,6 +158,8 @@ class DistanceHeadSettings(FeatureHeadSettings, AdamWSettings):
     center_gamma: float = setting(check=positive(inclusive=True), doc="gamma: mean (r_c + r_r)^2")
     calibration_fraction: float = setting(check=_fraction, doc="share of the training pairs held out to fit u's "
                                                                 "scale")
+    cf_target: float = setting(check=_fraction, doc="u's scale: the held-out pairs' bounds are confidently wrong "
+                                                    "on at most this share")
     beta: float = setting(check=positive(), doc="bounds reward +- beta * u")
 
 
@@ -149,7 +176,8 @@ class DistanceScaledHead(FeatureHeadMethod):
         self.head: BatchedMLPHeads | None = None
         self.feature_mean: torch.Tensor | None = None   # float64 (d,), of the reference features
         self.feature_sd: torch.Tensor | None = None
-        self.scale: float = 1.0
+        self.scale: float = 1.0          # c: u = c * d
+        self.reward_scale: float = 1.0   # a: reward = a * the head's output
         self.scale_fit: ScaleFit | None = None
 
     # ------------------------------------------------------------------ what a subclass implements
@@ -281,20 +309,24 @@ class DistanceScaledHead(FeatureHeadMethod):
         with torch.no_grad():
             margin = (self.rewards(zc[held_t]) - self.rewards(zr[held_t])).double().cpu().numpy()
         self.scale_fit = fit_distance_scale(margin, self.distance(zc[held_t]).numpy(),
-                                            self.distance(zr[held_t]).numpy(), weight[held_t].double().cpu().numpy())
-        self.scale = self.scale_fit.c
+                                            self.distance(zr[held_t]).numpy(), weight[held_t].double().cpu().numpy(),
+                                            beta=self.beta, cf_target=self.cf_target)
+        self.scale, self.reward_scale = self.scale_fit.c, self.scale_fit.a
 
     def fit(self, train, eval=None):  # noqa: A002
         self.scale_fit = None
         super().fit(train, eval)
         self.fit_summary["u_scale"] = self.scale
+        self.fit_summary["reward_scale"] = self.reward_scale
         if self.scale_fit is not None:   # rank 0 (the others took its tensors)
             self.fit_summary.update({"scale_pairs": self.scale_fit.pairs, "scale_nll": self.scale_fit.nll,
-                                     "scale_nll_at_zero": self.scale_fit.nll_at_zero})
+                                     "scale_nll_as_trained": self.scale_fit.nll_as_trained,
+                                     "scale_cf_held_out": self.scale_fit.cf_held_out,
+                                     "scale_feasible": self.scale_fit.feasible})
         return self
 
     def _score_features(self, z):
-        reward = self.rewards(z)
+        reward = self.reward_scale * self.rewards(z)
         u = self.scale * self.distance(z)
         return reward, u.to(reward.device)
 
@@ -302,7 +334,8 @@ class DistanceScaledHead(FeatureHeadMethod):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         state = {f"head.{k}": v for k, v in self.head.state_dict().items()}
         state.update({"feature_mean": self.feature_mean, "feature_sd": self.feature_sd,
-                      "scale": torch.tensor([self.scale], dtype=torch.float64)})
+                      "scale": torch.tensor([self.scale], dtype=torch.float64),
+                      "reward_scale": torch.tensor([self.reward_scale], dtype=torch.float64)})
         state.update(self._reference_tensors())
         return state
 
@@ -316,7 +349,7 @@ class DistanceScaledHead(FeatureHeadMethod):
         dims = [feature_dim] + [h] * self.num_hidden_layers + [1]
         shapes = {f"head.weights.{i}": (1, a, b) for i, (a, b) in enumerate(zip(dims[:-1], dims[1:]))}
         shapes |= {f"head.biases.{i}": (1, h) for i in range(self.num_hidden_layers)}
-        shapes |= {"feature_mean": (feature_dim,), "feature_sd": (feature_dim,), "scale": (1,)}
+        shapes |= {"feature_mean": (feature_dim,), "feature_sd": (feature_dim,), "scale": (1,), "reward_scale": (1,)}
         out = {name: Expected(shape, "f", head_why) for name, shape in shapes.items()}
         return out | self._expected_reference(feature_dim, why)
 
@@ -330,4 +363,5 @@ class DistanceScaledHead(FeatureHeadMethod):
             raise ValueError(f"feature_mean / feature_sd are {tuple(self.feature_mean.shape)} / "
                              f"{tuple(self.feature_sd.shape)}, expected ({d},)")
         self.scale = float(tensors["scale"].reshape(-1)[0])
+        self.reward_scale = float(tensors["reward_scale"].reshape(-1)[0])
         self._load_reference({k: v.to("cpu") for k, v in tensors.items()})
