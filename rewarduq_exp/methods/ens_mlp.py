@@ -21,7 +21,8 @@ from torch import nn
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.setting_bounds import WIDTH, Bound
-from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
+from rewarduq_exp.methods.base import FeatureHeadMethod
+from rewarduq_exp.methods.losses import bradley_terry_loss
 from rewarduq_exp.methods.settings import AdamWSettings, FeatureHeadSettings, positive, setting
 from rewarduq_exp.methods.training import run_training
 
@@ -29,6 +30,25 @@ from rewarduq_exp.methods.training import run_training
 def squared_deviation(diff: torch.Tensor) -> torch.Tensor:
     """Per head, the sum of squares of ``diff`` (K, ...): one reduction without a squared copy."""
     return torch.linalg.vector_norm(diff, dim=tuple(range(1, diff.dim()))).square()   # no flattened copy
+
+
+def xavier_uniform(fan_in: int, fan_out: int, generator: torch.Generator | None, *lead: int,
+                   gain: float = 1.0) -> torch.Tensor:
+    """(*lead, fan_in, fan_out) weights drawn in one call from ``generator``: U(-b, b), b = gain sqrt(6 / (fan_in +
+    fan_out)) (Xavier-uniform, per (fan_in, fan_out) matrix; ``lead``: a stack of them, e.g. K heads)."""
+    bound = gain * math.sqrt(6.0 / (fan_in + fan_out))
+    return (torch.rand(*lead, fan_in, fan_out, generator=generator) * 2 - 1) * bound
+
+
+def mlp_parameters(dims: list[int], generator: torch.Generator | None, *lead: int,
+                   gain: float = 1.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(weights, biases) of the reward heads' MLP Linear(dims[0], dims[1])-ReLU-...-Linear(dims[-2], dims[-1]):
+    Xavier-uniform weights (:func:`xavier_uniform`), drawn layer by layer from ``generator``, and zero biases for the
+    hidden layers only (the output layer has none: a constant shift cancels in every Bradley-Terry margin).
+    ``lead``: a leading stack axis (K heads); ENS-MLP's heads, the epinet's base head mu and its epinet g are built
+    by it."""
+    weights = [xavier_uniform(a, b, generator, *lead, gain=gain) for a, b in zip(dims[:-1], dims[1:])]
+    return weights, [torch.zeros(*lead, width) for width in dims[1:-1]]
 
 
 class BatchedMLPHeads(nn.Module):
@@ -45,18 +65,13 @@ class BatchedMLPHeads(nn.Module):
     def __init__(self, num_heads: int, in_dim: int, hidden_dim: int = 128, num_hidden_layers: int = 2,
                  gain: float = 1.0, generator: torch.Generator | None = None):
         super().__init__()
-        dims = [in_dim] + [hidden_dim] * num_hidden_layers + [1]
         self.num_heads = num_heads
-        self.weights = nn.ParameterList()
-        self.biases = nn.ParameterList()
-        for fan_in, fan_out in zip(dims[:-1], dims[1:]):
-            bound = gain * math.sqrt(6.0 / (fan_in + fan_out))  # Xavier-uniform, per head
-            w = (torch.rand(num_heads, fan_in, fan_out, generator=generator) * 2 - 1) * bound
-            if not self.weights:   # the shared-input layer: (fan_in, K, fan_out) in memory (class docstring)
-                w = w.permute(1, 0, 2).contiguous().permute(1, 0, 2)
-            self.weights.append(nn.Parameter(w))
-        for _ in range(num_hidden_layers):
-            self.biases.append(nn.Parameter(torch.zeros(num_heads, hidden_dim)))
+        weights, biases = mlp_parameters([in_dim] + [hidden_dim] * num_hidden_layers + [1], generator, num_heads,
+                                         gain=gain)
+        # the shared-input layer: (fan_in, K, fan_out) in memory (class docstring)
+        weights[0] = weights[0].permute(1, 0, 2).contiguous().permute(1, 0, 2)
+        self.weights = nn.ParameterList([nn.Parameter(w) for w in weights])
+        self.biases = nn.ParameterList([nn.Parameter(b) for b in biases])
         self.params_per_head = sum(p[0].numel() for p in self.parameters())
 
     def separate_heads(self) -> nn.ModuleList:
@@ -193,9 +208,7 @@ class EnsMLP(FeatureHeadMethod):
         n = zc.shape[0]
         rewards = self.heads(torch.cat([zc, zr]))  # one pass for chosen and rejected: (K, 2B)
         rc, rr = rewards[:, :n], rewards[:, n:]
-        bt = weighted_mean(bradley_terry_nll(rc - rr).mean(0), weight)
-        center = weighted_mean((rc + rr).pow(2).mean(0), weight)
-        return bt, center
+        return bradley_terry_loss(rc, rr, weight, normalise=True, mean_over_members=True)
 
     def _total(self, bt: torch.Tensor, anchor: torch.Tensor, center: torch.Tensor) -> tuple[torch.Tensor, dict]:
         total = bt.detach() + self.reg_lambda * anchor + self.center_gamma * center.detach()

@@ -54,7 +54,9 @@ from torch import nn
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.setting_bounds import WIDTH, Bound
-from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
+from rewarduq_exp.methods.base import FeatureHeadMethod
+from rewarduq_exp.methods.ens_mlp import mlp_parameters, xavier_uniform
+from rewarduq_exp.methods.losses import bradley_terry_loss
 from rewarduq_exp.methods.settings import AdamWSettings, FeatureHeadSettings, one_of, positive, setting
 
 INDEX_DISTRIBUTIONS = ("gaussian", "sphere", "one_hot")
@@ -78,11 +80,6 @@ def sample_indices(distribution: str, n: int, dim: int, generator: torch.Generat
     return xi
 
 
-def xavier(fan_in: int, fan_out: int, generator: torch.Generator, *lead: int) -> torch.Tensor:
-    bound = math.sqrt(6.0 / (fan_in + fan_out))
-    return (torch.rand(*lead, fan_in, fan_out, generator=generator) * 2 - 1) * bound
-
-
 class EpinetHead(nn.Module):
     """mu, sigma_L (parameters) and sigma_P (buffers) for features of size ``d``; every index of a call at once."""
 
@@ -90,24 +87,25 @@ class EpinetHead(nn.Module):
                  prior_hidden: int, with_features: bool, generator: torch.Generator):
         super().__init__()
         self.with_features = with_features
-        dims = [d] + [hidden] * layers
         width = hidden + d if with_features else hidden     # the epinet's input x~: [z, phi(z)] or phi(z)
-        self.base_w = nn.ParameterList([nn.Parameter(xavier(a, b, generator)) for a, b in zip(dims[:-1], dims[1:])])
-        self.base_b = nn.ParameterList([nn.Parameter(torch.zeros(hidden)) for _ in range(layers)])
-        self.base_out = nn.Parameter(xavier(hidden, 1, generator))   # no bias: a shift cancels in every margin
+        # mu: one ENS-MLP head, built (and drawn from the generator) as ENS-MLP builds each of its heads; kept as 2-D
+        # tensors and run with plain matrix products (``base``), whose rounding the epinet's numbers have always had
+        weights, biases = mlp_parameters([d] + [hidden] * layers + [1], generator)
+        self.base_w = nn.ParameterList([nn.Parameter(w) for w in weights[:-1]])
+        self.base_b = nn.ParameterList([nn.Parameter(b) for b in biases])
+        self.base_out = nn.Parameter(weights[-1])
         # g([phi, xi]): the first layer split into its phi and xi blocks, so that phi's product is computed once per
         # row and xi's once per index, and their sum broadcast to (S, B, e) (no (S, B, h + D) concatenation).
-        first = xavier(width + index_dim, epi_hidden, generator)
-        self.epi_phi, self.epi_xi = nn.Parameter(first[:width].clone()), nn.Parameter(first[width:].clone())
-        self.epi_w = nn.ParameterList([nn.Parameter(xavier(epi_hidden, epi_hidden, generator))
-                                       for _ in range(epi_layers - 1)])
-        self.epi_b = nn.ParameterList([nn.Parameter(torch.zeros(epi_hidden)) for _ in range(epi_layers)])
-        self.epi_out = nn.Parameter(xavier(epi_hidden, index_dim, generator))
+        weights, biases = mlp_parameters([width + index_dim] + [epi_hidden] * epi_layers + [index_dim], generator)
+        self.epi_phi, self.epi_xi = nn.Parameter(weights[0][:width].clone()), nn.Parameter(weights[0][width:].clone())
+        self.epi_w = nn.ParameterList([nn.Parameter(w) for w in weights[1:-1]])
+        self.epi_b = nn.ParameterList([nn.Parameter(b) for b in biases])
+        self.epi_out = nn.Parameter(weights[-1])
         # sigma_P: index_dim MLPs Linear(h, p)-ReLU-Linear(p, 1), stacked, fixed (buffers: no gradient, no optimizer)
-        self.register_buffer("prior_w0", xavier(width, prior_hidden, generator, index_dim))
+        self.register_buffer("prior_w0", xavier_uniform(width, prior_hidden, generator, index_dim))
         self.register_buffer("prior_b0", (torch.rand(index_dim, prior_hidden, generator=generator) * 2 - 1)
                              / math.sqrt(width))   # random biases: a ReLU prior through the origin would vanish at 0
-        self.register_buffer("prior_w1", xavier(prior_hidden, 1, generator, index_dim))
+        self.register_buffer("prior_w1", xavier_uniform(prior_hidden, 1, generator, index_dim))
 
     def base(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mu (B,), phi (B, h)) of features z (B, d)."""
@@ -267,9 +265,8 @@ class Epinet(FeatureHeadMethod):
             xi = sample_indices(self.index_distribution, self.num_index_samples, self.index_dim).to(zc.device)
         n = zc.shape[0]
         rewards = self.rewards(torch.cat([zc, zr]), xi)   # (S, 2B): chosen and rejected under the same xi
-        rc, rr = rewards[:, :n], rewards[:, n:]
-        bt = weighted_mean(bradley_terry_nll(rc - rr).mean(0), weight)
-        center = weighted_mean((rc + rr).pow(2).mean(0), weight)
+        bt, center = bradley_terry_loss(rewards[:, :n], rewards[:, n:], weight, normalise=True,
+                                        mean_over_members=True)   # the mean over the S indices
         l2 = self.l2_penalty() if self.reg_lambda > 0 else torch.zeros((), device=zc.device)
         total = bt + self.reg_lambda * l2 + self.center_gamma * center
         return total, {"loss_bt": bt.detach(), "loss_l2": l2.detach(), "loss_center": center.detach()}
