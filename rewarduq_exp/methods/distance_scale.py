@@ -44,8 +44,9 @@ import torch
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.setting_bounds import WIDTH, Bound
-from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
+from rewarduq_exp.methods.base import FeatureHeadMethod
 from rewarduq_exp.methods.ens_mlp import BatchedMLPHeads
+from rewarduq_exp.methods.losses import bradley_terry_loss
 from rewarduq_exp.methods.settings import AdamWSettings, FeatureHeadSettings, positive, setting
 
 REWARD_DECADES = 3.0    # the reward scale a is searched in [1e-3, 1e3] (separable held-out pairs push it to the top)
@@ -244,8 +245,7 @@ class DistanceScaledHead(FeatureHeadMethod):
         n = zc.shape[0]
         r = self.rewards(torch.cat([zc, zr]))   # one pass for chosen and rejected
         rc, rr = r[:n], r[n:]
-        bt = weighted_mean(bradley_terry_nll(rc - rr), weight)
-        center = weighted_mean((rc + rr).pow(2), weight)
+        bt, center = bradley_terry_loss(rc, rr, weight, normalise=True)
         return bt + self.center_gamma * center, {"loss_bt": bt.detach(), "loss_center": center.detach()}
 
     def standardise(self, z: torch.Tensor) -> torch.Tensor:
