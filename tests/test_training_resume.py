@@ -27,6 +27,7 @@ from rewarduq_exp.methods.ens_mlp import EnsMLP
 from rewarduq_exp.methods.epinet import Epinet
 from rewarduq_exp.methods.knn import KnnHead
 from rewarduq_exp.methods.label_ranking import PlackettLuceNet, RankClassifierNet
+from rewarduq_exp.methods.sngp import Sngp
 from rewarduq_exp.ranking.permutations import orderings_to_ranks
 from rewarduq_exp.ranking.plackett_luce import PlackettLuce
 
@@ -92,6 +93,7 @@ CASES = {
     "epinet": lambda backbone: _feature_head(Epinet, hidden_dim=8, index_dim=3, learning_rate=1e-2),
     "knn": lambda backbone: _feature_head(KnnHead, hidden_dim=8, learning_rate=1e-2),
     "ddu": lambda backbone: _feature_head(DduHead, hidden_dim=8, learning_rate=1e-2),
+    "sngp": lambda backbone: _feature_head(Sngp, hidden_dim=8, num_random_features=16, learning_rate=1e-2),
     "ens_lora": _ens_lora,
     "la_lora": la_lora_case,
     "plackett_luce": lambda backbone: _ranking(PlackettLuceNet),
