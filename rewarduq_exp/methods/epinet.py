@@ -61,8 +61,7 @@ from rewarduq_exp.methods.settings import AdamWSettings, FeatureHeadSettings, on
 
 INDEX_DISTRIBUTIONS = ("gaussian", "sphere", "one_hot")
 EPINET_INPUTS = ("features_and_hidden", "hidden")   # x~ = [z, phi(z)] | phi(z)
-MAX_INDEX_DIM = 1024          # the papers use 8-30; g's output, the prior ensemble and every index grow with it
-MAX_INDEX_DRAWS = 10_000      # each index is one more copy of the epinet's activations of every row
+MAX_INDEX_DRAWS = 10_000      # num_index_samples and num_eval_indices (their bounds say why)
 
 
 def sample_indices(distribution: str, n: int, dim: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -135,7 +134,7 @@ class EpinetSettings(FeatureHeadSettings, AdamWSettings, config="epinet"):
                               doc="base head mu's width")
     num_hidden_layers: int = setting(bound=Bound(1, 256, "layers", "each layer is a hidden_dim^2 matrix"),
                                      doc="base head mu's depth")
-    index_dim: int = setting(bound=Bound(1, MAX_INDEX_DIM, "dimensions", "the epinet papers use 8-30; g's output, "
+    index_dim: int = setting(bound=Bound(1, 1024, "dimensions", "the epinet papers use 8-30; g's output, "
                                          "the prior ensemble and each index grow with it"),
                              doc="D: size of the epistemic index xi")
     index_distribution: str = setting(check=one_of(INDEX_DISTRIBUTIONS), doc="reference distribution of xi")

@@ -40,9 +40,10 @@ class TrainingSchedule:
         return cls(**{**values, **fixed})
 
     def validate(self, prefix: str = "method") -> None:
+        """The real-valued settings and their combinations; ``batch_size`` is a whole number, checked by the bound on
+        the settings' field (``PAIRS_PER_STEP`` of :mod:`rewarduq_exp.methods.settings`)."""
         check_positive(self.learning_rate, f"{prefix}.learning_rate")
         check_choice(f"{prefix}.lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        check_positive(self.batch_size, f"{prefix}.batch_size", integer=True, minimum=1, inclusive=True)
         check_positive(self.num_epochs, f"{prefix}.num_epochs")
         if not 0 <= self.warmup_ratio < 1:
             raise UserError(f"{prefix}.warmup_ratio={self.warmup_ratio} is invalid: must be in [0, 1)")

@@ -147,13 +147,6 @@ def positive(*, cast=None, integer: bool = False, minimum: float = 0.0, inclusiv
     return check
 
 
-def whole(minimum: int, maximum: int | None = None):
-    """An integer in [minimum, maximum] (bools and floats refused)."""
-    from rewarduq_exp.core.checks import check_integer
-
-    return lambda value, key: check_integer(key, value, minimum, maximum)
-
-
 def one_of(allowed):
     """One of ``allowed`` (names)."""
     from rewarduq_exp.core.checks import check_choice
@@ -191,13 +184,6 @@ def auto_flag(value, key):
     from rewarduq_exp.core.checks import check_auto_flag
 
     return check_auto_flag(value, key)
-
-
-def auto_or_whole(value, key):
-    """``auto`` or an integer >= 1 (a batch size or token budget the device's free memory can choose)."""
-    from rewarduq_exp.models.token_budget import check_setting
-
-    return check_setting(value, key)
 
 
 def grad_norm(value, key):
@@ -310,7 +296,7 @@ class FeatureHeadSettings(MethodSettings):
     score_batch_size: int = setting(default=4096, runtime=True, check=cast(int), bound=ROWS_PER_SCORING_FORWARD,
                                     doc="features per scoring batch")
     show_progress: bool = setting(default=True, runtime=True, doc="progress bars")
-    log_every: int = setting(default=10, runtime=True, check=cast(int), bound=LOG_EVERY,
+    log_every: int = setting(default=10, runtime=True, bound=LOG_EVERY,
                              doc="a training-log record every this many steps")
 
 
@@ -320,5 +306,5 @@ class LabelRankingSettings(MethodSettings):
 
     seed: int = setting(default=0, check=cast(int), doc="initialisation, minibatch order, random_state")
     show_progress: bool = setting(default=False, runtime=True, check=cast(bool), doc="progress bars")
-    log_every: int = setting(default=10, runtime=True, check=cast(int), bound=LOG_EVERY,
+    log_every: int = setting(default=10, runtime=True, bound=LOG_EVERY,
                              doc="a training-log record every this many steps")

@@ -55,13 +55,10 @@ def plackett_luce_nll(scores: torch.Tensor, orderings: torch.Tensor) -> torch.Te
 
 
 def _widths(value, key):
-    try:
-        widths = [int(h) for h in value]
-    except (TypeError, ValueError):
-        widths = []
-    if not widths or min(widths) < 1:
+    """At least one layer, as a list; each width is an integer in the field's bound (checked before)."""
+    if not value:
         raise UserError(f"{key}={value!r} is invalid: a list of layer widths >= 1, e.g. [100, 100]")
-    return widths
+    return [int(h) for h in value]
 
 
 @dataclass(kw_only=True)

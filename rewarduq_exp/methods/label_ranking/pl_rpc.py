@@ -163,8 +163,8 @@ class PLRPCSettings(PairwiseSettings, config="pl_rpc"):
     """Defaults and comments: ``conf/method/pl_rpc.yaml``."""
 
     aggregation: str = setting(check=one_of(PL_RPC_AGGREGATIONS), doc="mle | zermelo_reference")
-    n_iter: int = setting(check=positive(cast=int, integer=True), doc="Zermelo steps, or Newton steps at most",
-                          bound=Bound(0, 1_000_000, "iterations", "the maximum-likelihood fit needs 5-15, the "
+    n_iter: int = setting(doc="Zermelo steps, or Newton steps at most",
+                          bound=Bound(1, 1_000_000, "iterations", "the maximum-likelihood fit needs 5-15, the "
                                       "reference 100"))
     tol: float = setting(check=positive(cast=float), doc="mle: Newton's stopping tolerance")
 

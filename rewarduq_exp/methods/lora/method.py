@@ -51,7 +51,6 @@ from rewarduq_exp.methods.settings import (
     TOKENS_PER_SCORING_FORWARD,
     AdamWSettings,
     auto_flag,
-    auto_or_whole,
     cast,
     listed,
     positive,
@@ -91,12 +90,12 @@ class LoRASettings(AdamWSettings):
     center_gamma: float = setting(check=positive(cast=float, inclusive=True), doc="gamma: mean (r_c + r_r)^2")
     beta: float = setting(check=positive(cast=float), doc="bounds reward +- beta * u")
     head_init: str = setting(check=listed(body.HEAD_INITS), doc="auto | pretrained | fresh")
-    micro_batch_size: int | str = setting(check=auto_or_whole, bound=PAIRS_PER_FORWARD,
+    micro_batch_size: int | str = setting(bound=PAIRS_PER_FORWARD,
                                           doc="pairs per forward + backward (auto: what fits)")
     gradient_checkpointing: bool | str = setting(runtime=True, check=auto_flag, doc="auto | true | false")
-    score_batch_size: int | str = setting(runtime=True, check=auto_or_whole, bound=ROWS_PER_SCORING_FORWARD,
+    score_batch_size: int | str = setting(runtime=True, bound=ROWS_PER_SCORING_FORWARD,
                                           doc="texts per scoring forward")
-    score_batch_tokens: int | str = setting(runtime=True, check=auto_or_whole, bound=TOKENS_PER_SCORING_FORWARD,
+    score_batch_tokens: int | str = setting(runtime=True, bound=TOKENS_PER_SCORING_FORWARD,
                                             doc="tokens per scoring forward")
     log_every: int = setting(runtime=True, bound=LOG_EVERY, doc="a training-log record every this many steps")
     seed: int = setting(default=0, check=cast(int), doc="initialisation, minibatch order, dropout")

@@ -68,7 +68,6 @@ from rewarduq_exp.methods.settings import (
     TOKENS_PER_SCORING_FORWARD,
     MethodSettings,
     auto_flag,
-    auto_or_whole,
     cast,
     grad_norm,
     positive,
@@ -100,18 +99,18 @@ class McdDpoSettings(MethodSettings, config="mcd_dpo"):
                                            "pass of every scored token through the LM head"), doc="K masks")
     beta: float = setting(check=positive(cast=float), doc="bounds reward +- beta * u (0 leaves no interval)")
     batch_size: int = setting(bound=PAIRS_PER_STEP, doc="effective batch")
-    micro_batch_size: int | str = setting(check=auto_or_whole, bound=PAIRS_PER_FORWARD,
+    micro_batch_size: int | str = setting(bound=PAIRS_PER_FORWARD,
                                           doc="pairs per forward (auto: what fits)")
     num_epochs: float = setting(check=cast(float))
     warmup_ratio: float = setting(check=cast(float))
     weight_decay: float = setting(check=cast(float))
     # None (no clipping) or a number > 0; it reaches DPOConfig explicitly (see _make_trainer)
     max_grad_norm: float | None = setting(check=grad_norm, doc="clip the total gradient norm (null: off)")
-    score_batch_size: int | str = setting(runtime=True, check=auto_or_whole, bound=ROWS_PER_SCORING_FORWARD,
+    score_batch_size: int | str = setting(runtime=True, bound=ROWS_PER_SCORING_FORWARD,
                                           doc="sequences per scoring forward")
-    score_batch_tokens: int | str = setting(runtime=True, check=auto_or_whole, bound=TOKENS_PER_SCORING_FORWARD,
+    score_batch_tokens: int | str = setting(runtime=True, bound=TOKENS_PER_SCORING_FORWARD,
                                             doc="padded tokens per forward")
-    logprob_chunk: int | str = setting(runtime=True, check=auto_or_whole, doc="positions per log-softmax chunk",
+    logprob_chunk: int | str = setting(runtime=True, doc="positions per log-softmax chunk",
                                        bound=Bound(1, BATCH_ROWS, "positions", "each position holds a whole "
                                                    "vocabulary of logits: 65,536 positions of Qwen3's 151,936 words "
                                                    "are 40 GB in float32; auto takes 64M logits", allow=(AUTO,)))
@@ -119,7 +118,7 @@ class McdDpoSettings(MethodSettings, config="mcd_dpo"):
     seed: int = setting(default=0, check=cast(int), doc="initialisation, data order, dropout masks")
     device: str = setting(default="auto", runtime=True, doc="auto | cpu | cuda | cuda:<i>")
     show_progress: bool = setting(default=True, runtime=True, doc="progress bars")
-    log_every: int = setting(default=1, runtime=True, check=cast(int), bound=LOG_EVERY,
+    log_every: int = setting(default=1, runtime=True, bound=LOG_EVERY,
                              doc="a training-log record every this many steps")
 
     def validate(self) -> None:
