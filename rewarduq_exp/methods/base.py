@@ -1,7 +1,8 @@
 """The method contract (:class:`Method`, with :class:`RewardMethod` and :class:`LabelRankingMethod`), loading a
 saved method (:func:`load_method`) and the shared machinery of frozen-backbone methods. A method's settings are a
 dataclass (:mod:`rewarduq_exp.methods.settings`); the one training loop is :func:`~rewarduq_exp.methods.training.
-run_training` (importable from here too).
+run_training` and the pairwise loss :func:`~rewarduq_exp.methods.losses.bradley_terry_loss` (both importable from here
+too).
 
 A method is built by ``hydra.utils.instantiate`` from ``conf/method/<name>.yaml``. ``fit(...)`` returns the method,
 ``save(dir)`` / ``load(dir)`` store only what was trained plus the configuration needed to rebuild it (never the
