@@ -119,8 +119,8 @@ def copy_of_the_repository(target):
     """The tracked code, configs and tests of this checkout (what a contributor's clone holds), without docs."""
     for part in PARTS:
         shutil.copytree(ROOT / part, target / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for name in ("train.py", "evaluate.py", "pyproject.toml"):
-        shutil.copy2(ROOT / name, target / name)
+    for path in [*ROOT.glob("*.py"), ROOT / "pyproject.toml"]:   # the entry points (train, evaluate, downstream, ...)
+        shutil.copy2(path, target / path.name)
 
 
 def test_a_method_in_its_own_module_and_config_plans_trains_loads_and_scores(tmp_path, shared_cache):
