@@ -24,7 +24,7 @@ F64 = torch.float64
 
 def make(**kw):
     defaults = dict(hidden_dim=16, num_random_features=64, learning_rate=1e-2, batch_size=32, num_epochs=3, seed=0,
-                    device="cpu", show_progress=False)
+                    prior_precision=1.0, device="cpu", show_progress=False)
     return Sngp(**{**defaults, **kw})
 
 
@@ -222,7 +222,8 @@ def test_train_evaluate_and_the_api_on_the_tiny_model(run_folder, shared_cache, 
     assert "synthetic_ood" in proc.stdout and "win_rate" in proc.stdout
     info = json.loads((folder / "model" / "method.json").read_text())
     summary = info["fit_summary"]
-    assert info["method"] == "sngp" and summary["feature_dim"] == 256 and summary["prior_precision_used"] == 1.0
+    assert info["method"] == "sngp" and summary["feature_dim"] == 256 and summary["prior_precision_used"] > 0
+    assert info["hyperparameters"]["prior_precision"] == "marglik" and summary["log_marginal_likelihood"] < 0
     assert summary["gp_length_scale"] > 0 and len(summary["spectral_norms_before_bound"]) == 2
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["synthetic_ood"]["bound_width"] > metrics["synthetic_eval"]["bound_width"]   # wider off the data
