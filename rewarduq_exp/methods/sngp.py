@@ -58,7 +58,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rewarduq_exp.core.setting_bounds import WIDTH, Bound
-from rewarduq_exp.methods.base import FeatureHeadMethod, bradley_terry_nll, weighted_mean
+from rewarduq_exp.methods.base import FeatureHeadMethod
+from rewarduq_exp.methods.losses import bradley_terry_loss
 from rewarduq_exp.methods.posteriors import MARGLIK, FullPosterior, prior_precision_setting
 from rewarduq_exp.methods.settings import AdamWSettings, FeatureHeadSettings, positive, setting
 
@@ -204,9 +205,7 @@ class Sngp(FeatureHeadMethod):
     def loss(self, zc: torch.Tensor, zr: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, dict]:
         n = zc.shape[0]
         r = self.network(torch.cat([zc, zr]))   # one pass for chosen and rejected (one power iteration)
-        rc, rr = r[:n], r[n:]
-        bt = weighted_mean(bradley_terry_nll(rc - rr), weight)
-        center = weighted_mean((rc + rr).pow(2), weight)
+        bt, center = bradley_terry_loss(r[:n], r[n:], weight, normalise=True)
         return bt + self.center_gamma * center, {"loss_bt": bt.detach(), "loss_center": center.detach()}
 
     @torch.no_grad()
