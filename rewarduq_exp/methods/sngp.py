@@ -32,9 +32,10 @@ body fixed, r = beta^T phi is linear in beta, so the posterior over beta is a
 :class:`~rewarduq_exp.methods.posteriors.FullPosterior` over the D random features: P = lambda I + sum_i w_i p_i (1 -
 p_i) dphi_i dphi_i^T, dphi_i = phi(chosen_i) - phi(rejected_i), p_i = sigmoid(beta^T dphi_i) (the Gauss-Newton of the
 pair's Bradley-Terry likelihood, exact for a model linear in beta), accumulated in one pass over the training pairs.
-lambda = ``prior_precision``: a number (the paper's ridge penalty 1 by default: prior variance 1 of the reward at any
-point, since phi^T phi ~= 1), or ``marglik``, the maximiser of the Laplace evidence (one D x D eigendecomposition,
-about 9 D^3 FLOPs; the evidence and the effective number of parameters then go to the fit summary).
+lambda = ``prior_precision``: ``marglik`` (the default), the maximiser of the Laplace evidence (one D x D
+eigendecomposition, about 9 D^3 FLOPs; the evidence and the effective number of parameters then go to the fit
+summary), or a number (the paper's ridge penalty is 1: prior variance 1 of the reward at any point, since
+phi^T phi ~= 1).
 u(z) = sqrt(phi^T P^-1 phi), the predictive standard deviation of the reward; bounds reward +- beta * u (eq. 9). The
 paper's mean-field logit adjustment is for a classifier's softmax; a reward model reports the standard deviation
 itself. Far from the training data phi(f(z)) is nearly orthogonal to every training phi, so u tends to the prior's
