@@ -352,3 +352,14 @@ def test_evaluate_warns_when_bins_outnumber_the_pairs(tmp_path, trained_run, sha
     assert any(line.endswith("dataset 'synthetic_eval' has 24 pairs, fewer than the metric.n_bins=100 calibration "
                              "bins: at least 76 bins are empty and ECE/MCE rest on a few pairs each")
                for line in warnings), proc.stdout
+
+
+def test_a_setting_that_takes_a_word_or_a_number_takes_the_word_whatever_its_default():
+    """``prior_precision`` is ``marglik`` or a number: with a numeric default (a config of one's own) the command line
+    still takes the word (the setting's own check judges it), and the method table says which settings these are."""
+    assert check_like_default("method.prior_precision", "marglik", 1.0, takes_text=True) == "marglik"
+    with pytest.raises(UserError, match="must be a number"):
+        check_like_default("method.prior_precision", "marglik", 1.0)
+    sngp = method_class("sngp").settings_class
+    assert "method.prior_precision" in sngp.takes_text() and "method.num_random_features" not in sngp.takes_text()
+    assert "method.micro_batch_size" not in method_class("ens_lora").settings_class.takes_text()   # words in its bound

@@ -64,7 +64,7 @@ def check_seed(key: str, value) -> int:
 
 
 def check_like_default(key: str, value, default, shown: str | None = None, bound=None,
-                       real_valued: bool | None = None):
+                       real_valued: bool | None = None, takes_text: bool = False):
     """A value given for setting ``key`` must be of the kind of its default: true or false for a boolean, a number
     for a number (null too: several numbers mean "off" or "all" when null), settings one by one for a group of
     settings; seeds as :func:`check_seed`. Text and null defaults take anything (their own checks judge it).
@@ -73,12 +73,14 @@ def check_like_default(key: str, value, default, shown: str | None = None, bound
     (and count as true), ``dataset.n_train=abc`` as the text "abc", which fails deep inside a constructor.
     ``shown``: the value as the user wrote it (default: as it is written on the command line). ``bound``: the
     setting's own bound (a method's settings carry theirs), else the table's; ``real_valued``: whether a whole
-    default still takes any number (default: :data:`~rewarduq_exp.core.setting_bounds.REAL_VALUED`)."""
+    default still takes any number (default: :data:`~rewarduq_exp.core.setting_bounds.REAL_VALUED`);
+    ``takes_text``: the setting also takes a word (a method's ``str | float`` setting such as ``prior_precision``:
+    ``marglik`` or a number), which its own check judges whatever the default's kind."""
     from omegaconf import DictConfig
 
     shown = _shown(value) if shown is None else shown
-    if isinstance(value, str) and "${" in value:
-        return value  # an interpolation: judged once resolved, by the setting's own check
+    if isinstance(value, str) and ("${" in value or takes_text):
+        return value  # an interpolation (judged once resolved) or a word the setting takes: its own check judges it
     if is_seed(key) and value is not None:
         return check_seed(key, value)
     if isinstance(default, bool):

@@ -120,6 +120,15 @@ class MethodSettings:
         return frozenset(f"method.{f.name}" for f in dataclasses.fields(cls) if "float" in str(f.type))
 
     @classmethod
+    def takes_text(cls) -> frozenset[str]:
+        """``method.<name>`` of the settings typed ``str`` among others and without a bound (``str | float``:
+        ``marglik`` or a number): a word is theirs to judge whatever kind their default is. (A bounded ``int | str``
+        setting, ``auto`` or a batch size, has its words in its bound.)"""
+        return frozenset(f"method.{f.name}" for f in dataclasses.fields(cls)
+                         if "str" in str(f.type) and str(f.type).replace(" ", "") != "str"
+                         and f.metadata.get("bound") is None)
+
+    @classmethod
     def runtime_names(cls) -> list[str]:
         """The settings that change how the method runs, not what it learns: never saved in ``method.json``."""
         return [f.name for f in dataclasses.fields(cls) if f.metadata.get("runtime")]

@@ -415,27 +415,27 @@ def bad_setting_value(args: list[str], config_name: str, conf_dir: Path = CONF_D
             default = _default(cfg, key)
             if key == PLAN_SWITCH and isinstance(default, DictConfig):
                 default = False  # plan=true|false switches the planner; plan.<key>=... sets its options
-            bound, real_valued = _method_setting_kind(cfg, key)
+            bound, real_valued, takes_text = _method_setting_kind(cfg, key)
             for value in values:
                 try:
                     check_like_default(key, value, default, shown=None if sweep else text, bound=bound,
-                                       real_valued=real_valued)
+                                       real_valued=real_valued, takes_text=takes_text)
                 except UserError as err:
                     return str(err)
     return None
 
 
 def _method_setting_kind(cfg, key: str):
-    """(bound, real-valued) of ``method.<name>`` as the composed config's method declares it on its settings (None,
-    None for any other key, or a method outside the table: the table's rules then)."""
+    """(bound, real-valued, takes a word) of ``method.<name>`` as the composed config's method declares it on its
+    settings (None, None, False for any other key, or a method outside the table: the table's rules then)."""
     if cfg is None or not key.startswith("method.") or key.count(".") != 1:
-        return None, None
+        return None, None, False
     from rewarduq_exp.methods.registry import settings_class_of
 
     settings = settings_class_of(cfg.get("method"))
     if settings is None:
-        return None, None
-    return settings.bounds().get(key), key in settings.real_valued()
+        return None, None, False
+    return settings.bounds().get(key), key in settings.real_valued(), key in settings.takes_text()
 
 
 def _default(cfg, key: str):

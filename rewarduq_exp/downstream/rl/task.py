@@ -108,7 +108,7 @@ def prepare_references(runs, cfg, out_dir: Path, device: str, show: bool) -> tup
 def _supported(method: str, objective: str) -> bool:
     """Whether ``objective`` can use a run of ``method``: draws (members, indices, posterior samples) for
     worst_case and filter, a feature space for knn; asked of the method's class (any head on frozen features has the
-    feature space; knn, ddu and sngp have no draws), never a list of names."""
+    feature space; knn and ddu have no draws, sngp draws from its posterior), never a list of names."""
     if objective in NEEDS_DRAWS:
         return method in feature_head_methods(with_draws=True)
     if objective in NEEDS_FEATURES:
