@@ -27,7 +27,6 @@ TOY_MODULE = '''
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from rewarduq_exp.core.setting_bounds import Bound
