@@ -41,7 +41,8 @@ class ToyHeadSettings(FeatureHeadSettings, config="toy_head"):
 
     learning_rate: float = setting(check=positive(), doc="AdamW's peak learning rate")
     beta: float = setting(check=positive(cast=float), doc="bounds reward +- beta * u")
-    batch_size: int = setting(check=positive(integer=True), doc="pairs per step")
+    batch_size: int = setting(bound=Bound(1, 65_536, "pairs", "a batch's activations are held at once"),
+                              doc="pairs per step")
     num_features: int = setting(bound=Bound(1, 4096, "features", "the head reads the first num_features features"),
                                 doc="features the head reads")
 
