@@ -117,14 +117,15 @@ def test_a_grid_is_one_throttled_job_array_with_the_local_launchers_numbers(slur
 
 def test_a_failing_point_fails_the_sweep_with_its_log_and_the_relaunch_submits_it_alone(slurm_cluster, tmp_path,
                                                                                        shared_cache):
-    # reg_lambda=-1 is refused by the run's own validation, in its job (a bounded size such as num_heads=1 is
-    # refused on the command line, before anything is submitted)
-    grid = ["method=ens_mlp", "method.reg_lambda=0.1,-1", *TINY, *SLURM]
+    # max_length=5 leaves no pair after the length filter: only the run finds that, in its job, once the tokenizer
+    # has counted (a value the method's settings refuse, num_heads=1 or reg_lambda=-1, is refused before anything is
+    # submitted: the command line checks its bound, the planner of a Slurm sweep builds the checked settings)
+    grid = ["method=ens_mlp", "max_length=2048,5", *TINY, *SLURM]
     proc = launch(tmp_path, shared_cache, *grid)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "sweep: 2 jobs: 1 completed, 0 skipped" in log and "1 failed" in log, log[-3000:]
     failed = next(line for line in log.splitlines() if line.strip().startswith("failed:"))
-    assert "method.reg_lambda=-1" in failed and "method.reg_lambda=-1 is invalid" in failed
+    assert "max_length=5" in failed and "empty after the length filter" in failed
     logs = [line.split("log:", 1)[1].strip() for line in log.splitlines() if line.strip().startswith("log:")]
     assert any(p.endswith("train.log") for p in logs) and any(".submitit" in p and "_log.err" in p for p in logs)
     assert all(Path(p).is_file() for p in logs), logs
