@@ -6,17 +6,21 @@ k-NN, is tested in tests/test_knn_method.py."""
 import json
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
+from head_method_end_to_end import (
+    assert_best_of_n_reads,
+    assert_completed,
+    assert_evaluate_and_api_reproduce,
+    assert_plans,
+    train_tiny,
+)
 from sklearn.mixture import GaussianMixture
-from test_cli import NO_FIGURES, run
 from test_knn_method import fit, subspace_pairs, training_rows
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import load_method
 from rewarduq_exp.methods.ddu import COVARIANCE_TYPES, DduHead, gmm_log_density
-from rewarduq_exp.metrics import METRIC_NAMES
 
 
 def make(**kw):
@@ -138,57 +142,24 @@ def test_the_planner_counts_the_mixture(covariance_type, per_component):
 
 
 # ------------------------------------------------------------------------------------------------ as a user runs it
-TINY_RUN = ["progress=false", "dataset.n_train=200", "dataset.n_eval=40", "dataset.n_ood=40", *NO_FIGURES]
-
-
 @pytest.fixture(scope="module")
 def run_folder(tmp_path_factory, shared_cache):
-    cwd = tmp_path_factory.mktemp("ddu_run")
-    folder = cwd / "outputs" / "runs" / "ddu"
-    proc = run("train.py", ["method=ddu", *TINY_RUN, f"hydra.run.dir={folder}"], cwd, shared_cache)
-    return cwd, folder, proc
+    return train_tiny(tmp_path_factory, shared_cache, "ddu")
 
 
 @pytest.mark.e2e
 def test_train_evaluate_and_the_api_on_the_tiny_model(run_folder, shared_cache, tmp_path):
-    from test_api import assert_api_scores_as_evaluate
-
-    from rewarduq_exp.data.synthetic import SyntheticWorld
-
-    cwd, folder, proc = run_folder
-    assert json.loads((folder / "status.json").read_text())["state"] == "completed"
-    assert "synthetic_ood" in proc.stdout and "win_rate" in proc.stdout
-    info = json.loads((folder / "model" / "method.json").read_text())
-    assert info["method"] == "ddu" and info["fit_summary"]["u_scale"] > 0
-    metrics = json.loads((folder / "metrics.json").read_text())
-    before = metrics["synthetic_ood"]
-    run("evaluate.py", [f"run={folder}", "dataset=synthetic_ood", "progress=false", *NO_FIGURES], tmp_path,
-        shared_cache)
-    after = json.loads((folder / "metrics.json").read_text())["synthetic_ood"]
-    for key in METRIC_NAMES:   # the saved mixture: the same numbers
-        assert after[key] == pytest.approx(before[key], abs=1e-9)
-    assert_api_scores_as_evaluate(folder, "synthetic_eval", SyntheticWorld(n_train=200, n_eval=40, n_ood=40)
-                                  .load("eval"))
+    _, folder, proc = run_folder
+    info = assert_completed(folder, proc, "ddu")
+    assert info["fit_summary"]["u_scale"] > 0
+    assert_evaluate_and_api_reproduce(folder, tmp_path, shared_cache)
 
 
 @pytest.mark.e2e
 def test_best_of_n_reads_the_run(run_folder, shared_cache):
-    cwd, folder, _ = run_folder
-    out = cwd / "outputs" / "bon"
-    run("downstream.py", ["progress=false", f"hydra.run.dir={out}", "task=best_of_n", f"run={folder}",
-                          "task.prompts=4", "task.n_max=32"], cwd, shared_cache)
-    summary = pd.read_csv(out / "summary.csv")
-    assert set(summary.method) == {"ddu"} and set(summary.split) == {"eval", "ood"}
-    assert summary.gold_nmax.notna().all()
+    assert_best_of_n_reads(run_folder, shared_cache, "ddu")
 
 
 @pytest.mark.e2e
 def test_plan_on_the_command_line(tmp_path):
-    from conftest import ROOT
-    from entry_points import run_entry_point
-
-    proc = run_entry_point(ROOT / "train.py", ["method=ddu", "model=qwen3-4b", "dataset=ultrafeedback", "plan=true",
-                                               f"paths.output_root={tmp_path}/out"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "DDU mixture" in proc.stdout and "62135 train pairs" in proc.stdout
-    assert not (tmp_path / "out").exists()
+    assert_plans(tmp_path, "ddu", "DDU mixture")

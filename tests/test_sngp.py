@@ -5,19 +5,22 @@ refusals, the planner, and the run as a user makes it (train.py, evaluate.py, th
 best-of-n, plan=true)."""
 
 import json
-import math
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
-from test_cli import NO_FIGURES, run
+from head_method_end_to_end import (
+    assert_best_of_n_reads,
+    assert_completed,
+    assert_evaluate_and_api_reproduce,
+    assert_plans,
+    train_tiny,
+)
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import load_method
 from rewarduq_exp.methods.posteriors.evidence import log_evidence
 from rewarduq_exp.methods.sngp import Sngp
-from rewarduq_exp.metrics import METRIC_NAMES
 
 F64 = torch.float64
 
@@ -200,62 +203,29 @@ def test_the_planner_counts_the_trained_parts_and_the_gp_posterior():
 
 
 # ------------------------------------------------------------------------------------------------ as a user runs it
-TINY_RUN = ["progress=false", "dataset.n_train=200", "dataset.n_eval=40", "dataset.n_ood=40", *NO_FIGURES]
-
-
 @pytest.fixture(scope="module")
 def run_folder(tmp_path_factory, shared_cache):
-    cwd = tmp_path_factory.mktemp("sngp_run")
-    folder = cwd / "outputs" / "runs" / "sngp"
-    proc = run("train.py", ["method=sngp", *TINY_RUN, f"hydra.run.dir={folder}"], cwd, shared_cache)
-    return cwd, folder, proc
+    return train_tiny(tmp_path_factory, shared_cache, "sngp")
 
 
 @pytest.mark.e2e
 def test_train_evaluate_and_the_api_on_the_tiny_model(run_folder, shared_cache, tmp_path):
-    from test_api import assert_api_scores_as_evaluate
-
-    from rewarduq_exp.data.synthetic import SyntheticWorld
-
-    cwd, folder, proc = run_folder
-    assert json.loads((folder / "status.json").read_text())["state"] == "completed"
-    assert "synthetic_ood" in proc.stdout and "win_rate" in proc.stdout
-    info = json.loads((folder / "model" / "method.json").read_text())
+    _, folder, proc = run_folder
+    info = assert_completed(folder, proc, "sngp")
     summary = info["fit_summary"]
-    assert info["method"] == "sngp" and summary["feature_dim"] == 256 and summary["prior_precision_used"] > 0
+    assert summary["feature_dim"] == 256 and summary["prior_precision_used"] > 0
     assert info["hyperparameters"]["prior_precision"] == "marglik" and summary["log_marginal_likelihood"] < 0
     assert summary["gp_length_scale"] > 0 and len(summary["spectral_norms_before_bound"]) == 2
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["synthetic_ood"]["bound_width"] > metrics["synthetic_eval"]["bound_width"]   # wider off the data
-    before = metrics["synthetic_ood"]
-    run("evaluate.py", [f"run={folder}", "dataset=synthetic_ood", "progress=false", *NO_FIGURES], tmp_path,
-        shared_cache)
-    after = json.loads((folder / "metrics.json").read_text())["synthetic_ood"]
-    for key in METRIC_NAMES:   # the saved body and posterior: the same numbers
-        if before.get(key) is not None and not (isinstance(before[key], float) and math.isnan(before[key])):
-            assert after[key] == pytest.approx(before[key], abs=1e-9), key
-    assert_api_scores_as_evaluate(folder, "synthetic_eval", SyntheticWorld(n_train=200, n_eval=40, n_ood=40)
-                                  .load("eval"))
+    assert_evaluate_and_api_reproduce(folder, tmp_path, shared_cache)
 
 
 @pytest.mark.e2e
 def test_best_of_n_reads_the_run(run_folder, shared_cache):
-    cwd, folder, _ = run_folder
-    out = cwd / "outputs" / "bon"
-    run("downstream.py", ["progress=false", f"hydra.run.dir={out}", "task=best_of_n", f"run={folder}",
-                          "task.prompts=4", "task.n_max=32"], cwd, shared_cache)
-    summary = pd.read_csv(out / "summary.csv")
-    assert set(summary.method) == {"sngp"} and set(summary.split) == {"eval", "ood"}
-    assert summary.gold_nmax.notna().all()
+    assert_best_of_n_reads(run_folder, shared_cache, "sngp")
 
 
 @pytest.mark.e2e
 def test_plan_on_the_command_line(tmp_path):
-    from conftest import ROOT
-    from entry_points import run_entry_point
-
-    proc = run_entry_point(ROOT / "train.py", ["method=sngp", "model=qwen3-4b", "dataset=ultrafeedback", "plan=true",
-                                               f"paths.output_root={tmp_path}/out"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "GP layer posterior" in proc.stdout and "62135 train pairs" in proc.stdout
-    assert not (tmp_path / "out").exists()
+    assert_plans(tmp_path, "sngp", "GP layer posterior")
