@@ -37,16 +37,17 @@ def fit(m, zc, zr, w):
     return m
 
 
-def subspace_pairs(n=400, d=12, active=6, seed=0):
+def subspace_pairs(n=400, d=12, active=6, seed=0, weighted=False):
     """Pairs whose features live in the first ``active`` dimensions (the rest 0), labelled by the Bradley-Terry
-    model of a linear reward (so a head trained on them errs on held-out pairs)."""
+    model of a linear reward (so a head trained on them errs on held-out pairs); ``weighted``: pair weights in
+    [0.5, 1.5) instead of 1 (drawn last, so the pairs are the same)."""
     g = torch.Generator().manual_seed(seed)
     theta = torch.randn(active, generator=g)
     zc, zr = torch.zeros(n, d), torch.zeros(n, d)
     zc[:, :active], zr[:, :active] = torch.randn(n, active, generator=g), torch.randn(n, active, generator=g)
     swap = torch.rand(n, generator=g) > torch.sigmoid((zc[:, :active] - zr[:, :active]) @ theta)
     zc[swap], zr[swap] = zr[swap].clone(), zc[swap].clone()
-    return zc, zr, torch.ones(n)
+    return zc, zr, (torch.rand(n, generator=g) + 0.5 if weighted else torch.ones(n))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from head_method_end_to_end import (
     assert_plans,
     train_tiny,
 )
+from test_knn_method import fit, subspace_pairs
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.methods.base import load_method
@@ -31,30 +32,10 @@ def make(**kw):
     return Sngp(**{**defaults, **kw})
 
 
-def fit(m, zc, zr, w):
-    m._build(zc.shape[1])
-    with torch.random.fork_rng(devices=[]):   # as FeatureHeadMethod.fit runs it
-        torch.manual_seed(m.seed)
-        m._fit_features(zc, zr, w)
-    return m
-
-
-def subspace_pairs(n=300, d=12, active=6, seed=0):
-    """Pairs whose features live in the first ``active`` dimensions (the rest 0), labelled by the Bradley-Terry model
-    of a linear reward."""
-    g = torch.Generator().manual_seed(seed)
-    theta = torch.randn(active, generator=g)
-    zc, zr = torch.zeros(n, d), torch.zeros(n, d)
-    zc[:, :active], zr[:, :active] = torch.randn(n, active, generator=g), torch.randn(n, active, generator=g)
-    swap = torch.rand(n, generator=g) > torch.sigmoid((zc[:, :active] - zr[:, :active]) @ theta)
-    zc[swap], zr[swap] = zr[swap].clone(), zc[swap].clone()
-    return zc, zr, torch.rand(n, generator=g) + 0.5   # pair weights other than 1
-
-
 @pytest.fixture(scope="module")
 def trained():
     """Trained long at a high rate, so the residual weights grow past the bound and the normalisation acts."""
-    zc, zr, w = subspace_pairs()
+    zc, zr, w = subspace_pairs(n=300, weighted=True)
     return fit(make(num_epochs=30, learning_rate=3e-2, spec_norm_bound=0.5), zc, zr, w), (zc, zr, w)
 
 
@@ -134,7 +115,7 @@ def test_u_grows_with_the_distance_from_the_training_data(trained):
 
 
 def test_marglik_maximises_the_evidence_of_the_gp_layer():
-    zc, zr, w = subspace_pairs(n=150)
+    zc, zr, w = subspace_pairs(n=150, weighted=True)
     m = fit(make(prior_precision="marglik"), zc, zr, w)
     s = m.gp_summary
     lam = s["prior_precision_used"]
