@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from rewarduq_exp.data.registry import CONF_DIR
 from rewarduq_exp.data.synthetic import SyntheticWorld
 from rewarduq_exp.downstream.rl.objectives import Objective, RunScorer
-from rewarduq_exp.downstream.rl.training import RLSettings
+from rewarduq_exp.downstream.rl.training import RLSettings, trainer_arguments
 from rewarduq_exp.methods.ens_mlp import EnsMLP
 from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.feature_cache import MemoryFeatures
@@ -120,12 +120,9 @@ def run_grpo(policy_dir: str, scorer: RunScorer, world, settings: RLSettings, wo
     n = (settings.steps + 1) * settings.prompts_per_step
     rows = [{"prompt": world.prompt(int(t)), "topic": int(t)}
             for t in np.random.default_rng([0, 5]).integers(world.num_topics, size=n)]
-    config = GRPOConfig(output_dir=work_dir, max_steps=settings.steps + 1,
-                        per_device_train_batch_size=settings.prompts_per_step * settings.generations,
-                        num_generations=settings.generations, max_completion_length=settings.max_tokens,
-                        learning_rate=settings.learning_rate, lr_scheduler_type="constant", beta=objective.kl_coef,
-                        temperature=1.0, top_k=0, top_p=1.0, logging_steps=1, report_to=[], save_strategy="no",
-                        disable_tqdm=True, seed=0, data_seed=0, use_cpu=True, bf16=False, dataloader_num_workers=0)
+    # the study's own trainer arguments, one warm-up step more
+    arguments = trainer_arguments(settings, objective, 0, "cpu", work_dir)
+    config = GRPOConfig(**arguments | {"max_steps": settings.steps + 1})
     trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=config, processing_class=tokenizer,
                           train_dataset=Dataset.from_list(rows), callbacks=[StepTimer()])
     trainer.remove_callback(PrinterCallback)

@@ -247,3 +247,31 @@ def test_a_shard_half_written_by_a_killed_job_is_never_read(tmp_path):
     again = CountingRows(texts)
     rows, hit = fc.FeatureCache(tmp_path).lookup({"m": 1}, texts, again)
     assert not hit and again.computed == 3 and torch.equal(rows, expected_rows(texts))
+
+
+def test_unread_shards_lists_only_new_shards_of_the_prefix_in_name_order(tmp_path):
+    from rewarduq_exp.models.feature_cache import unread_shards
+
+    assert unread_shards(tmp_path / "missing", "shard-", set()) == []
+    for name in ("shard-c.safetensors", "shard-a.safetensors", "shard-b.safetensors", "facts-a.safetensors",
+                 ".shard-d.safetensors.tmp", "shard-e.json"):
+        (tmp_path / name).write_bytes(b"")
+    assert [p.name for p in unread_shards(tmp_path, "shard-", set())] == [
+        "shard-a.safetensors", "shard-b.safetensors", "shard-c.safetensors"]
+    assert unread_shards(tmp_path, "shard-", {"shard-a.safetensors", "shard-c.safetensors"}) == [
+        tmp_path / "shard-b.safetensors"]
+    assert unread_shards(tmp_path, "facts-", set()) == [tmp_path / "facts-a.safetensors"]
+
+
+def test_an_in_memory_copy_shares_the_backbone_gives_the_same_features_and_writes_nothing(tiny_backbone, frame,
+                                                                                         tmp_path):
+    disk = FeatureEncoder(tiny_backbone, probe(), tmp_path / "cache", 2048, show_progress=False)
+    memory = disk.in_memory(2**20)
+    assert memory._model is disk._model is not None          # one backbone in memory, not two
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    feats = memory.encode(frame["prompt"], frame["chosen"])
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert memory.stats["cache_misses"] == 1 and disk.stats["backbone_forward_passes"] == 0
+    again = memory.encode(frame["prompt"][::-1], frame["chosen"][::-1])
+    assert memory.stats["cache_hits"] == 1 and torch.equal(again, feats.flip(0))
+    torch.testing.assert_close(feats, disk.encode(frame["prompt"], frame["chosen"]), rtol=1e-5, atol=1e-6)

@@ -324,7 +324,14 @@ def study(trained_run, shared_cache):
     """``downstream.py task=rl`` with TINY_RL on the run, never stopped: (its CompletedProcess, its folder)."""
     cwd, run_dir = trained_run
     out = cwd / "outputs" / "rl_study"
-    return downstream(cwd, shared_cache, out, f"run={run_dir}", *TINY_RL), out
+    before = cache_shards(shared_cache)
+    proc = downstream(cwd, shared_cache, out, f"run={run_dir}", *TINY_RL)
+    proc.cache_shards_added = cache_shards(shared_cache) - before
+    return proc, out
+
+
+def cache_shards(cache: Path) -> set[Path]:
+    return {*cache.glob("features/rows/*/shard-*"), *cache.glob("features/conversations/*/facts-*")}
 
 
 def read_gz(path: Path) -> pd.DataFrame:
@@ -340,6 +347,8 @@ def test_rl_end_to_end_on_the_tiny_model(study):
     for name in ("rl_gold_vs_kl.png", "rl_proxy_vs_gold.png", "rl_feature.png"):
         assert (out / name).stat().st_size > 10_000, name
     assert "reference policy against the generator" in proc.stdout and f"tables and figures in {out}" in proc.stdout
+    # the policy's samples are scored in memory: the run's feature cache gains no file per scoring call
+    assert proc.cache_shards_added == set()
 
     # the coefficient: k of the conservative objective chosen on seed 9, the highest final gold (smallest on a tie)
     choices = pd.read_csv(out / "choices.csv")

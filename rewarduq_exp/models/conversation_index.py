@@ -46,7 +46,7 @@ from rewarduq_exp.core import file_locks
 from rewarduq_exp.core.atomic_write import atomic_path, write_atomic
 from rewarduq_exp.core.hashing import stable_hash
 from rewarduq_exp.data.contract import NOT_TOKENISED, render_all, token_lengths
-from rewarduq_exp.models.feature_cache import TEXT_KEY_BYTES, text_key
+from rewarduq_exp.models.feature_cache import TEXT_KEY_BYTES, text_key, unread_shards
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -364,9 +364,7 @@ class ConversationIndex:
 
     def _refresh(self) -> None:
         """Read the shards written since the last call (by this or any other process)."""
-        for path in sorted(self.folder.glob("facts-*.safetensors")):
-            if path.name in self._read:
-                continue
+        for path in unread_shards(self.folder, "facts-", self._read):
             try:
                 shard = load_file(str(path))
                 conv, texts, lengths = shard["conversations"], shard["texts"], shard["lengths"]

@@ -11,6 +11,7 @@ rendered, so a run whose features are all cached loads neither the weights nor t
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -23,7 +24,7 @@ from rewarduq_exp.core.progress import progress
 from rewarduq_exp.data.contract import render_all, render_prompt_heads
 from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.conversation_index import ConversationIndex
-from rewarduq_exp.models.feature_cache import FeatureCache
+from rewarduq_exp.models.feature_cache import FeatureCache, MemoryFeatures
 from rewarduq_exp.models.shared_prefix import share_lengths, shared_prefix_hidden, token_batches
 from rewarduq_exp.models.token_budget import check_setting
 
@@ -101,6 +102,16 @@ class FeatureEncoder:
         if self.conversations is None:
             return self.cached(self.probe_identity(), texts, compute)
         return self._found(self.store.lookup_keys(self._meta(self.probe_identity()), keys, compute))
+
+    def in_memory(self, max_bytes: int) -> FeatureEncoder:
+        """This encoder, on the same loaded backbone, keeping what it computes in a bounded memory store instead:
+        for texts scored once and never again (an RL policy's samples), which a shared disk cache would only fill
+        with one shard per call, every later lookup listing them all."""
+        self._model_or_load()
+        other = copy.copy(self)
+        other.store, other.conversations = MemoryFeatures(max_bytes), None
+        other.stats = dict.fromkeys(self.stats, 0)
+        return other
 
     def _texts(self, rows, rendered: dict, prompts, completions) -> list[str]:
         """The rendered texts of ``rows``, rendering those not rendered yet."""

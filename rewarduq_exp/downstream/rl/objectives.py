@@ -38,6 +38,8 @@ OBJECTIVES = ("mean", "conservative", "worst_case", "uncertainty_weighted", "kl"
 CHOSEN = {"conservative": "k_grid", "uncertainty_weighted": "lambda_grid", "knn": "k_grid"}
 NEEDS_DRAWS = ("worst_case", "uncertainty_weighted")
 NEEDS_FEATURES = ("knn",)
+# the memory the features of recent policy samples may take (a repeated completion is encoded once)
+SAMPLE_FEATURE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,21 @@ class RunScorer:
         self.calibration = model.calibration if recalibrated else None
         method = model.method
         self.features_method = method if isinstance(method, FeatureHeadMethod) and method.encoder is not None else None
+        self.sample_encoder = None
+        self.start_run()
         self.world = world
         self.knn = int(knn)
         self._index = None
         self.pool: dict[str, float] = {}
         self.train_max = world.training_feature_max()
+
+    def start_run(self) -> None:
+        """Forget the features of earlier samples. The policy's samples are new texts at every call, so they are kept
+        in memory, not in the run's disk cache; and each RL run starts from an empty store, so that its numbers are a
+        function of its own calls only (a text's features may differ in the last bits with the batch it was computed
+        in: a resumed study, whose processes scored other runs first, must give the same numbers)."""
+        if self.features_method is not None:
+            self.sample_encoder = self.features_method.encoder.in_memory(SAMPLE_FEATURE_BYTES)
 
     @property
     def has_draws(self) -> bool:
@@ -99,7 +111,7 @@ class RunScorer:
         import torch
 
         method = self.features_method
-        z = method.encoder.encode(prompts, completions, desc="features (policy samples)")
+        z = self.sample_encoder.encode(prompts, completions, desc="features (policy samples)")
         scores = method.score_features(z)
         if self.calibration is not None:
             scores = self.calibration.apply(scores)
@@ -127,6 +139,7 @@ class RunScorer:
             sd = float(np.std(values))
             return sd_r / sd if sd > 0 else 0.0
 
+        self.start_run()
         self.pool = {"sd_reward": sd_r, "u_unit": unit(s["u"]),
                      "floor": float(np.min(s["reward"]) - max(sd_r, 1e-6))}
         if "draws" in s:

@@ -82,6 +82,20 @@ def evaluate_policy(policy, reference, tokenizer, scorer: RunScorer, objective: 
         "words": features["words"], "filler": features.get("filler", no_filler), "beyond": scorer.beyond(found.texts)})
 
 
+def trainer_arguments(settings: RLSettings, objective: Objective, rl_seed: int, device: str, work_dir) -> dict:
+    """The arguments of TRL's GRPOConfig / RLOOConfig for one RL run (``scripts/bench_rl.py`` times the same)."""
+    return dict(output_dir=str(work_dir), max_steps=settings.steps,
+                per_device_train_batch_size=settings.prompts_per_step * settings.generations,
+                num_generations=settings.generations, max_completion_length=settings.max_tokens,
+                learning_rate=settings.learning_rate, lr_scheduler_type="constant", beta=objective.kl_coef,
+                temperature=1.0, top_k=0, top_p=1.0, logging_steps=1, report_to=[], save_strategy="no",
+                disable_tqdm=True, seed=int(rl_seed), data_seed=int(rl_seed), use_cpu=device == "cpu",
+                bf16=False, dataloader_num_workers=0,
+                # TRL turns it on by default: it recomputes every forward in the backward, a cost a small policy
+                # gains nothing from (the same gradients)
+                gradient_checkpointing=False)
+
+
 def train_policy(reference_dir, scorer: RunScorer, objective: Objective, world_text, settings: RLSettings,
                  rl_seed: int, device: str, work_dir) -> pd.DataFrame:
     """The per-slot measurements at every evaluation step of one RL run (``step`` 0 is the reference itself)."""
@@ -98,6 +112,7 @@ def train_policy(reference_dir, scorer: RunScorer, objective: Objective, world_t
     for p in reference.parameters():
         p.requires_grad_(False)
     topics = np.arange(settings.eval_samples) % world.num_topics
+    scorer.start_run()
     eval_steps = set(settings.eval_steps())
     frames = []
 
@@ -118,13 +133,7 @@ def train_policy(reference_dir, scorer: RunScorer, objective: Objective, world_t
     n = settings.steps * settings.prompts_per_step
     rows = [{"prompt": world.prompt(int(t)), "topic": int(t)}
             for t in np.random.default_rng([rl_seed, 5]).integers(world.num_topics, size=n)]
-    common = dict(output_dir=str(work_dir), max_steps=settings.steps,
-                  per_device_train_batch_size=settings.prompts_per_step * settings.generations,
-                  num_generations=settings.generations, max_completion_length=settings.max_tokens,
-                  learning_rate=settings.learning_rate, lr_scheduler_type="constant", beta=objective.kl_coef,
-                  temperature=1.0, top_k=0, top_p=1.0, logging_steps=1, report_to=[], save_strategy="no",
-                  disable_tqdm=True, seed=int(rl_seed), data_seed=int(rl_seed), use_cpu=device == "cpu",
-                  bf16=False, dataloader_num_workers=0)
+    common = trainer_arguments(settings, objective, rl_seed, device, work_dir)
     if settings.algorithm == "rloo":
         from trl import RLOOConfig as Config
         from trl import RLOOTrainer as Trainer
