@@ -124,6 +124,9 @@ def test_missing_files_and_names(tmp_path):
         load_label_ranking("nosuch", tmp_path)
     with pytest.raises(UserError, match="does not exist"):
         load_label_ranking(tmp_path / "nosuch.csv")
+    (tmp_path / "header_only.csv").write_text("A1,L1,L2\n")   # fourth hardening round, item 2: was an IndexError
+    with pytest.raises(UserError, match=r"header_only.csv: no data rows \(a header only\)"):
+        load_label_ranking(tmp_path / "header_only.csv")
     (tmp_path / "nolabels.csv").write_text("A1,A2\n0,1\n")
     with pytest.raises(UserError, match="label columns"):
         load_label_ranking(tmp_path / "nolabels.csv")

@@ -276,3 +276,30 @@ def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, args):
     proc = run_entry_point(ROOT / "train.py", [a.format(file=blocker) for a in args] + ["progress=false"], tmp_path)
     line = one_error_line(proc)
     assert str(blocker) in line and ("not a folder" in line or "Not a directory" in line)
+
+
+def test_a_staging_folder_without_owner_is_removed_once_old_and_a_read_only_run_folder_is_one_line(tmp_path,
+                                                                                                   monkeypatch):
+    """Fourth hardening round, items 12 and 3: an evaluate.py killed between creating its staging folder and
+    recording its owner leaves an ownerless folder, removed by a later evaluation once it is old (a fresh one may be
+    a live evaluation's); a run folder on a read-only mount (EROFS) is the one line of an unwritable folder."""
+    import errno
+
+    from rewarduq_exp.core.errors import UserError
+    from rewarduq_exp.runner import evaluate_run
+
+    old, fresh = tmp_path / ".evaluate-old", tmp_path / ".evaluate-fresh"
+    for folder in (old, fresh):
+        (folder / "predictions").mkdir(parents=True)
+    stamp = time.time() - evaluate_run.OWNERLESS_STAGING_S - 60
+    os.utime(old, (stamp, stamp))
+    evaluate_run.remove_dead_staging(tmp_path)
+    assert not old.exists() and fresh.is_dir()
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(evaluate_run.os, "mkdir", read_only)
+    with pytest.raises(UserError, match="is not writable \\(Read-only file system\\): evaluate.py adds its results"):
+        with evaluate_run.staged_results(RunFolder(tmp_path)):
+            pass

@@ -145,6 +145,9 @@ def load_label_ranking(path_or_name, data_dir=None) -> LabelRankingData:
         df = pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not a readable CSV file ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+    if df.empty:
+        raise UserError(f"{path}: no data rows (a header only); a label-ranking file holds one row per instance: "
+                        "its features and the rank of every label")
     columns = [str(c) for c in df.columns]
     targets = [c for c in columns if _L_COLUMN.match(c)]
     if targets:

@@ -17,10 +17,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -169,6 +171,11 @@ def run_calibration(run_dir, cfg):
 
 STAGING_PREFIX = ".evaluate-"
 STAGING_OWNER = "owner.json"   # the evaluate.py process that stages there: host, pid, its start time
+# A staging folder without an owner record older than this was left by a process killed between creating it and
+# recording itself (microseconds apart); minutes, so that clocks of a shared filesystem's hosts may disagree a little.
+OWNERLESS_STAGING_S = 600
+# what os.mkdir raises in a folder this process cannot write: no permission, or a read-only mount
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 @contextlib.contextmanager
@@ -184,7 +191,9 @@ def staged_results(folder: RunFolder):
     try:
         try:
             os.mkdir(staging)  # a fresh real folder (never an existing name, nor a link someone left there)
-        except PermissionError as err:
+        except OSError as err:
+            if err.errno not in NOT_WRITABLE:
+                raise
             raise UserError(f"run folder {folder.root} is not writable ({err.strerror}): evaluate.py adds its "
                             "results there; copy the run folder somewhere writable and evaluate the copy") from None
         write_atomic(staging / STAGING_OWNER, json.dumps(this_owner()))
@@ -225,8 +234,14 @@ def remove_dead_staging(root: Path) -> None:
         except UserError:
             owner = None
         if owner is None:
-            log.info("kept %s: it names no owner process (left by an older evaluate.py?); delete it if no "
-                     "evaluate.py is running on this run folder", path)
+            age = time.time() - path.stat().st_mtime
+            if age > OWNERLESS_STAGING_S:
+                log.info("removing %s: it names no owner process and is %.0f s old (its evaluate.py was killed "
+                         "before recording itself)", path, age)
+                remove_staging(path)
+            else:
+                log.info("kept %s: it names no owner process yet; delete it if no evaluate.py is running on this "
+                         "run folder", path)
         elif gone_on_this_host(owner):
             log.info("removing %s: left by evaluate.py (pid %s on this host), which is gone", path, owner.get("pid"))
             remove_staging(path)
