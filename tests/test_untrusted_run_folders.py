@@ -123,6 +123,14 @@ def remote_code(folder, marker):
     edit_config(folder, change)
 
 
+def tiny_build_target(folder, marker):
+    """Fourth hardening round, item 1: was a 21-line TypeError from the tiny model's builder."""
+    def change(config):
+        config.model.build = {"_target_": "os.system", "command": f"touch {marker}"}
+
+    edit_config(folder, change)
+
+
 def deleted_weights(folder, marker):
     (folder / WEIGHTS).unlink()
 
@@ -150,6 +158,8 @@ CASES = {
     "nested_dataset_target": (nested_dataset_target, CONFIG, r"dataset.seed._target_ is not allowed"),
     "method_target": (method_target, CONFIG, r"method._target_ names 'subprocess.Popen', not a method"),
     "remote_code": (remote_code, CONFIG, r"model.trust_remote_code is true: .*trust_remote_code=True"),
+    "tiny_build_target": (tiny_build_target, CONFIG, r"model.build._target_ is not a setting of the tiny model; "
+                                                     r"allowed: hidden_size, num_layers"),
     "deleted_weights": (deleted_weights, WEIGHTS, r"is missing"),
     "truncated_weights": (truncated_weights, WEIGHTS, r"is truncated"),
 }

@@ -60,9 +60,9 @@ class Backbone:
     def source(self) -> str:
         """A local folder or a hub id that ``from_pretrained`` understands."""
         if self.cfg.get("builder") == "tiny-qwen3":
-            from rewarduq_exp.models.tiny_qwen3 import ensure_tiny_qwen3
+            from rewarduq_exp.models.tiny_qwen3 import checked_build, ensure_tiny_qwen3
 
-            return str(ensure_tiny_qwen3(self.cache_dir, **dict(self.cfg.get("build", {}))))
+            return str(ensure_tiny_qwen3(self.cache_dir, **checked_build(self.cfg.get("build"))))
         if self.cfg.get("path"):
             path = Path(str(self.cfg.path)).expanduser()
             if not path.exists():

@@ -66,7 +66,9 @@ def shape_config(model_cfg, cache_dir: str | Path | None = None) -> dict:
     if path.is_file():
         return json.loads(path.read_text())
     if model_cfg.get("builder") == "tiny-qwen3":
-        return _tiny_config(dict(model_cfg.get("build") or {}), cache_dir)
+        from rewarduq_exp.models.tiny_qwen3 import checked_build
+
+        return _tiny_config(checked_build(model_cfg.get("build")), cache_dir)
     local = model_cfg.get("path")
     if local and (Path(str(local)).expanduser() / "config.json").is_file():
         return json.loads((Path(str(local)).expanduser() / "config.json").read_text())

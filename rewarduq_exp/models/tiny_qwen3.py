@@ -136,6 +136,26 @@ def save_checkpoint(model, folder: Path) -> None:
     save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
 
 
+def checked_build(build) -> dict:
+    """``model.build`` of a config (the command line's or a handed run's) as keyword arguments of
+    :func:`ensure_tiny_qwen3`: only its own settings, each a number; anything else is one line naming the allowed
+    keys (a run folder's config is foreign input: a key such as ``_target_`` must never reach a call)."""
+    import inspect
+
+    from rewarduq_exp.core.errors import UserError
+
+    allowed = [name for name, p in inspect.signature(ensure_tiny_qwen3).parameters.items()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    out = {}
+    for key, value in dict(build or {}).items():
+        if str(key) not in allowed:
+            raise UserError(f"model.build.{key} is not a setting of the tiny model; allowed: {', '.join(allowed)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"model.build.{key}={value!r} is invalid; it must be a number")
+        out[str(key)] = value
+    return out
+
+
 def ensure_tiny_qwen3(
     cache_dir: str | os.PathLike,
     *,

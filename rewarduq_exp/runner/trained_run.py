@@ -95,6 +95,13 @@ def run_model_config(run_cfg: DictConfig, config_path: Path, *, trust_remote_cod
                         "the run folder and that checkpoint, allow it with load_run(..., trust_remote_code=True) or "
                         "trust_remote_code=true on the command line of evaluate.py / downstream.py")
     model_cfg.trust_remote_code = wanted
+    if model_cfg.get("builder") == "tiny-qwen3":
+        from rewarduq_exp.models.tiny_qwen3 import checked_build
+
+        try:   # the tiny model's build settings reach a call: only its own numbers
+            checked_build(model_cfg.get("build"))
+        except UserError as err:
+            raise UserError(one_line(f"{config_path}: {err}")) from None
     return model_cfg
 
 
