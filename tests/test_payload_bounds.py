@@ -530,3 +530,56 @@ def test_a_policy_file_is_bounded_by_the_models_own_parameters(tiny_backbone, tm
         "this run's settings allow shape (1106, 256) of float (the parameters of model 'tiny-qwen3'); refused before "
         "reading it; the run folder is damaged: copy it again or retrain")
     assert snapshot(folder) == before
+
+
+# ---------------------------------------------------------------------------------------- poisoned values (NaN, inf)
+def poison(path: Path, endswith: str, value: float) -> str:
+    """Set one value of the first floating tensor of the safetensors file at ``path`` whose name ends with
+    ``endswith`` to ``value`` (the file otherwise as it was); returns the tensor's name."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as fh:
+        metadata = fh.metadata()
+    tensors = load_file(str(path))
+    name = next(k for k, v in tensors.items() if k.endswith(endswith) and v.is_floating_point())
+    tensors[name].view(-1)[0] = value
+    save_file(tensors, str(path), metadata=metadata)
+    return name
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_poisoned_state_is_refused_by_the_api_and_evaluate(value, runs, shared_cache, tmp_path):
+    """Fourth hardening round, item 5: load_run scored NaN from poisoned weights with exit 0. Every method whose
+    state is a safetensors file read by load_safetensors (every feature head, the LoRA heads and LA-LoRA's
+    posterior) meets the same check."""
+    cwd, folders = runs
+    copy = tmp_path / "run"
+    shutil.copytree(folders["ens_mlp"], copy)
+    name = poison(copy / STATE, "weights.0", value)
+    refused_in_one_line(copy, STATE, rf"tensor '{re.escape(name)}' holds NaN or inf values; the run folder is "
+                                     r"damaged", cwd, shared_cache)
+
+
+def test_a_poisoned_adapter_or_policy_is_refused_at_load(lora_folder, tiny_backbone, tmp_path):
+    """The weights PEFT or safetensors load straight into a model (ENS-LoRA's adapters, MCD-DPO's policy) are
+    checked after loading, by the same check."""
+    from rewarduq_exp.methods.base import load_method
+    from rewarduq_exp.methods.mcd_dpo.method import WEIGHTS_FILE, McdDpo
+
+    copy = tmp_path / "lora"
+    shutil.copytree(lora_folder, copy)
+    adapter = copy / "adapters" / "m1" / "adapter_model.safetensors"
+    poison(adapter, "lora_B.weight", float("nan"))
+    with pytest.raises(UserError, match=r"holds NaN or inf values") as error:
+        load_method(copy, encoder=_Encoder(tiny_backbone), device="cpu", show_progress=False)
+    assert str(error.value).startswith(f"{adapter}: tensor '") and "lora_B" in str(error.value)
+
+    method = McdDpo(encoder=_Encoder(tiny_backbone), device="cpu", show_progress=False)
+    method._ensure_policy()
+    folder = tmp_path / "mcd"
+    method.save(folder)
+    poison(folder / WEIGHTS_FILE, "weight", float("-inf"))
+    with pytest.raises(UserError, match=r"holds NaN or inf values") as error:
+        load_method(folder, encoder=_Encoder(tiny_backbone), device="cpu", show_progress=False)
+    assert str(error.value).startswith(f"{folder / WEIGHTS_FILE}: tensor '")

@@ -176,6 +176,25 @@ def check_safetensors(path: str | os.PathLike) -> None:
         raise UserError(f"{problem}; the run folder is damaged: copy it again or retrain")
 
 
+def check_finite(tensors, path: str | os.PathLike) -> None:
+    """Raise a one-line :class:`UserError` naming ``path`` and the tensor when a floating-point tensor of
+    ``tensors`` ({name: torch tensor or numpy array}, as read from that file) holds NaN or inf: no saved state of a
+    run does, and a poisoned one would score NaN with exit 0. Every loader of a run's weights calls it (through
+    :func:`load_safetensors`, or on what PEFT or safetensors loaded into a model)."""
+    import numpy as np
+    import torch
+
+    for name, value in tensors.items():
+        if isinstance(value, torch.Tensor):
+            bad = value.is_floating_point() and not bool(torch.isfinite(value).all())
+        else:
+            value = np.asarray(value)
+            bad = value.dtype.kind in "fc" and not bool(np.isfinite(value).all())
+        if bad:
+            raise UserError(f"{path}: tensor {name!r} holds NaN or inf values; the run folder is damaged: copy it "
+                            "again or retrain")
+
+
 def load_safetensors(path: str | os.PathLike, framework: str = "pt", expected=None, optional=()) -> dict:
     """The tensors of a safetensors file (``framework``: ``pt`` for torch tensors, ``np`` for numpy arrays), after
     :func:`check_safetensors`; a read error still left is reported in one line naming the file.
@@ -193,7 +212,9 @@ def load_safetensors(path: str | os.PathLike, framework: str = "pt", expected=No
     else:
         from safetensors.torch import load_file
     try:
-        return load_file(str(path))
+        tensors = load_file(str(path))
     except Exception as err:  # noqa: BLE001 (SafetensorError and friends do not name the file)
         raise UserError(f"{path} could not be read as safetensors ({type(err).__name__}: {err}); the run folder is "
                         "damaged: copy it again or retrain") from None
+    check_finite(tensors, path)
+    return tensors

@@ -16,7 +16,7 @@ from torch import nn
 
 from rewarduq_exp.core.errors import UserError, first_line, one_line
 from rewarduq_exp.core.payload_bounds import Expected, check_tensors, declared_tensors
-from rewarduq_exp.core.saved_files import check_safetensors, read_json_object
+from rewarduq_exp.core.saved_files import check_finite, check_safetensors, read_json_object
 
 PEFT_PREFIX = "base_model.model."   # PEFT's key prefix for a PeftModel around a headless body (no task type)
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -118,4 +118,6 @@ def load_peft(base, folders: dict[str, Path], model_name: str):
             raise UserError(one_line(f"{folder / CONFIG}: field \"target_modules\" names no layer of model "
                                      f"'{model_name}' ({first_line(err)}); the run folder is damaged or was trained "
                                      "on another backbone")) from None
+        check_finite({n: p for n, p in peft_model.named_parameters() if f".{name}." in n and "lora_" in n},
+                     folder / WEIGHTS)
     return peft_model

@@ -33,7 +33,7 @@ from rewarduq_exp.core.distributed import is_main, rank, world_size
 from rewarduq_exp.core.errors import UserError, one_line
 from rewarduq_exp.core.payload_bounds import Expected, check_tensors
 from rewarduq_exp.core.progress import progress
-from rewarduq_exp.core.saved_files import check_safetensors
+from rewarduq_exp.core.saved_files import check_finite, check_safetensors
 from rewarduq_exp.core.setting_bounds import AUTO, BATCH_ROWS, Bound
 from rewarduq_exp.methods.base import (
     RewardMethod,
@@ -584,6 +584,7 @@ class McdDpo(RewardMethod):
             raise UserError(one_line(f"{path} does not hold the weights of model '{self.backbone.name}' "
                                      f"({type(err).__name__}: {str(err)[:200]}); the run folder is damaged or was "
                                      "trained on another backbone")) from None
+        check_finite(dict(policy.named_parameters()), path)
         policy.requires_grad_(False)
         self.policy = policy.to(self.device).eval()
         self.fit_summary = info.get("fit_summary", {})
