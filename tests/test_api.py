@@ -60,6 +60,10 @@ def docs_page_code(page: str) -> list[str]:
 def test_the_documented_python_api_runs_as_written(run_cwd, monkeypatch, capsys):
     (code,) = docs_page_code("api.md")
     monkeypatch.chdir(run_cwd)
+    # a newer run that failed (fourth hardening round, item 11): the snippet picks the newest *completed* run
+    failed = run_cwd / "outputs" / "runs" / "zz_failed"
+    failed.mkdir(exist_ok=True)
+    (failed / "status.json").write_text('{"state": "failed", "error": "device=\'tpu\' is not supported"}')
     exec(compile(code, "docs/api.md", "exec"), {})
     out = capsys.readouterr().out
     assert "uncertainty" in out and "p_chosen" in out

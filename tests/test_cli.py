@@ -228,6 +228,7 @@ BAD_INPUTS = [
     (["method.num_head=3"], "method.num_head is not a setting of method 'ens_mlp'; allowed: num_heads, hidden_dim"),
     (["method=ens_mlp,bay_lin", "method.num_heads=3"], "method.num_heads is not a setting of method 'bay_lin'"),
     (["seeed=1"], "seeed is not a setting; allowed: model, method, dataset, probe, metric, logger, seed"),
+    (["device=tpu"], "device='tpu' is not supported: use auto, cpu, cuda or cuda:N"),   # hardening round 4, item 11
 ]
 
 
@@ -241,6 +242,8 @@ def test_bad_input_one_line_nonzero_no_metrics(tmp_path, shared_cache, args, mes
     assert sum(line.startswith("error:") for line in lines) == 1
     assert "Traceback" not in proc.stderr
     assert not (folder / "metrics.json").exists()
+    if args == ["device=tpu"]:   # refused on the command line: no run folder at all (a failed one misleads a reader)
+        assert not folder.exists()
 
 
 def test_local_dataset_without_path(tmp_path, shared_cache):

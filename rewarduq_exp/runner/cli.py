@@ -282,11 +282,35 @@ def check_setting_keys(args: list[str], config_name: str, conf_dir: Path = CONF_
     try:
         problem = (malformed_override(args) or unknown_setting(args, config_name, conf_dir)
                    or bad_setting_value(args, config_name, conf_dir) or merge_problem(args, config_name, conf_dir)
-                   or output_folder_problem(args))
+                   or output_folder_problem(args) or device_problem(args))
     except UserError as err:  # a group's sweep that gives no value (sweep_strings)
         problem = str(err)
     if problem:
         fail(problem)
+
+
+# The devices every method is written and tested for (the backbone's resolve_device says the same at run time)
+DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
+
+
+def device_problem(args: list[str]) -> str | None:
+    """The one-line message for a ``device=`` (or a sweep of them) that is not auto, cpu, cuda or cuda:N, before any
+    run folder exists (a run refused at start-up would leave a ``failed`` folder behind)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for arg in args:
+        if not arg.startswith("device="):
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception:  # noqa: BLE001 (malformed_override reports it)
+            continue
+        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        for value in values:
+            if not (isinstance(value, str) and DEVICE.fullmatch(value)):
+                return f"device={value!r} is not supported: use auto, cpu, cuda or cuda:N"
+    return None
 
 
 def output_folder_problem(args: list[str]) -> str | None:
