@@ -164,3 +164,18 @@ def test_docs_data_table_says_what_the_project_reads():
         assert int(cells[1]) == n_rows and int(cells[2].split()[0]) == feature_cols, name
         assert int(cells[3]) == m and int(cells[4]) == distinct, name
     assert rows["movies"][5].startswith("602 / 65 / 260") and "different" in rows["movies"][5]
+
+
+def test_every_row_with_the_same_ranking_is_warned_in_one_line(tmp_path, caplog):
+    """Fourth hardening round, item 7: 5 folds of tau 1.0000 and ECE 0 came without a word."""
+    pd.DataFrame({"A1": [0.1, 0.2, 0.3, 0.4], "L1": [2] * 4, "L2": [1] * 4, "L3": [3] * 4}).to_csv(
+        tmp_path / "same.csv", index=False)
+    with caplog.at_level("WARNING", logger="rewarduq_exp"):
+        load_label_ranking(tmp_path / "same.csv")
+    (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "all 4 rows have the same ranking [2, 1, 3]: there is nothing to learn" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rewarduq_exp"):
+        pd.DataFrame({"A1": [0.1, 0.2], "L1": [1, 2], "L2": [2, 1]}).to_csv(tmp_path / "two.csv", index=False)
+        load_label_ranking(tmp_path / "two.csv")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

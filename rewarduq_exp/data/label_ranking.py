@@ -29,6 +29,7 @@ String columns are recognised by ``not pd.api.types.is_numeric_dtype`` (object u
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,8 @@ MISSING_CODE = 977
 ID_COLUMNS = ("caseid",)
 _L_COLUMN = re.compile(r"^L\d+$")
 _POS_COLUMN = re.compile(r"^Pos\. of (.+) in Ranking$")
+
+log = logging.getLogger("rewarduq_exp")
 
 
 def _to_float(x):
@@ -213,4 +216,7 @@ def _read_ranks(df: pd.DataFrame, targets: list[str], path: Path) -> np.ndarray:
         raise UserError(f"{path}: line {row + 2} (data row {row}): labels {ranks[row].tolist()} are not a "
                         f"permutation of 1..{m} (each row gives every item a distinct rank, 1 = best; ties are not "
                         f"supported)")
+    if len(ranks) > 1 and (ranks == ranks[0]).all():
+        log.warning("%s: all %d rows have the same ranking %s: there is nothing to learn, and every metric of a "
+                    "model that predicts it is trivially perfect (tau 1, ECE 0)", path, len(ranks), ranks[0].tolist())
     return check_rankings(ranks, what=f"{path}: label columns")
