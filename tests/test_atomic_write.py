@@ -83,3 +83,25 @@ def test_concurrent_metric_merges_both_land(tmp_path, monkeypatch):
     for t in threads:
         t.join()
     assert set(json.loads((tmp_path / "metrics.json").read_text())) == {"train_eval", "reward_bench", "hh_rlhf_test"}
+
+
+@pytest.mark.parametrize("what", ["file", "folder"])
+def test_a_full_disk_is_one_line_naming_the_target_and_leaves_the_old_one(tmp_path, what):
+    """Fourth hardening round, item 4: ENOSPC (or a quota's EDQUOT) while writing was an 18-line traceback."""
+    import errno
+
+    from rewarduq_exp.core.errors import UserError
+
+    target = tmp_path / ("metrics.json" if what == "file" else "model")
+    if what == "file":
+        target.write_text("old")
+    else:
+        target.mkdir()
+        (target / "old").write_text("old")
+    with pytest.raises(UserError) as error:
+        with (atomic_path(target) if what == "file" else atomic_dir(target, replace=True)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert str(error.value).startswith(f"no space left to write {target} (No space left on device): free space")
+    assert "\n" not in str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]   # no temporary left
+    assert (target.read_text() if what == "file" else (target / "old").read_text()) == "old"

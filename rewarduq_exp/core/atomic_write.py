@@ -20,13 +20,30 @@ Kept free of torch and pandas so that light readers (selection, tables) import i
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.inside_folder import open_parent
+
+# A full disk or quota: one line saying where (every writer of results, caches and checkpoints comes through here)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def _disk_full_is_one_line(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in DISK_FULL:
+            raise
+        raise UserError(f"no space left to write {path} ({err.strerror}): free space on that disk or point the "
+                        "output there elsewhere (paths.output_root, paths.cache_dir); nothing half-written was "
+                        "kept") from None
 
 
 def _temporary_name(name: str) -> str:
@@ -44,7 +61,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     folder (``/proc/self/fd/<n>/.<name>.<random>.tmp`` on Linux): open it by that path, as given.
     """
     path = Path(path)
-    with open_parent(path) as parent:
+    with _disk_full_is_one_line(path), open_parent(path) as parent:
         parent.check_entry(path.name, "file")    # before anything is created there
         tmp = _temporary_name(path.name)
         fd = parent.create_file(tmp, 0o666)
@@ -79,7 +96,7 @@ def atomic_dir(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]
     e.g. the shared tiny model) is kept and the temporary one discarded.
     """
     path = Path(path)
-    with open_parent(path) as parent:
+    with _disk_full_is_one_line(path), open_parent(path) as parent:
         parent.check_entry(path.name, "folder")
         tmp = _temporary_name(path.name)
         parent.make_folder(tmp, 0o777)
