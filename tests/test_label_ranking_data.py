@@ -179,3 +179,25 @@ def test_every_row_with_the_same_ranking_is_warned_in_one_line(tmp_path, caplog)
         pd.DataFrame({"A1": [0.1, 0.2], "L1": [1, 2], "L2": [2, 1]}).to_csv(tmp_path / "two.csv", index=False)
         load_label_ranking(tmp_path / "two.csv")
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_silent_network_is_one_line_within_the_probe_time(tmp_path, monkeypatch):
+    """Fourth hardening round, item 13: a host whose packets are dropped made the README's label-ranking command wait
+    139 s (each address of the host in turn); the whole wait is now bounded by the probe's deadline."""
+    import socket
+    import time
+
+    from rewarduq_exp.data import label_ranking_source
+
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: time.sleep(30))   # silence, no error
+    monkeypatch.setattr(label_ranking_source, "PROBE_TIMEOUT_S", 0.5)
+    source = label_ranking_source.LabelRankingSource("iris", cache_dir=str(tmp_path / "cache"))
+    start = time.perf_counter()
+    with pytest.raises(UserError) as error:
+        source.load()
+    assert time.perf_counter() - start < 5
+    assert str(error.value) == (
+        f"dataset 'iris': {label_ranking_source.DEFAULT_URL.format(name='iris')} does not answer within 0.5 s; "
+        "without network, copy the CSVs to a folder and pass paths.label_ranking_dir=<folder> (or set "
+        "REWARDUQ_LABEL_RANKING_DIR)")
+    assert not (tmp_path / "cache" / "label_ranking").exists()   # nothing created

@@ -15,12 +15,37 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = 3.0
 _state: dict[str, str] = {}  # "mode": online | offline-by-user | offline-unreachable, decided once
+
+
+def url_answers(url: str, seconds: float = TIMEOUT_S) -> bool:
+    """Whether the host of ``url`` accepts a connection within ``seconds`` in all: name lookup and every address
+    included. A network that drops packets makes each address of a host wait for the socket timeout in turn (the
+    authors' CSV host has several: minutes), and a lookup itself has no timeout; the probe runs in a daemon thread
+    that is left behind once the deadline passes."""
+    parts = urlsplit(url)
+    host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    if not host:
+        return False
+    found: dict[str, bool] = {}
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=seconds).close()
+            found["ok"] = True
+        except OSError:
+            found["ok"] = False
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return found.get("ok", False)
 
 
 def _endpoint() -> tuple[str, int]:

@@ -14,11 +14,14 @@ from pathlib import Path
 
 from rewarduq_exp.core.atomic_write import atomic_path
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.hub_access import url_answers
 from rewarduq_exp.data.label_ranking import LabelRankingData, load_label_ranking
 
 DEFAULT_URL = ("https://raw.githubusercontent.com/Advueu963/Calibrated_Preference_Learning/dc0b533/"
                "src/cal_pref/data/{name}.csv")
 DOWNLOAD_TIMEOUT_S = 30
+# the whole time a user waits for a host that does not answer (a firewall that drops packets: no error, only silence)
+PROBE_TIMEOUT_S = 5.0
 
 
 class LabelRankingSource:
@@ -54,14 +57,17 @@ class LabelRankingSource:
 
     def _download(self, path: Path) -> None:
         url = self.url.format(name=self.file)
+        hint = ("without network, copy the CSVs to a folder and pass paths.label_ranking_dir=<folder> (or set "
+                "REWARDUQ_LABEL_RANKING_DIR)")
+        if url.startswith(("http://", "https://")) and not url_answers(url, PROBE_TIMEOUT_S):
+            raise UserError(f"dataset '{self.name}': {url} does not answer within {PROBE_TIMEOUT_S:g} s; {hint}")
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
                 data = response.read()
         except (OSError, ValueError) as err:
             raise UserError(f"dataset '{self.name}': could not download {url} ({str(err).splitlines()[0][:120]}); "
-                            "without network, copy the CSVs to a folder and pass paths.label_ranking_dir=<folder> "
-                            "(or set REWARDUQ_LABEL_RANKING_DIR)") from None
+                            f"{hint}") from None
         with atomic_path(path) as tmp:
             tmp.write_bytes(data)
 
