@@ -189,7 +189,11 @@ def test_a_silent_network_is_one_line_within_the_probe_time(tmp_path, monkeypatc
 
     from rewarduq_exp.data import label_ranking_source
 
-    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: time.sleep(30))   # silence, no error
+    def silent(*args, **kwargs):   # packets dropped: nothing for a long time, then the socket's timeout
+        time.sleep(10)
+        raise OSError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", silent)
     monkeypatch.setattr(label_ranking_source, "PROBE_TIMEOUT_S", 0.5)
     source = label_ranking_source.LabelRankingSource("iris", cache_dir=str(tmp_path / "cache"))
     start = time.perf_counter()
