@@ -205,3 +205,19 @@ def test_a_silent_network_is_one_line_within_the_probe_time(tmp_path, monkeypatc
         "without network, copy the CSVs to a folder and pass paths.label_ranking_dir=<folder> (or set "
         "REWARDUQ_LABEL_RANKING_DIR)")
     assert not (tmp_path / "cache" / "label_ranking").exists()   # nothing created
+
+
+def test_the_probe_asks_the_proxy_urllib_would_use(monkeypatch):
+    """Behind a proxy-only network the download goes through HTTPS_PROXY (as urlopen does), so the probe must ask
+    the proxy, not the host: a listening local socket stands for the proxy."""
+    import socket
+
+    from rewarduq_exp.core.hub_access import url_answers
+
+    with socket.create_server(("127.0.0.1", 0)) as proxy:
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{proxy.getsockname()[1]}")
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        assert url_answers("https://host.invalid/data/iris.csv", seconds=5)
+        monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:1")   # nothing listens there
+        assert not url_answers("https://host.invalid/data/iris.csv", seconds=5)

@@ -24,34 +24,48 @@ TIMEOUT_S = 3.0
 _state: dict[str, str] = {}  # "mode": online | offline-by-user | offline-unreachable, decided once
 
 
-def url_answers(url: str, seconds: float = TIMEOUT_S) -> bool:
-    """Whether the host of ``url`` accepts a connection within ``seconds`` in all: name lookup and every address
-    included. A network that drops packets makes each address of a host wait for the socket timeout in turn (the
-    authors' CSV host has several: minutes), and a lookup itself has no timeout; the probe runs in a daemon thread
-    that is left behind once the deadline passes."""
-    parts = urlsplit(url)
-    host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
-    if not host:
-        return False
-    found: dict[str, bool] = {}
+def connect_problem(host: str, port: int, seconds: float = TIMEOUT_S) -> str | None:
+    """Why ``host:port`` accepts no connection within ``seconds`` in all (None when it does): name lookup and every
+    address included. A network that drops packets makes each address of a host wait for the socket timeout in turn
+    (minutes for a host with several), and a lookup itself has no timeout; so the probe runs in a daemon thread, left
+    behind once the deadline passes."""
+    found: dict[str, str | None] = {}
 
     def probe() -> None:
         try:
             socket.create_connection((host, port), timeout=seconds).close()
-            found["ok"] = True
-        except OSError:
-            found["ok"] = False
+            found["problem"] = None
+        except OSError as err:
+            found["problem"] = str(err) or type(err).__name__
 
     thread = threading.Thread(target=probe, daemon=True)
     thread.start()
     thread.join(seconds)
-    return found.get("ok", False)
+    return found.get("problem", f"no answer within {seconds:g} s")
+
+
+def _host_port(url: str, default_host: str = "") -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or default_host, parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def url_answers(url: str, seconds: float = TIMEOUT_S) -> bool:
+    """Whether what ``urllib`` would connect to for ``url`` (its proxy where the environment names one, as
+    ``urlopen`` does, else its host) accepts a connection within ``seconds`` in all (:func:`connect_problem`)."""
+    from urllib.request import getproxies, proxy_bypass
+
+    host, port = _host_port(url)
+    if not host:
+        return False
+    proxy = getproxies().get(urlsplit(url).scheme)
+    if proxy and not proxy_bypass(host):
+        host, port = _host_port(proxy if "://" in proxy else f"http://{proxy}")
+    return connect_problem(host, port, seconds) is None
 
 
 def _endpoint() -> tuple[str, int]:
     proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    url = urlsplit(proxy or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    return url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    return _host_port(proxy or os.environ.get("HF_ENDPOINT") or "https://huggingface.co", "huggingface.co")
 
 
 def go_offline() -> None:
@@ -72,10 +86,10 @@ def hub_reachable() -> bool:
             _state["mode"] = "offline-by-user"
         else:
             host, port = _endpoint()
-            try:
-                socket.create_connection((host, port), timeout=TIMEOUT_S).close()
+            err = connect_problem(host, port)
+            if err is None:
                 _state["mode"] = "online"
-            except OSError as err:
+            else:
                 _state["mode"] = "offline-unreachable"
                 log.warning("the Hugging Face hub (%s:%d) does not answer (%s): working offline, only files already "
                             "in the local cache load", host, port, err)
