@@ -5,12 +5,24 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Sequence
 
 import numpy as np
 
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.setting_bounds import MAX_BINS, REAL_VALUED, check_bound, integer_kind_problem
+
+# The devices every method is written and tested for (bf16 autocast, dropout-mask generators and distributed backends
+# are only written for these two): the command line checks the form before any run folder exists, the backbone again.
+DEVICE_FORM = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def device_problem(value) -> str | None:
+    """The one-line message for a ``device`` that is not auto, cpu, cuda or cuda:N (None when it is one)."""
+    if isinstance(value, str) and DEVICE_FORM.fullmatch(value):
+        return None
+    return f"device={value!r} is not supported: use auto, cpu, cuda or cuda:N"
 
 
 def check_positive(value, key: str, *, integer: bool = False, minimum: float = 0.0, inclusive: bool = False):

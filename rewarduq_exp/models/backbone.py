@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from rewarduq_exp.core.checks import device_problem
 from rewarduq_exp.core.errors import UserError, first_line, one_line
 from rewarduq_exp.core.hub_access import hub_reachable, offline_hint
 
@@ -29,10 +30,8 @@ def resolve_device(device: str = "auto") -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise UserError(f"device={device!r} is invalid: use auto, cpu, cuda or cuda:N ({err})") from None
-    if dev.type not in ("cpu", "cuda"):
-        # mps / xpu / ...: the methods' bf16 autocast, dropout-mask generators and distributed backends are only
-        # written and tested for these two.
-        raise UserError(f"device={device!r} is not supported: use auto, cpu, cuda or cuda:N")
+    if problem := device_problem(device):   # mps / xpu / ...
+        raise UserError(problem)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device={device!r} was asked for but no CUDA GPU is visible; use device=auto or cpu")
     return dev

@@ -289,14 +289,12 @@ def check_setting_keys(args: list[str], config_name: str, conf_dir: Path = CONF_
         fail(problem)
 
 
-# The devices every method is written and tested for (the backbone's resolve_device says the same at run time)
-DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
-
-
 def device_problem(args: list[str]) -> str | None:
     """The one-line message for a ``device=`` (or a sweep of them) that is not auto, cpu, cuda or cuda:N, before any
     run folder exists (a run refused at start-up would leave a ``failed`` folder behind)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from rewarduq_exp.core.checks import device_problem as form_problem
 
     parser = OverridesParser.create()
     for arg in args:
@@ -308,8 +306,8 @@ def device_problem(args: list[str]) -> str | None:
             continue
         values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
         for value in values:
-            if not (isinstance(value, str) and DEVICE.fullmatch(value)):
-                return f"device={value!r} is not supported: use auto, cpu, cuda or cuda:N"
+            if problem := form_problem(value):
+                return problem
     return None
 
 
