@@ -12,6 +12,7 @@ was.
 import json
 import shutil
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from rewarduq_exp.core.errors import UserError
 CONFIG = Path(".hydra") / "config.yaml"
 METHOD_JSON = Path("model") / "method.json"
 WEIGHTS = Path("model") / "state.safetensors"
+CALIBRATION = Path("calibration.json")
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +142,36 @@ def truncated_weights(folder, marker):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def edit_calibration(folder: Path, change) -> None:
+    path = folder / CALIBRATION
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+
+def another_model(calibration: dict) -> dict:
+    return {**calibration, "fitted_to": {**calibration["fitted_to"], "model_id": uuid.uuid4().hex}}
+
+
+def calibration_of_another_run(folder, marker):
+    """Fourth hardening round, item 6: another run's calibration.json copied in was applied (it names its model)."""
+    edit_calibration(folder, another_model)
+
+
+def calibration_linked_to_another_run(folder, marker):
+    other = marker.parent / "other_run"
+    other.mkdir()
+    (other / "calibration.json").write_text(json.dumps(another_model(json.loads((folder / CALIBRATION).read_text()))))
+    (folder / CALIBRATION).unlink()
+    (folder / CALIBRATION).symlink_to(other / "calibration.json")
+
+
+def calibration_unbound(folder, marker):
+    edit_calibration(folder, lambda c: {k: v for k, v in c.items() if k != "fitted_to"})
+
+
+def calibration_pointwise_in_pairs_run(folder, marker):
+    edit_calibration(folder, lambda c: {**c, "kind": "pointwise"})
+
+
 # case -> (damage, the file the error names, what it says about the field)
 CASES = {
     "popen_class": (popen_class, METHOD_JSON, r"field \"class\" names 'subprocess.Popen', not a method of "
@@ -162,6 +194,15 @@ CASES = {
                                                      r"allowed: hidden_size, num_layers"),
     "deleted_weights": (deleted_weights, WEIGHTS, r"is missing"),
     "truncated_weights": (truncated_weights, WEIGHTS, r"is truncated"),
+    "calibration_of_another_run": (calibration_of_another_run, CALIBRATION,
+                                   r"refused: it was fitted on another model \(ens_mlp model_id [0-9a-f]{32}; this "
+                                   r"run's model [0-9a-f]{32}\)"),
+    "calibration_linked_to_another_run": (calibration_linked_to_another_run, CALIBRATION,
+                                          r"refused: it was fitted on another model"),
+    "calibration_unbound": (calibration_unbound, CALIBRATION, r"refused: it names no model it was fitted on"),
+    "calibration_pointwise_in_pairs_run": (calibration_pointwise_in_pairs_run, CALIBRATION,
+                                           r"refused: kind 'pointwise' does not fit this run's model \(ens_mlp "
+                                           r"scores pairs\)"),
 }
 
 

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +81,10 @@ class Scores:
 
 def write_method_info(directory: Path, method, **extra) -> None:
     """``method.json`` beside a saved method: what rebuilds it (class, hyperparameters) and what it was fit on."""
+    # model_id: this saved model's identity, new at every save; a run's calibration.json names the model it was
+    # fitted on by it, so that one copied from another run (or another model of this run) is refused.
     info = {"class": f"{type(method).__module__}.{type(method).__qualname__}", "method": method.name,
+            "task": method.task, "model_id": uuid.uuid4().hex,
             "hyperparameters": method.hyperparameters(), "fit_summary": method.fit_summary, **extra}
     write_atomic(Path(directory) / "method.json", dumps_json(info, what=f"{directory}/method.json"))
 

@@ -18,6 +18,12 @@ An infeasible conformal scale (``conformal.feasible: false``: no scale meets the
 is never applied: asked for, the bounds fall back to the rule's scale (rated responses: s = 1) with one warning line,
 and the file records it (``interval``: what is applied, ``interval_requested``: what was asked for,
 ``interval_fallback``: why). A file from before that rule which applies such a scale is read with the same fallback.
+
+A calibration belongs to one model: ``fitted_to`` names the ``model_id`` of the run's ``model/method.json`` (new at
+every save) and the kind of scores that model gives, and ``fitted_on`` the calibration split's rows (their ids' hash)
+and the predictions' scores (``scores_hash``). A reader refuses, in one line, a file fitted to another model (copied
+from another run, or reached through a link to one), of the wrong kind (``pointwise`` in a run of pairs), or unbound in
+a run whose model has an id (a binding removed). Runs saved before models had an id read their file as before.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class Calibration:
     details: dict = field(default_factory=dict)
     interval_requested: str | None = None        # what was asked for (None: ``interval``)
     interval_fallback: str | None = None         # why ``interval`` is not the one asked for (None: it is)
+    fitted_to: dict = field(default_factory=dict)  # the model it belongs to: model_id, method (set when saved)
 
     def __post_init__(self):
         if self.interval_requested is None:
@@ -152,7 +159,7 @@ class Calibration:
                                 {"x": self.isotonic.x.tolist(), "y": self.isotonic.y.tolist()}},
                 "scales": dict(self.scales), "conformal": dict(self.conformal), "fitted_on": dict(self.fitted_on),
                 "details": dict(self.details), "interval_requested": self.interval_requested,
-                "interval_fallback": self.interval_fallback}
+                "interval_fallback": self.interval_fallback, "fitted_to": dict(self.fitted_to)}
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> Calibration:
@@ -203,7 +210,8 @@ class Calibration:
         found = cls(kind=kind, temperature=float(t), isotonic=isotonic,
                     scales={k: float(v) for k, v in scales.items()}, interval=interval,
                     conformal=_object(data.get("conformal")), fitted_on=_object(data.get("fitted_on")),
-                    details=_object(data.get("details")), interval_requested=requested, interval_fallback=fallback)
+                    details=_object(data.get("details")), interval_requested=requested, interval_fallback=fallback,
+                    fitted_to=_fitted_to(data.get("fitted_to"), bad))
         if fallback is None and requested != interval:
             raise bad(f"interval_requested {requested!r} differs from interval {interval!r} without an "
                       "interval_fallback saying why")
@@ -215,6 +223,22 @@ class Calibration:
             return found.without_infeasible("conformal", f"{where} (written before infeasible scales were refused): "
                                                          "interval=conformal")
         return found
+
+
+def _fitted_to(value, bad) -> dict:
+    """The ``fitted_to`` record: absent (a file from before calibrations were bound) or a model id of hex digits."""
+    if value is None or value == {}:   # {}: written where no model was saved beside it
+        return {}
+    if not isinstance(value, dict) or not _is_model_id(value.get("model_id")):
+        raise bad("fitted_to must name the model_id (32 hex digits) of the model it was fitted on")
+    method = value.get("method")
+    if method is not None and not (isinstance(method, str) and 0 < len(method) <= 100):
+        raise bad("fitted_to.method must be a method name")
+    return {"model_id": value["model_id"], "method": method}
+
+
+def _is_model_id(value) -> bool:
+    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
 
 
 def infeasible_reason(conformal: dict) -> str:
@@ -244,11 +268,42 @@ def _object(value) -> dict:
 
 
 def save_calibration(run_dir, calibration: Calibration) -> Path:
+    """Write ``calibration.json``, bound to the model saved in the run's ``model/`` (where there is one)."""
     from rewarduq_exp.core.strict_json import write_json
 
+    model = saved_model(run_dir)
+    if model is not None and _is_model_id(model.get("model_id")):
+        calibration = replace(calibration, fitted_to={"model_id": model["model_id"], "method": model.get("method")})
     path = Path(run_dir) / CALIBRATION_FILE
     write_json(path, calibration.to_dict())
     return path
+
+
+def saved_model(run_dir) -> dict | None:
+    """The run's ``model/method.json`` (None where the folder has none: not a run, or a bare calibration folder)."""
+    path = Path(run_dir) / "model" / "method.json"
+    return read_json_object(path, "the saved method") if path.exists() else None
+
+
+def check_bound_to_run(calibration: Calibration, run_dir, where: str) -> None:
+    """Refuse a calibration that belongs to another model than the run's, or gives another kind of scores."""
+    model = saved_model(run_dir)
+    if model is None:
+        return
+    ours, theirs = model.get("model_id"), calibration.fitted_to.get("model_id")
+    if theirs is not None and theirs != ours:
+        raise UserError(f"{where} is refused: it was fitted on another model ({calibration.fitted_to.get('method')} "
+                        f"model_id {theirs}; this run's model {ours}): copied from another run or linked to its "
+                        "file? delete it (the run then scores raw) or retrain the run to fit its own")
+    if theirs is None and _is_model_id(ours):
+        raise UserError(f"{where} is refused: it names no model it was fitted on (fitted_to), but this run's model "
+                        f"has one ({ours}): a calibration of this run always does, so this one comes from elsewhere; "
+                        "delete it or retrain the run")
+    task = model.get("task") or ("pointwise" if model.get("method") == "borp" else "preferences")
+    expected = {"pointwise": "pointwise", "preferences": "pairs"}.get(task)
+    if expected is not None and calibration.kind != expected:
+        raise UserError(f"{where} is refused: kind {calibration.kind!r} does not fit this run's model "
+                        f"({model.get('method')} scores {expected}); delete it or retrain the run")
 
 
 def read_calibration(run_dir, *, say_missing: bool = True) -> Calibration | None:
@@ -260,4 +315,6 @@ def read_calibration(run_dir, *, say_missing: bool = True) -> Calibration | None
             log.warning("%s has no %s (trained before recalibration existed, or with recalibrate.enabled=false): "
                         "raw scores and metrics only", run_dir, CALIBRATION_FILE)
         return None
-    return Calibration.from_dict(read_json_object(path, "the run's recalibration"), str(path))
+    calibration = Calibration.from_dict(read_json_object(path, "the run's recalibration"), str(path))
+    check_bound_to_run(calibration, run_dir, str(path))
+    return calibration

@@ -18,6 +18,7 @@ there (calibration splits come from training data, where every weight is 1); tem
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import numpy as np
@@ -26,6 +27,7 @@ from scipy.special import expit
 
 from rewarduq_exp.core.checks import check_choice, check_integer
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.hashing import stable_hash
 from rewarduq_exp.metrics.calibration import calibration_metrics
 from rewarduq_exp.metrics.preference import pairs_from_table
 from rewarduq_exp.recalibration.calibration_file import INTERVALS, Calibration
@@ -170,13 +172,20 @@ def fit_probability_map(margin, weight, settings: dict) -> tuple[float, Isotonic
     return temperature, isotonic, details
 
 
+def scores_hash(predictions: pd.DataFrame) -> str:
+    """The identity of the predictions a calibration was fitted on: their numeric columns in row order, as float64
+    bytes (the same model on the same rows gives the same hash; another model's scores another)."""
+    numbers = predictions.select_dtypes("number").sort_index(axis=1)
+    digest = hashlib.sha256(",".join(numbers.columns).encode())
+    digest.update(np.ascontiguousarray(numbers.to_numpy(dtype=np.float64)).tobytes())
+    return digest.hexdigest()[:16]
+
+
 def fit_calibration(predictions: pd.DataFrame, settings: dict, split: str, n_bins: int = 20) -> Calibration:
     """Fit on the calibration split's predictions table (pairwise, or rated responses with ``score``)."""
     settings = recalibrate_settings(settings)
-    fitted_on = {"split": split, "n": int(len(predictions))}
+    fitted_on = {"split": split, "n": int(len(predictions)), "scores_hash": scores_hash(predictions)}
     if "id" in predictions.columns:   # a record of the rows it was fitted on (the runner refuses overlaps by id)
-        from rewarduq_exp.core.hashing import stable_hash
-
         fitted_on["ids_hash"] = stable_hash(sorted(predictions["id"].astype(str)), n=16)
     if "score" in predictions.columns and "prediction" in predictions.columns:
         return _fit_pointwise(predictions, settings, fitted_on)
