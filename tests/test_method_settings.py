@@ -168,3 +168,32 @@ def test_a_yaml_of_its_own_gives_the_defaults_and_a_default_twice_is_refused(tmp
     with pytest.raises(TypeError, match="width is in the config but is no field"):
         class Unknown(MethodSettings, config=config):
             seed: int = setting(default=0)
+
+
+EPOCH_METHODS = [n for n in method_names() if "num_epochs" in method_class(n).settings_class.names()
+                 and method_class(n).task != "label_ranking"]
+
+
+@pytest.mark.parametrize("name", EPOCH_METHODS)
+def test_epochs_are_bounded(name):
+    """Fourth hardening round, item 9: ``method.num_epochs=10000000`` was accepted (its plan: 9.5e17 FLOPs). A real
+    setting (a fraction of an epoch is a shorter schedule) in (0, 10000], for every reward-model method."""
+    assert {"ens_mlp", "mcd_dpo", "ens_lora", "bay_lin"} <= set(EPOCH_METHODS)
+    settings = method_class(name).settings_class
+    assert settings.build({"num_epochs": 0.5}).num_epochs == 0.5
+    assert settings.build({"num_epochs": 10_000}).num_epochs == 10_000
+    with pytest.raises(UserError, match=r"^method.num_epochs=10000000 is too large: at most 10000 epochs \(each "
+                                        r"epoch passes over every training pair; the paper trains 1\)$"):
+        settings.build({"num_epochs": 10_000_000})
+    with pytest.raises(UserError, match=r"^method.num_epochs=0 is invalid: must be a number > 0$"):
+        settings.build({"num_epochs": 0})
+
+
+def test_too_many_epochs_is_one_line_before_the_plan(tmp_path):
+    from entry_points import run_entry_point
+
+    proc = run_entry_point(ROOT / "train.py", ["method.num_epochs=10000000", "plan=true",
+                                               f"paths.output_root={tmp_path}"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: method.num_epochs=10000000 is too large: at most 10000 epochs (each epoch passes over every training "
+        "pair; the paper trains 1)"], proc.stderr[-2000:]

@@ -289,15 +289,15 @@ TRAIN_REFUSED = [
 @pytest.mark.parametrize("args, message", TRAIN_REFUSED, ids=[" ".join(a) for a, _ in TRAIN_REFUSED])
 def test_train_refuses_what_the_backbone_or_device_bounds(tmp_path, shared_cache, args, message):
     """Limits that depend on the model (its context window, its depth, from its config: nothing is downloaded or
-    loaded) or on the device's memory as the planner takes it: refused while the run is validated, in one line, the
-    run recorded as failed and nothing else written."""
+    loaded) or on the device's memory as the planner takes it: refused before the run uses its folder, in one line,
+    and no folder is left behind (a single run; a sweep records the refusal in the job's folder)."""
     folder = tmp_path / "outputs" / "runs" / "r"
     proc = run_entry_point(ROOT / "train.py", [*args, *TINY_RUN, f"paths.cache_dir={shared_cache}",
                                                f"hydra.run.dir={folder}"], tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert _last_line(proc).startswith(f"error: {message}"), proc.stderr
     assert "Traceback" not in proc.stderr
-    assert sorted(p.name for p in folder.iterdir()) == [".hydra", "status.json", "train.log"]
+    assert not folder.exists()
 
 
 # ------------------------------------------------------------------------------------------------ evaluate.py

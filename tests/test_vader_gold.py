@@ -128,3 +128,20 @@ def test_downstream_on_a_vader_run_end_to_end(tmp_path, shared_cache, sdist):
         proc = downstream(*args, f"hydra.run.dir={tmp_path / 'bad'}", check=False)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+def test_the_pool_is_checked_against_the_worlds_size_before_anything_is_read(tmp_path):
+    """Fourth hardening round, item 10: ``task.pool`` beyond a VADER run's ``dataset.n_train`` was refused only after
+    the corpus was read (downloaded, where not cached): now from the run's config, before any file is touched (the
+    world's ``dataset.path`` here does not exist, so a read would fail with another message)."""
+    from types import SimpleNamespace
+
+    from rewarduq_exp.data.registry import load_dataset_config
+    from rewarduq_exp.downstream.active_learning import check_pool
+
+    dataset = load_dataset_config("vader_pairs", seed=0)
+    dataset.path, dataset.n_train = str(tmp_path / "missing.tar.gz"), 40
+    run = SimpleNamespace(config=OmegaConf.create({"dataset": dataset}), path=tmp_path / "run", label="ens_mlp")
+    with pytest.raises(UserError, match=r"^task.pool=1000000 exceeds the 40 training pairs of ens_mlp "):
+        check_pool(run, OmegaConf.create({"pool": 1000000}))
+    assert isinstance(check_pool(run, OmegaConf.create({"pool": 40})), VaderGold)

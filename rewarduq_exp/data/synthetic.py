@@ -40,6 +40,7 @@ from scipy.special import expit  # overflow-free sigmoid
 
 from rewarduq_exp.core.checks import check_integer
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.host_memory import check_fits_host
 from rewarduq_exp.data.calibration_split import CAL_SPLIT, no_cal_split
 from rewarduq_exp.data.contract import make_pointwise_frame, make_preference_frame
 from rewarduq_exp.data.vocabulary import TOPIC_WORDS, WORDS
@@ -66,6 +67,16 @@ FILLER_TAIL = 12
 # Fixed offsets so that the splits use independent random streams of the same world (a new split takes a new one:
 # the others' draws never change).
 _SPLIT_STREAM = {"train": 1, "eval": 2, "ood": 3, CAL_SPLIT: 4}
+# Completions drawn once per rated world to cut its ratings into five equally likely classes.
+RATING_CUT_SAMPLE = 20_000
+
+
+def completions_memory(n: int, max_words: int) -> float:
+    """Bytes that drawing ``n`` completions of up to ``max_words`` words needs at least: 20 B per completion and word
+    (its word indices, the random draws behind them, the reward's masks: 23 B measured) and 500 B per completion (its
+    text and message: 750-1000 B measured for short ones). Rounded down from the measured peaks, so that a refusal is
+    never a false alarm."""
+    return float(n) * (20.0 * max_words + 500.0)
 
 
 class SyntheticWorld:
@@ -187,6 +198,31 @@ class SyntheticWorld:
         for split in (self.train_split, *self.eval_splits):
             self._check_split(split)
 
+    # ------------------------------------------------------------------ memory
+    completions_per_row = 2   # a pair: chosen and rejected
+
+    def memory_needed(self, splits=None) -> float:
+        """Bytes that generating ``splits`` (default: every split a training run loads) needs at least
+        (:func:`completions_memory` per completion); the rows' texts stay while the run goes on, so splits add up."""
+        splits = [self.train_split, *self.eval_splits, *([self.cal_split] if self.cal_split else [])] \
+            if splits is None else splits
+        rows = sum(self.sizes[s] for s in dict.fromkeys(splits))
+        return completions_memory(rows * self.completions_per_row, self.max_words)
+
+    def check_memory(self, splits=None) -> None:
+        """One line when the rows of ``splits`` cannot fit this host's available memory (before any is drawn)."""
+        rows = sum(self.sizes[s] for s in dict.fromkeys(splits or self.sizes))
+        check_fits_host(self.memory_needed(splits), f"dataset.n_train={self.sizes['train']} x dataset.max_words="
+                        f"{self.max_words} (the synthetic world's {rows:,} rows of up to {self.max_words} words, "
+                        "every split loaded)", "dataset.n_train or dataset.max_words")
+
+    def check_candidates_memory(self, n_prompts: int, n_candidates: int) -> None:
+        """The same for a best-of-n pool: ``n_prompts`` x ``n_candidates`` completions of up to
+        ``candidate_max_words`` words."""
+        check_fits_host(completions_memory(int(n_prompts) * int(n_candidates), self.candidate_max_words),
+                        f"{n_prompts:,} prompts x {n_candidates:,} candidates of up to {self.candidate_max_words} "
+                        "words", "the prompts or candidates (or dataset.candidate_max_words)")
+
     def _check_split(self, split: str) -> None:
         if split not in SPLITS:
             raise UserError(f"synthetic split '{split}' does not exist; allowed: {', '.join(SPLITS)}")
@@ -260,6 +296,7 @@ class SyntheticWorld:
         ``split`` (the training word distribution for train/eval/cal, the rare-word mixture for ood), with their true
         (gold) rewards: the raw material of best-of-n sampling. Topics are spread evenly over the prompts."""
         self._check_split(split)
+        self.check_candidates_memory(n_prompts, n_candidates)
         rng = np.random.default_rng([self.seed, _SPLIT_STREAM[split], 2, int(seed)])
         probs = self.ood_word_probs if split == "ood" else self.train_word_probs
         topic = (np.arange(n_prompts) + rng.integers(self.num_topics)) % self.num_topics
@@ -279,6 +316,7 @@ class SyntheticWorld:
 
     def load(self, split: str) -> pd.DataFrame:
         self._check_split(split)
+        self.check_memory([split])
         n = self.sizes[split]
         rng = np.random.default_rng([self.seed, _SPLIT_STREAM[split]])
         probs = self.ood_word_probs if split == "ood" else self.train_word_probs
@@ -335,15 +373,19 @@ class SyntheticRatings(SyntheticWorld):
     """
 
     kind = "pointwise"
+    completions_per_row = 1
 
     def __init__(self, *args, rating_noise: float = 0.3, **kwargs):
         super().__init__(*args, **kwargs)
         if not float(rating_noise) >= 0:
             raise UserError(f"dataset.rating_noise={rating_noise} is invalid: must be a number >= 0")
         self.rating_noise = float(rating_noise)
+        check_fits_host(completions_memory(RATING_CUT_SAMPLE, self.max_words),
+                        f"dataset.max_words={self.max_words} (the {RATING_CUT_SAMPLE:,} completions the rating "
+                        "classes are cut from)", "dataset.max_words")
         rng = np.random.default_rng([self.seed, 7777])
-        topic = rng.integers(0, self.num_topics, size=20000)
-        tokens, lengths = self._completions(rng, 20000, self.train_word_probs)
+        topic = rng.integers(0, self.num_topics, size=RATING_CUT_SAMPLE)
+        tokens, lengths = self._completions(rng, RATING_CUT_SAMPLE, self.train_word_probs)
         reward = self.true_reward(topic, tokens, lengths)
         self.reward_std = float(reward.std())
         noisy = reward + rng.normal(scale=self.rating_noise * self.reward_std, size=reward.shape)
@@ -351,6 +393,7 @@ class SyntheticRatings(SyntheticWorld):
 
     def load(self, split: str) -> pd.DataFrame:
         self._check_split(split)
+        self.check_memory([split])
         n = self.sizes[split]
         rng = np.random.default_rng([self.seed, _SPLIT_STREAM[split], 1])
         probs = self.ood_word_probs if split == "ood" else self.train_word_probs

@@ -172,15 +172,24 @@ def _learner(run: WorldRun, cfg):
     return make
 
 
+def check_pool(run: WorldRun, task, n_train: int | None = None):
+    """The run's world, once ``task.pool`` is known to fit its training pairs: ``n_train`` counted, else the size its
+    config sets (``dataset.n_train``: checked before anything is read, downloaded or loaded)."""
+    world = world_of(run.config, run.path / ".hydra" / "config.yaml")
+    have = n_train if n_train is not None else getattr(world, "sizes", {}).get("train")
+    if isinstance(have, int) and have < int(task.pool):
+        raise UserError(f"task.pool={task.pool} exceeds the {have} training pairs of {run.label} "
+                        f"({run.path}); lower task.pool to at most {have} or train the run on more pairs "
+                        "(dataset.n_train)")
+    return world
+
+
 def pool_and_eval(run: WorldRun, task) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The run's pool (the first ``task.pool`` training pairs of its world) and eval pairs; one line when the
     world holds fewer training pairs than ``task.pool``."""
-    world = world_of(run.config, run.path / ".hydra" / "config.yaml")
+    world = check_pool(run, task)
     train = world.load("train")
-    if len(train) < int(task.pool):
-        raise UserError(f"task.pool={task.pool} exceeds the {len(train)} training pairs of {run.label} "
-                        f"({run.path}); lower task.pool to at most {len(train)} or train the run on more pairs "
-                        "(dataset.n_train)")
+    check_pool(run, task, len(train))   # a world whose size its config does not set (all of a corpus)
     return train.iloc[: int(task.pool)].reset_index(drop=True), world.load(str(task.eval_split))
 
 
@@ -309,6 +318,8 @@ def summary_table(summary: pd.DataFrame) -> str:
 def active_learning(cfg, out_dir: Path) -> dict:
     strategies = check_settings(cfg.task)
     runs = completed_world_runs(cfg.run)
+    for r in runs:   # the pool against each world's size, before any learner, data or model
+        check_pool(r, cfg.task)
     # A sweep folder may hold fine-tuning runs too: they are left out (said in the log), not an error, as long as
     # some run remains; a learner that lacks what a strategy needs is an error before any work.
     makers = {r.label: _learner(r, cfg) for r in runs}

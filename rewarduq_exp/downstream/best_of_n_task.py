@@ -342,6 +342,10 @@ def selection_lines(corr: pd.DataFrame, split: str) -> list[str]:
 def best_of_n(cfg, out_dir: Path) -> dict:
     ns, ks, splits = check_settings(cfg.task)
     runs = completed_world_runs(cfg.run)
+    for r in runs:   # task.prompts x task.n_max candidates of each world against the host's memory, before any model
+        world = world_of(r.config, r.path / ".hydra" / "config.yaml")
+        if hasattr(world, "check_candidates_memory"):
+            world.check_candidates_memory(int(cfg.task.prompts), ns[-1])
     cache_dir, memo = cfg.paths.get("cache_dir"), {}
     parts = [run_curves(r, cfg.task, ns, ks, splits, device=str(cfg.device), progress=bool(cfg.progress),
                         cache_dir=cache_dir, trust_remote_code=cfg.get("trust_remote_code", False), memo=memo)

@@ -42,6 +42,11 @@ class VaderGold:
         return pair_prompt(corpus) if isinstance(self.data, VaderPairs) else [{"role": "user",
                                                                                "content": PROMPTS[corpus]}]
 
+    @property
+    def sizes(self) -> dict:
+        """Rows per split as the run's config sets them (None: all of a corpus), known before anything is read."""
+        return self.data.sizes
+
     def load(self, split: str):
         return self.data.load(split)
 

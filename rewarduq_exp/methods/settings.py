@@ -195,6 +195,23 @@ def auto_flag(value, key):
     return check_auto_flag(value, key)
 
 
+# The most passes over the training pairs a reward model's schedule may take. The paper trains one epoch (heads and
+# adapters alike); 10,000 leaves room for studies on a handful of pairs, while num_epochs=10000000 of 8000 pairs
+# planned 9.5e17 FLOPs: a typo, refused before anything runs. (The label-ranking nets, which train on a few hundred
+# rows for many epochs, have their own integer bound.)
+MAX_EPOCHS = 10_000
+
+
+def epochs(value, key):
+    """A number of epochs in (0, :data:`MAX_EPOCHS`], as a float (a fraction of one is a shorter schedule)."""
+    from rewarduq_exp.core.checks import check_positive
+
+    if check_positive(value, key) > MAX_EPOCHS:
+        raise UserError(f"{key}={value} is too large: at most {MAX_EPOCHS} epochs (each epoch passes over every "
+                        "training pair; the paper trains 1)")
+    return float(value)
+
+
 def grad_norm(value, key):
     """null (no clipping) or a number > 0, as a float."""
     from rewarduq_exp.core.checks import check_max_grad_norm
@@ -279,7 +296,7 @@ class AdamWSettings(MethodSettings):
 
     learning_rate: float = setting(doc="AdamW's peak learning rate")
     batch_size: int = setting(bound=PAIRS_PER_STEP, doc="pairs per optimiser step")
-    num_epochs: float = setting(doc="passes over the training pairs")
+    num_epochs: float = setting(check=epochs, doc="passes over the training pairs")
     warmup_ratio: float = setting(doc="share of the steps of linear warm-up")
     weight_decay: float = setting(doc="AdamW's decoupled weight decay")
     adam_betas: tuple = setting(check=cast(tuple), doc="AdamW's moment decay rates")

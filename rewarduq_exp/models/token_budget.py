@@ -14,12 +14,10 @@ Rows are sorted by length before they are split (the callers' orders), so a batc
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.host_memory import available_bytes
 
 AUTO = "auto"
 # Beyond ~64k tokens a batch's GEMMs are as efficient as they get on an H100 (every projection is then a matrix of
@@ -31,12 +29,6 @@ CPU_TOKENS_CAP = 8_192
 # Of the free memory, what a batch may take: the rest is the allocator's fragmentation, the phase's temporaries that
 # the per-token cost does not itemise, and other processes' growth.
 MEMORY_FRACTION = 0.8
-FALLBACK_FREE_BYTES = 8 * 2**30   # a host whose free memory cannot be read
-
-
-def _local_processes() -> int:
-    """Processes of a launcher (torchrun, accelerate, a multi-task Slurm job) that share this host's memory."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def free_bytes(device) -> float:
@@ -48,13 +40,7 @@ def free_bytes(device) -> float:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024 / _local_processes()
-    except OSError:
-        pass
-    return FALLBACK_FREE_BYTES / _local_processes()
+    return available_bytes()
 
 
 def tokens_cap(device_type: str) -> int:

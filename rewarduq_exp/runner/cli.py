@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -45,6 +46,21 @@ def run_name(override_dirname: str, *, _root_=None) -> str:
 
     task = OmegaConf.masked_copy(_root_, [k for k in _root_ if k != "hydra"])
     return f"{readable}-{config_hash(task)[:10]}"
+
+
+# The single runs' folders this process created (unique_run_dir): the ones a run refused before it started may remove.
+CREATED_RUN_FOLDERS: set[str] = set()
+
+
+def remove_unused_run_folder(folder) -> None:
+    """Remove a single run's folder that this process created and nothing has written to yet (its settings were
+    refused before the run used it): a folder with nothing in it only misleads whoever lists the runs. A folder
+    given with ``hydra.run.dir``, a resumed one, or one with anything inside is left as it is."""
+    path = os.path.abspath(folder)
+    if path in CREATED_RUN_FOLDERS:
+        with contextlib.suppress(OSError):   # not empty, or gone: leave it
+            os.rmdir(path)
+        CREATED_RUN_FOLDERS.discard(path)
 
 
 def unique_run_dir(base: str, *, _root_=None) -> str:
@@ -81,6 +97,7 @@ def unique_run_dir(base: str, *, _root_=None) -> str:
             path = stem if n == 1 else f"{stem}-{n}"
             try:
                 os.mkdir(path, 0o777)
+                CREATED_RUN_FOLDERS.add(os.path.abspath(path))
                 return path
             except FileExistsError:
                 continue
@@ -175,6 +192,8 @@ class CheckOutputFolder(Callback):
         raw = OmegaConf.to_container(config.hydra.run, resolve=False).get("dir", "")
         if not str(raw).startswith("${unique_run_dir:"):
             self._check(config.hydra.run.dir, "hydra.run.dir")
+            if not os.path.lexists(str(config.hydra.run.dir)):   # Hydra creates it next: a refused run removes it
+                CREATED_RUN_FOLDERS.add(os.path.abspath(str(config.hydra.run.dir)))
 
     def on_multirun_start(self, config, **kwargs) -> None:
         self._check(config.hydra.sweep.dir, "hydra.sweep.dir")

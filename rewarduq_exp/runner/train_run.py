@@ -32,13 +32,19 @@ from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
 from rewarduq_exp.models.backbone import Backbone, resolve_device
 from rewarduq_exp.models.conversation_index import ConversationIndex
 from rewarduq_exp.models.features import FeatureEncoder
-from rewarduq_exp.runner.cli import in_multirun, report_user_error
+from rewarduq_exp.runner.cli import in_multirun, remove_unused_run_folder, report_user_error
 from rewarduq_exp.runner.data_loading import load_split, quiet_datasets_unless
 from rewarduq_exp.runner.evaluation import calibration_predictions, evaluate_method, evaluate_pointwise
 from rewarduq_exp.runner.loggers import NullLogger, make_logger
 from rewarduq_exp.runner.run_output import RunOutput
 from rewarduq_exp.runner.summary import summary_table
-from rewarduq_exp.runner.validation import check_data_kinds, check_task, require_complete, validate_run_config
+from rewarduq_exp.runner.validation import (
+    check_before_folder,
+    check_data_kinds,
+    check_task,
+    require_complete,
+    validate_run_config,
+)
 from rewarduq_exp.runs.run_folder import RunFolder, config_hash, write_json
 
 log = logging.getLogger("rewarduq_exp")
@@ -55,6 +61,13 @@ def train(cfg: DictConfig) -> dict | None:
     out = Path(HydraConfig.get().runtime.output_dir)
     # torchrun / accelerate launch: every process trains and scores, only rank 0 writes the run folder.
     folder = RunFolder(out, writer=distributed.is_main())
+    try:
+        if not in_multirun():
+            check_before_folder(cfg)
+    except UserError as err:   # a single run: refused before its folder is used, and the folder Hydra made removed
+        remove_unused_run_folder(out)
+        report_user_error(err)
+        return None
     try:
         require_complete(cfg)
         incomplete, chash = None, config_hash(cfg)

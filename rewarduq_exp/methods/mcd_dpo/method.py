@@ -69,6 +69,7 @@ from rewarduq_exp.methods.settings import (
     MethodSettings,
     auto_flag,
     cast,
+    epochs,
     grad_norm,
     positive,
     setting,
@@ -101,7 +102,7 @@ class McdDpoSettings(MethodSettings, config="mcd_dpo"):
     batch_size: int = setting(bound=PAIRS_PER_STEP, doc="effective batch")
     micro_batch_size: int | str = setting(bound=PAIRS_PER_FORWARD,
                                           doc="pairs per forward (auto: what fits)")
-    num_epochs: float = setting(check=cast(float))
+    num_epochs: float = setting(check=epochs, doc="passes over the training pairs")
     warmup_ratio: float = setting(check=cast(float))
     weight_decay: float = setting(check=cast(float))
     # None (no clipping) or a number > 0; it reaches DPOConfig explicitly (see _make_trainer)
