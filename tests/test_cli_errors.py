@@ -17,6 +17,8 @@ from rewarduq_exp.data.local import LocalPreferenceFile
 SEED_RANGE = "must be an integer in [0, 4294967295]"
 
 REFUSED = [
+    ("train.py", ["-m", "seed=0,1", "--cfg", "job"], "--multirun and --cfg cannot be combined: give one of them"),
+    ("evaluate.py", ["run=r", "--cfg", "job", "--info"], "--cfg and --info cannot be combined"),
     ("train.py", ["seed=99999999999999999999999"], f"seed=99999999999999999999999 is invalid: {SEED_RANGE}"),
     ("train.py", ["seed=4294967296"], f"seed=4294967296 is invalid: {SEED_RANGE}"),  # numpy would take it as 0
     ("train.py", ["method.seed=-1"], f"method.seed=-1 is invalid: {SEED_RANGE}"),
@@ -79,9 +81,7 @@ def test_wandb_without_login_is_one_line(tmp_path, shared_cache):
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert line.startswith("error: logger=wandb cannot log in") and "wandb login" in line
     assert "WANDB_MODE=offline" in line and "Traceback" not in proc.stderr
-    status = json.loads((folder / "status.json").read_text())   # recorded as a setting to fix, nothing ran
-    assert status["state"] == "failed" and status["stage"] == "validation"
-    assert not (folder / "metrics.json").exists()
+    assert not folder.exists()   # a setting to fix, nothing ran: the single run leaves no folder (a sweep records it)
 
 
 def test_evaluate_dataset_option_of_the_wrong_kind():
@@ -144,3 +144,21 @@ def test_invalid_json_through_train_py(tmp_path, shared_cache):
     assert len(lines) == 1 and lines[0].startswith("error: dataset 'local'"), proc.stderr
     assert lines[0].endswith("could not be read as json (not valid JSON at line 3: Expecting ',' delimiter)")
     assert not (folder / "metrics.json").exists()
+
+
+DOWNSTREAM_SETTINGS = [
+    (["task=best_of_n", "task.k_grid=[-1]"], "task.k_grid=[-1] is invalid: must be a non-empty list of numbers >= 0"),
+    (["task=best_of_n", "task.select_share=1.5"], "task.select_share=1.5 is invalid: must be a number in (0, 1)"),
+    (["task=best_of_n", "task.ks=[0]"], "task.ks=[0] is invalid: must be a non-empty list of numbers > 0"),
+    (["task=active_learning", "task.pool=10"], "task.initial + task.rounds * task.batch = 700 exceeds task.pool=10"),
+]
+
+
+@pytest.mark.parametrize("args, message", DOWNSTREAM_SETTINGS, ids=[" ".join(a) for a, _ in DOWNSTREAM_SETTINGS])
+def test_downstream_settings_are_checked_before_any_run_is_read(tmp_path, args, message):
+    """Fourth hardening round, item 10: the task's own settings come first, before any run folder is read or any
+    model loaded (the run named here does not exist: reading it first would give another line)."""
+    proc = run_entry_point(ROOT / "downstream.py", ["run=no_such_run", *args, "progress=false",
+                                                    f"hydra.run.dir={tmp_path / 'task'}"], tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]

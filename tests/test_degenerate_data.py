@@ -118,7 +118,7 @@ def _refused(proc, folder, message: str) -> None:
     assert "Traceback" not in proc.stderr
     assert not (folder / "metrics.json").exists() and not (folder / "predictions").exists()
     assert not (folder / "model").exists()
-    assert json.loads((folder / "status.json").read_text())["state"] == "failed"
+    assert not folder.exists()   # data refused before anything was trained: a single run leaves no folder
 
 
 QUESTIONS = [f"Question number {i}?" for i in range(30)]

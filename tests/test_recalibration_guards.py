@@ -308,3 +308,20 @@ def test_the_configs_recalibrate_block_is_the_code_defaults():
     from rewarduq_exp.recalibration.fit import DEFAULTS
 
     assert dict(OmegaConf.load(ROOT / "conf" / "train.yaml").recalibrate) == DEFAULTS
+
+
+@pytest.mark.parametrize("scale, said", [(0.0, "u = 0 everywhere"), (1e9, "1e+09 times as wide"),
+                                         (1e-5, "almost the reward alone")])
+def test_an_extreme_interval_scale_is_read_with_one_warning(tmp_path, caplog, scale, said):
+    """Fourth hardening round, "also seen": s = 0 (u = 0 everywhere) and s = 1e9 (bounds of +-7.7e9) were applied
+    silently; they are within the file's bounds, so they are read, and one line says what they do."""
+    save_calibration(tmp_path, Calibration(kind="pairs", scales={"rule": scale}, interval="rule"))
+    with caplog.at_level("WARNING"):
+        assert read_calibration(tmp_path).scale == scale
+    (line,) = [r.getMessage() for r in caplog.records if "interval scale" in r.getMessage()]
+    assert said in line and "fitted grid spans 0.001..1000" in line
+    caplog.clear()
+    save_calibration(tmp_path, Calibration(kind="pairs", scales={"rule": 2.0}, interval="rule"))
+    with caplog.at_level("WARNING"):
+        read_calibration(tmp_path)
+    assert not caplog.records

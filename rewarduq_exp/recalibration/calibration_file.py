@@ -52,6 +52,8 @@ PROBABILITY_MAPS = ("temperature", "isotonic")
 MAX_SCALE = 1e9
 MAX_KNOTS = 200_000
 MAX_TEXT = 1000   # characters of interval_fallback: one line of why, never a document
+# The rule's grid of interval scales (interval_scale.SCALE_GRID): a scale outside it is read, with one warning line.
+SANE_SCALE = (1e-3, 1e3)
 
 
 @dataclass
@@ -317,4 +319,11 @@ def read_calibration(run_dir, *, say_missing: bool = True) -> Calibration | None
         return None
     calibration = Calibration.from_dict(read_json_object(path, "the run's recalibration"), str(path))
     check_bound_to_run(calibration, run_dir, str(path))
+    s = calibration.scale
+    if not SANE_SCALE[0] <= s <= SANE_SCALE[1]:   # valid, but hardly what a fit gives: say what it does
+        what = ("u = 0 everywhere: every interval is the reward alone" if s == 0 else
+                f"intervals {s:.3g} times as wide as the model's own" if s > 1 else
+                f"intervals {s:.3g} times the model's own, almost the reward alone")
+        log.warning("%s applies the interval scale s = %.4g (%s); the rule's fitted grid spans %g..%g", path, s,
+                    what, *SANE_SCALE)
     return calibration

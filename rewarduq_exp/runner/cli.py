@@ -13,12 +13,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -52,14 +52,14 @@ def run_name(override_dirname: str, *, _root_=None) -> str:
 CREATED_RUN_FOLDERS: set[str] = set()
 
 
-def remove_unused_run_folder(folder) -> None:
-    """Remove a single run's folder that this process created and nothing has written to yet (its settings were
-    refused before the run used it): a folder with nothing in it only misleads whoever lists the runs. A folder
-    given with ``hydra.run.dir``, a resumed one, or one with anything inside is left as it is."""
+def remove_refused_run_folder(folder) -> None:
+    """Remove a single run's folder that this process created for a run whose settings were refused before anything
+    was trained (the one line on stderr says why): a ``failed`` folder with nothing of a run in it would be the newest
+    "run" whoever lists the runs finds. A folder this process did not create (an existing ``hydra.run.dir``, a resumed
+    run's) is left as it is; a sweep records the refusal in the job's folder instead."""
     path = os.path.abspath(folder)
     if path in CREATED_RUN_FOLDERS:
-        with contextlib.suppress(OSError):   # not empty, or gone: leave it
-            os.rmdir(path)
+        shutil.rmtree(path, ignore_errors=True)
         CREATED_RUN_FOLDERS.discard(path)
 
 
@@ -275,9 +275,25 @@ def extra_config_dirs(args: list[str]) -> list[Path]:
     return found
 
 
+# Hydra's modes: at most one per command (Hydra itself stops with a ValueError traceback).
+MODE_FLAGS = {"-m": "--multirun", "--multirun": "--multirun", "-c": "--cfg", "--cfg": "--cfg", "--run": "--run",
+              "-i": "--info", "--info": "--info", "-sc": "--shell-completion",
+              "--shell-completion": "--shell-completion"}
+
+
+def check_mode_flags(args: list[str]) -> None:
+    """One line when the command line names two of Hydra's modes, e.g. ``-m`` with ``--cfg job`` (a sweep's job
+    config is printed by dropping ``-m`` and giving one value of each swept setting)."""
+    modes = list(dict.fromkeys(MODE_FLAGS[a.split("=")[0]] for a in args if a.split("=")[0] in MODE_FLAGS))
+    if len(modes) > 1:
+        fail(f"{' and '.join(modes)} cannot be combined: give one of them (to see a sweep's config, drop -m and "
+             "give one value of each swept setting with --cfg job)")
+
+
 def check_group_choices(args: list[str], conf_dir: Path = CONF_DIR, groups=GROUPS) -> None:
     """Exit with one line if a command-line override names a config that does not exist (in our configs or in a
     ``--config-dir`` of the user's)."""
+    check_mode_flags(args)
     extra = extra_config_dirs(args)
     for arg in args:
         if arg.startswith("-") or "=" not in arg:

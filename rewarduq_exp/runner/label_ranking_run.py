@@ -129,6 +129,7 @@ def run_label_ranking(cfg, out: Path, folder: RunFolder, learner, source, show_p
     from rewarduq_exp.methods.label_ranking.temperature import fit_distribution_temperature
 
     data = source.load()
+    folder.stage = "running"   # the settings and the data they name are good: from here a failure is the run's
     name = str(cfg.dataset.name)
     log.info("label ranking %s: %d rows, %d features, m=%d items, %d-fold cross-validation", name, data.n,
              data.X.shape[1], data.m, source.folds)

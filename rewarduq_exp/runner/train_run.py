@@ -32,7 +32,7 @@ from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
 from rewarduq_exp.models.backbone import Backbone, resolve_device
 from rewarduq_exp.models.conversation_index import ConversationIndex
 from rewarduq_exp.models.features import FeatureEncoder
-from rewarduq_exp.runner.cli import in_multirun, remove_unused_run_folder, report_user_error
+from rewarduq_exp.runner.cli import in_multirun, remove_refused_run_folder, report_user_error
 from rewarduq_exp.runner.data_loading import load_split, quiet_datasets_unless
 from rewarduq_exp.runner.evaluation import calibration_predictions, evaluate_method, evaluate_pointwise
 from rewarduq_exp.runner.loggers import NullLogger, make_logger
@@ -46,6 +46,7 @@ from rewarduq_exp.runner.validation import (
     validate_run_config,
 )
 from rewarduq_exp.runs.run_folder import RunFolder, config_hash, write_json
+from rewarduq_exp.runs.run_identity import VALIDATION
 
 log = logging.getLogger("rewarduq_exp")
 
@@ -65,7 +66,7 @@ def train(cfg: DictConfig) -> dict | None:
         if not in_multirun():
             check_before_folder(cfg)
     except UserError as err:   # a single run: refused before its folder is used, and the folder Hydra made removed
-        remove_unused_run_folder(out)
+        remove_refused_run_folder(out)
         report_user_error(err)
         return None
     try:
@@ -87,7 +88,7 @@ def train(cfg: DictConfig) -> dict | None:
         return None
     log_file = _log_to_file(out / "train.log") if folder.writer else None
     log.info("threads: %d (%s)", threads["threads"], threads["threads_reason"])
-    checkpoints = None
+    checkpoints, refused = None, False
     owns_signals = job_signals.install()   # False under train.py's entry point, which listens already
     try:
         if folder.writer:
@@ -113,6 +114,7 @@ def train(cfg: DictConfig) -> dict | None:
         job_signals.leave(err)
     except UserError as err:
         folder.fail(err, with_traceback=False)
+        refused = not in_multirun() and folder.stage == VALIDATION   # settings or data refused, nothing trained
         report_user_error(err)
         return None
     except BaseException as err:
@@ -129,6 +131,8 @@ def train(cfg: DictConfig) -> dict | None:
         if log_file is not None:
             logging.getLogger().removeHandler(log_file)
             log_file.close()
+        if refused:
+            remove_refused_run_folder(out)
 
 
 def interrupted_line(err: job_signals.TrainingInterrupted, checkpoints: TrainingCheckpoints | None,
@@ -199,7 +203,8 @@ def _run(cfg: DictConfig, out: Path, folder: RunFolder, checkpoints: TrainingChe
     task = task_class(cfg, out, folder)     # validation: a UserError here is recorded as invalid settings
     # a logger that cannot start (wandb without a login) is a setting to fix, like the others
     logger = make_logger(cfg, out, out.name) if folder.writer else NullLogger()
-    folder.stage = "running"                # the settings are valid; from here a failure is the run's
+    # the stage stays "validation" until the task has read its data (it says so): a setting, or data it names, refused
+    # before anything is trained; a single run then leaves no folder
     failed = True
     try:
         result = task.run()
@@ -300,6 +305,7 @@ class RewardModelTask:
                                                       max_length, n_bins=cfg.metric.n_bins, **measured)
             reports.append(report)
         cal_frame = self._calibration_split(max_length, eval_frames, reports)
+        folder.stage = "running"   # the settings and the data they name are good: from here a failure is the run's
         if folder.writer:
             write_json(self.out / "data_summary.json", [vars(r) | {"dropped": r.dropped} for r in reports])
 
