@@ -105,3 +105,46 @@ def test_a_full_disk_is_one_line_naming_the_target_and_leaves_the_old_one(tmp_pa
     assert "\n" not in str(error.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]   # no temporary left
     assert (target.read_text() if what == "file" else (target / "old").read_text()) == "old"
+
+
+def test_a_full_disk_said_by_a_writer_of_its_own_kind_is_the_same_line(tmp_path):
+    """Training onto a full disk: safetensors wraps the OS error in its own SafetensorError ("I/O error: No space
+    left on device (os error 28)"), which was a traceback from the checkpoint's save."""
+    from safetensors import SafetensorError
+
+    from rewarduq_exp.core.errors import UserError
+
+    target = tmp_path / "state.safetensors"
+    with pytest.raises(UserError, match=r"^no space left to write .*state.safetensors \(No space left on device\)"):
+        with atomic_path(target):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SafetensorError, match="header too large"):   # any other error of the writer stays itself
+        with atomic_path(target):
+            raise SafetensorError("Error while serializing: header too large")
+
+
+def test_training_onto_a_really_full_disk_is_one_line(tmp_path, shared_cache):
+    """A 3 MB tmpfs as the run folder (mounting needs root: skipped where it is not allowed): the checkpoint's save
+    fills it; one line, the run recorded as failed, no temporary file left."""
+    import subprocess
+
+    from conftest import ROOT
+    from entry_points import run_entry_point
+
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        run = disk / "run"
+        proc = run_entry_point(ROOT / "train.py", ["progress=false", "dataset.n_train=600", "dataset.n_eval=100",
+                                                   "dataset.n_ood=100", "metric.diagrams=false",
+                                                   f"paths.cache_dir={shared_cache}", f"hydra.run.dir={run}"], tmp_path)
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert lines[0].startswith(f"error: no space left to write {run}/")
+        assert json.loads((run / "status.json").read_text())["state"] == "failed"
+        assert not [p for p in run.rglob("*.tmp")]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -34,16 +34,24 @@ from rewarduq_exp.core.inside_folder import open_parent
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
+# How writers that wrap the OS error in a type of their own say it (safetensors' SafetensorError: "I/O error: No
+# space left on device (os error 28)"; pyarrow's OSError subclasses without an errno): read from the message.
+DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+
+
 @contextlib.contextmanager
 def _disk_full_is_one_line(path: Path) -> Iterator[None]:
     try:
         yield
-    except OSError as err:
-        if err.errno not in DISK_FULL:
+    except Exception as err:
+        if isinstance(err, OSError) and err.errno in DISK_FULL:
+            why = err.strerror
+        elif not isinstance(err, UserError) and any(text in str(err) for text in DISK_FULL_TEXT):
+            why = next(text for text in DISK_FULL_TEXT if text in str(err))
+        else:
             raise
-        raise UserError(f"no space left to write {path} ({err.strerror}): free space on that disk or point the "
-                        "output there elsewhere (paths.output_root, paths.cache_dir); nothing half-written was "
-                        "kept") from None
+        raise UserError(f"no space left to write {path} ({why}): free space on that disk or point the output there "
+                        "elsewhere (paths.output_root, paths.cache_dir); nothing half-written was kept") from None
 
 
 def _temporary_name(name: str) -> str:
