@@ -1,0 +1,147 @@
+"""Dynamic batching: the completions of concurrent requests are scored together.
+
+Each request's completions wait in one queue. A single worker takes what is waiting, waits at most ``max_wait_s``
+after the first arrival for more to join, and scores up to ``max_batch`` completions in one call of the model (in a
+worker thread, so the event loop goes on accepting requests meanwhile); each request gets back exactly the rows of its
+own completions, in its order. 32 clients sending 8 completions each thus cost one forward pass of 256 rows rather
+than 32 of 8. A request larger than ``max_batch`` is scored in slices of it.
+
+The queue is bounded in completions (``max_queue``): a request that would grow it beyond is refused at once
+(:class:`QueueFull`, HTTP 503), so memory does not grow with the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More completions are waiting than ``max_queue`` allows."""
+
+
+@dataclass
+class _Job:
+    prompts: list
+    completions: list
+    future: asyncio.Future
+    done: int = 0                                     # completions of this job already scored
+    parts: list = field(default_factory=list)        # their (reward, u) slices, in order
+
+    @property
+    def left(self) -> int:
+        return len(self.prompts) - self.done
+
+
+class ScoreBatcher:
+    """``await batcher.score(prompts, completions)`` -> (reward, u) arrays of that request, scored in shared batches
+    by ``score_fn(prompts, completions) -> (reward, u)`` (called in one worker thread, one call at a time)."""
+
+    def __init__(self, score_fn, max_batch: int, max_wait_s: float, max_queue: int):
+        self.score_fn, self.max_batch, self.max_wait_s, self.max_queue = score_fn, max_batch, max_wait_s, max_queue
+        self._jobs: deque[_Job] = deque()
+        self._queued = 0
+        self._wake: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
+        self.batches = 0          # model calls made (for /info and the load test)
+        self.scored = 0           # completions scored
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._worker = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """After the server stopped taking requests: let the queued ones finish, then end the worker."""
+        while self._jobs:
+            await asyncio.sleep(0.01)
+        if self._worker is not None:
+            self._worker.cancel()
+            try:
+                await self._worker
+            except asyncio.CancelledError:
+                pass
+        self._thread.shutdown(wait=True)
+
+    async def score(self, prompts: list, completions: list) -> tuple[np.ndarray, np.ndarray]:
+        n = len(prompts)
+        if n == 0:
+            return np.empty(0), np.empty(0)
+        if self._queued + n > self.max_queue:
+            raise QueueFull(f"{self._queued} completions are waiting to be scored (serve.max_queue={self.max_queue}); "
+                            "retry later")
+        job = _Job(prompts, completions, asyncio.get_running_loop().create_future())
+        self._jobs.append(job)
+        self._queued += n
+        self._wake.set()
+        try:
+            return await job.future
+        except asyncio.CancelledError:   # the caller gave up (timeout, closed connection): not scored if not begun
+            if job in self._jobs and job.done == 0:
+                self._jobs.remove(job)
+                self._queued -= n
+            raise
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._jobs:
+                if self._queued < self.max_batch and self.max_wait_s > 0:
+                    await asyncio.sleep(self.max_wait_s)   # let concurrent requests join this batch
+                batch = self._take()
+                prompts = [p for job, start, stop in batch for p in job.prompts[start:stop]]
+                completions = [c for job, start, stop in batch for c in job.completions[start:stop]]
+                try:
+                    reward, u = await loop.run_in_executor(self._thread, self.score_fn, prompts, completions)
+                except Exception as err:   # noqa: BLE001 (every caller of the batch gets it; the worker goes on)
+                    self._fail(batch, err)
+                    continue
+                self.batches += 1
+                self.scored += len(prompts)
+                self._deliver(batch, np.asarray(reward, dtype=float), np.asarray(u, dtype=float))
+
+    def _take(self) -> list[tuple[_Job, int, int]]:
+        """Up to ``max_batch`` completions from the front of the queue: (job, first, stop) slices, a job's rest left
+        at the front for the next batch."""
+        batch, room = [], self.max_batch
+        while self._jobs and room > 0:
+            job = self._jobs[0]
+            take = min(room, job.left)
+            batch.append((job, job.done, job.done + take))
+            job.done += take
+            room -= take
+            self._queued -= take
+            if job.left == 0:
+                self._jobs.popleft()
+        return batch
+
+    def _deliver(self, batch, reward: np.ndarray, u: np.ndarray) -> None:
+        offset = 0
+        for job, start, stop in batch:
+            n = stop - start
+            job.parts.append((reward[offset:offset + n], u[offset:offset + n]))
+            offset += n
+            if stop == len(job.prompts) and not job.future.done():
+                job.future.set_result((np.concatenate([p[0] for p in job.parts]),
+                                       np.concatenate([p[1] for p in job.parts])))
+
+    def _fail(self, batch, err: Exception) -> None:
+        for job, _, _ in batch:
+            if job in self._jobs:   # the rest of a sliced job is not scored either
+                self._jobs.remove(job)
+                self._queued -= job.left
+            if not job.future.done():
+                job.future.set_exception(err)
