@@ -22,6 +22,7 @@ SMOKE = {
     "bench_probe.py": (["--smoke"], "fraction of ideal"),
     "bench_ranking.py": (["--smoke"], "speed-up"),
     "bench_rl.py": (["--smoke"], "ratio: per-step scoring / one-batch scoring"),
+    "bench_serve.py": (["--smoke", "--cache-dir", "{cache}"], "ratio served / in-process"),
     "bench_shared_prefix.py": (["--smoke"], "speed-up"),
     "bench_whole_process.py": (["--smoke", "--cache-dir", "{cache}"], "speed-up (baseline / this)"),
 }
@@ -36,6 +37,8 @@ def test_benchmark_script_runs(script, tmp_path, request):
     args, phrase = SMOKE[script]
     if "{cache}" in args:   # the tiny model built once for the test session, not again in this run's own cache
         args = [str(request.getfixturevalue("shared_cache")) if a == "{cache}" else a for a in args]
-    proc = run_entry_point(ROOT / "scripts" / script, args, tmp_path)  # as `python scripts/<script>`
+    # as `python scripts/<script>`; the serving benchmark starts its server as a spawned process, which imports the
+    # script as a module of its own: a process of its own here too
+    proc = run_entry_point(ROOT / "scripts" / script, args, tmp_path, fresh_process=script == "bench_serve.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert phrase in proc.stdout, proc.stdout[-2000:]

@@ -274,3 +274,56 @@ def test_serve_py_refuses_bad_settings_before_loading(tmp_path):
         proc = run_entry_point(ROOT / "serve.py", args, tmp_path)
         lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+GRPO_THROUGH_THE_SERVER = """
+import sys
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+from rewarduq_exp.serving.client import RemoteReward
+
+policy, url, out = sys.argv[1:4]
+reward = RemoteReward(url, k=1.0)
+data = Dataset.from_dict({"prompt": [f"Topic {i}: write a reply." for i in range(8)]})
+args = GRPOConfig(output_dir=out, max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                  max_completion_length=8, learning_rate=1e-4, logging_steps=1, report_to=[], save_strategy="no",
+                  disable_tqdm=True, use_cpu=True, bf16=False, gradient_checkpointing=False, seed=0)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model, tokenizer = AutoModelForCausalLM.from_pretrained(policy), AutoTokenizer.from_pretrained(policy)
+trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[reward], args=args, train_dataset=data)
+trainer.train()
+print("steps", trainer.state.global_step)
+"""
+
+
+@pytest.mark.e2e
+def test_trls_grpo_in_another_process_trains_through_the_server(trained, shared_cache, tmp_path):
+    """Two GRPO steps of the tiny policy, rewarded by RemoteReward through serve.py (r - u per completion)."""
+    from omegaconf import OmegaConf
+
+    from rewarduq_exp.data.registry import CONF_DIR
+    from rewarduq_exp.models.backbone import Backbone
+
+    policy = Backbone(OmegaConf.load(CONF_DIR / "model" / "tiny-qwen3.yaml"), cache_dir=shared_cache,
+                      device="cpu").source
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), f"run={trained}", f"serve.port={port}",
+                               "device=cpu", f"paths.cache_dir={shared_cache}"], cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                httpx.get(f"{url}/health", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        (tmp_path / "grpo.py").write_text(GRPO_THROUGH_THE_SERVER)
+        proc = subprocess.run([sys.executable, "grpo.py", str(policy), url, str(tmp_path / "trainer")], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "steps 2" in proc.stdout
+        assert httpx.get(f"{url}/info").json()["scored"] == 2 * 4   # two steps of 4 completions each
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0

@@ -125,7 +125,7 @@ def make_app(model, settings: ServeSettings, strip: tuple[str, ...] = ()) -> Sta
                                                              "interval": calibration.interval,
                                                              "scale": calibration.scale},
             "settings": settings.shown(), "batches": batcher.batches, "scored": batcher.scored,
-            "queued": batcher.queued})
+            "queued": batcher.queued, "busy_s": round(batcher.busy_s, 3)})
 
     async def not_found(request: Request, exc) -> JSONResponse:
         return error(404, f"no route {request.url.path}; routes: POST /get_reward, POST /score, GET /health, GET /info")

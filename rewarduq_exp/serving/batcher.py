@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class ScoreBatcher:
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
         self.batches = 0          # model calls made (for /info and the load test)
         self.scored = 0           # completions scored
+        self.busy_s = 0.0         # seconds spent in the model (the rest of the wall time it waited for requests)
 
     @property
     def queued(self) -> int:
@@ -104,6 +106,7 @@ class ScoreBatcher:
                 batch = self._take()
                 prompts = [p for job, start, stop in batch for p in job.prompts[start:stop]]
                 completions = [c for job, start, stop in batch for c in job.completions[start:stop]]
+                started = time.perf_counter()
                 try:
                     reward, u = await loop.run_in_executor(self._thread, self.score_fn, prompts, completions)
                 except Exception as err:   # noqa: BLE001 (every caller of the batch gets it; the worker goes on)
@@ -111,6 +114,7 @@ class ScoreBatcher:
                     continue
                 self.batches += 1
                 self.scored += len(prompts)
+                self.busy_s += time.perf_counter() - started
                 self._deliver(batch, np.asarray(reward, dtype=float), np.asarray(u, dtype=float))
 
     def _take(self) -> list[tuple[_Job, int, int]]:
