@@ -58,6 +58,7 @@ HOW = {
     "make downstream-real": ("elsewhere", "the same installed weights and the VADER sdist from the package index"),
     "python scripts/interval_coverage.py": ("elsewhere", "tests/test_interval_coverage.py"),
     "python downstream.py task=rl run=<runs>": ("plan", None),
+    "python serve.py run=outputs/runs/<run>": ("elsewhere", "tests/test_serving.py starts it on loopback and calls it"),
     "python train.py method=ens_lora model=qwen3-4b dataset=ultrafeedback plan=true": ("run", None),
     "python train.py sweep=ens_mlp model=qwen3-0.6b hydra/launcher=slurm": ("network", "scripts/local_slurm.sh start"),
     "make gpu-check": ("elsewhere", "a GPU node's own check (docs/gpu-and-slurm.md)"),

@@ -20,6 +20,7 @@ LAYERS = [
     {"analysis"},                                # selection, tables, figures over run folders
     {"runner"},                                  # what train.py / evaluate.py execute
     {"api"},                                     # the public Python API
+    {"serving"},                                 # the API's reward model over HTTP (serve.py)
     {"downstream"},                              # downstream uses of uncertainty (best-of-n, active learning)
     {"__init__"},                                # the package root re-exports the API
 ]

@@ -212,7 +212,7 @@ def test_a_full_queue_refuses_at_once_and_memory_stays_bounded():
 def test_settings_are_checked_in_one_line():
     from rewarduq_exp.core.errors import UserError
 
-    for values, message in (({"port": 70000}, "serve.port=70000 is invalid"),
+    for values, message in (({"port": 70000}, "serve.port=70000 is too large: at most 65535"),
                             ({"k": -1}, "serve.k=-1 is invalid"),
                             ({"max_queue": 4, "max_items": 8}, "serve.max_queue=4 is invalid"),
                             ({"colour": 1}, "serve.colour is not a setting of serve.py")):
@@ -269,7 +269,7 @@ def test_serve_py_listens_on_loopback_and_a_sigterm_drains_and_exits_0(trained, 
 
 
 def test_serve_py_refuses_bad_settings_before_loading(tmp_path):
-    for args, message in ((["run=x", "serve.port=70000"], "serve.port=70000 is invalid"),
+    for args, message in ((["run=x", "serve.port=70000"], "serve.port=70000 is too large"),
                           (["serve.max_items=0"], "serve.max_items=0 is invalid")):
         proc = run_entry_point(ROOT / "serve.py", args, tmp_path)
         lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -155,6 +155,13 @@ BOUNDS: dict[str, Bound] = {
     "task.sft.examples": Bound(1, 10_000_000, "completions", "each is generated and tokenised before the SFT"),
     "task.sft.steps": Bound(0, 1_000_000, "steps", "each step trains the policy on a batch"),
     "task.sft.batch_size": Bound(1, BATCH_ROWS, "rows", "one step holds the activations of every row"),
+    # serve.py (conf/serve.yaml)
+    "serve.port": Bound(0, 65535, "", "a TCP port (0: any free one)"),
+    "serve.max_batch": Bound(1, BATCH_ROWS, "completions", "one model call holds the activations of every row"),
+    "serve.max_items": Bound(1, BATCH_ROWS, "completions", "a request's completions are parsed and held at once"),
+    "serve.max_chars": Bound(1, 100_000_000, "characters", "a text is held, rendered and tokenised whole"),
+    "serve.max_body_bytes": Bound(1, 2**31, "bytes", "a request's body is held whole before it is parsed"),
+    "serve.max_queue": Bound(1, 100_000_000, "completions", "what waits to be scored is held in memory"),
 }
 
 # task.prompts x task.n_max: the candidates of one split, each generated, scored (the backbone's features kept) and
@@ -165,7 +172,8 @@ MAX_CANDIDATES = 4_194_304
 # schedule), LoRA's alpha, the kernel's p-norm, a score offset, BoRP's score range. Every other setting with an
 # integer default takes integers only (:func:`rewarduq_exp.core.checks.check_like_default`).
 REAL_VALUED = frozenset({"checkpoint.every_minutes", "progress_log_minutes", "task.method.num_epochs",
-                         "metric.ranking.kernel_p", "dataset.score_offset"})
+                         "metric.ranking.kernel_p", "dataset.score_offset", "serve.max_wait_ms",
+                         "serve.body_timeout_s", "serve.request_timeout_s"})
 
 
 def is_integer(value) -> bool:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rewarduq_exp.core.checks import check_integer
 from rewarduq_exp.core.errors import UserError
+from rewarduq_exp.core.setting_bounds import check_bound
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,8 @@ class ServeSettings:
         if not isinstance(self.host, str) or not self.host.strip():
             raise UserError(f"serve.host={self.host!r} is invalid: must be an address to listen on (127.0.0.1: this "
                             "machine only; 0.0.0.0: every interface)")
-        check_integer("serve.port", self.port, minimum=0, maximum=65535)
-        for key, low, high in (("max_batch", 1, 1_000_000), ("max_items", 1, 1_000_000), ("max_chars", 1, 10**8),
-                               ("max_body_bytes", 1, 2**31), ("max_queue", 1, 10**8)):
-            check_integer(f"serve.{key}", getattr(self, key), minimum=low, maximum=high)
+        for key in ("port", "max_batch", "max_items", "max_chars", "max_body_bytes", "max_queue"):
+            check_bound(f"serve.{key}", getattr(self, key))   # the bounds' one table (core.setting_bounds)
         if self.max_queue < self.max_items:
             raise UserError(f"serve.max_queue={self.max_queue} is invalid: must be at least serve.max_items "
                             f"({self.max_items}), or no request of the largest size could ever be queued")
