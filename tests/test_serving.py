@@ -104,7 +104,8 @@ def test_concurrent_callers_get_their_own_answers_from_shared_batches(model):
     texts = [[f"answer {c} {i} " + "word " * ((c * 7 + i) % 9) for i in range(8)] for c in range(32)]
     prompts = [[f"Topic {(c + i) % 5}: write a reply." for i in range(8)] for c in range(32)]
     expected = [model.score(p, t).reward.to_numpy() for p, t in zip(prompts, texts)]
-    with serve(model, max_batch=256, max_wait_ms=20) as server, httpx.Client() as client:
+    # a wait long enough that the 32 requests meet even on a busy machine
+    with serve(model, max_batch=256, max_wait_ms=200) as server, httpx.Client() as client:
         def call(c):
             return client.post(f"{server.url}/score", json={"prompts": prompts[c], "completions": texts[c]}).json()
 
@@ -257,7 +258,12 @@ def test_serve_py_listens_on_loopback_and_a_sigterm_drains_and_exits_0(trained, 
             calls = [pool.submit(httpx.post, f"http://127.0.0.1:{port}/score",
                                  json={"prompts": ["a"] * 1000, "completions": [f"b {i}" for i in range(1000)]},
                                  timeout=120) for _ in range(4)]
-            time.sleep(1.0)   # received and queued (4000 completions: seconds of scoring) when the signal comes
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:   # all four in the server (queued or scored) before the signal comes
+                info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=30).json()
+                if info["received"] >= 4000:
+                    break
+                time.sleep(0.02)
             proc.send_signal(signal.SIGTERM)
             answers = [c.result() for c in calls]
         assert all(a.status_code == 200 and len(a.json()["rewards"]) == 1000 for a in answers)

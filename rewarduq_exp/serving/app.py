@@ -124,7 +124,8 @@ def make_app(model, settings: ServeSettings, strip: tuple[str, ...] = ()) -> Sta
             "calibration": None if calibration is None else {"temperature": calibration.temperature,
                                                              "interval": calibration.interval,
                                                              "scale": calibration.scale},
-            "settings": settings.shown(), "batches": batcher.batches, "scored": batcher.scored,
+            "settings": settings.shown(), "batches": batcher.batches, "received": batcher.received,
+            "scored": batcher.scored,
             "queued": batcher.queued, "busy_s": round(batcher.busy_s, 3)})
 
     async def not_found(request: Request, exc) -> JSONResponse:

@@ -53,6 +53,7 @@ class ScoreBatcher:
         self._worker: asyncio.Task | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
         self.batches = 0          # model calls made (for /info and the load test)
+        self.received = 0         # completions accepted into the queue
         self.scored = 0           # completions scored
         self.busy_s = 0.0         # seconds spent in the model (the rest of the wall time it waited for requests)
 
@@ -86,6 +87,7 @@ class ScoreBatcher:
         job = _Job(prompts, completions, asyncio.get_running_loop().create_future())
         self._jobs.append(job)
         self._queued += n
+        self.received += n
         self._wake.set()
         try:
             return await job.future
