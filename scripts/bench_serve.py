@@ -3,8 +3,9 @@
     python scripts/bench_serve.py                  # 4096 completions at saturation, 10,000 requests for memory
     python scripts/bench_serve.py --smoke          # tiny sizes: a few seconds
 
-The reward model is ENS-MLP's heads (untrained: scoring costs the same) on the tiny offline backbone, built once in
-the server process and once here, each on a fresh in-memory feature store. The server runs in its own process (as
+The reward model is a run's, loaded as serve.py loads it (``load_run``: recalibrated, truncation on; ``--run``, or a
+small ENS-MLP run trained here on the tiny offline backbone), once in the server process and once here, each with
+its own in-memory feature store. The server runs in its own process (as
 in use: its event loop and model never share this process's interpreter); the clients are asyncio tasks of this
 process with one httpx connection each. Every text is scored once per measurement (fresh texts from the synthetic
 world's generator), so no feature-cache hit flatters either side. Prints:
@@ -26,6 +27,7 @@ import socket
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 
@@ -34,23 +36,23 @@ from rewarduq_exp.data.synthetic import SyntheticWorld
 ITEMS = 8   # completions per request (the issue's "32 clients sending 8 items each")
 
 
-def build_model(cache: str):
-    from omegaconf import OmegaConf
+def build_model(run: str, cache: str):
+    """The run's reward model exactly as serve.py loads it (recalibrated, truncation on)."""
+    from rewarduq_exp.api import load_run
 
-    from rewarduq_exp.api import RewardModel
-    from rewarduq_exp.data.registry import CONF_DIR
-    from rewarduq_exp.methods.ens_mlp import EnsMLP
-    from rewarduq_exp.models.backbone import Backbone
-    from rewarduq_exp.models.feature_cache import MemoryFeatures
-    from rewarduq_exp.models.features import FeatureEncoder
+    return load_run(run, device="cpu", truncation=True, cache_dir=cache, progress=False)
 
-    model_cfg = OmegaConf.load(CONF_DIR / "model" / "tiny-qwen3.yaml")
-    probe = OmegaConf.load(CONF_DIR / "probe" / "last_token.yaml")
-    backbone = Backbone(model_cfg, cache_dir=cache, device="cpu")
-    encoder = FeatureEncoder(backbone, probe, MemoryFeatures(256 * 2**20), 2048, show_progress=False)
-    method = EnsMLP(encoder=encoder, device="cpu", show_progress=False, seed=0)
-    method._build(int(backbone.cfg.hidden_size))
-    return RewardModel(method, "bench", OmegaConf.create({"model": {"name": "tiny-qwen3"}}))
+
+def train_run(folder: Path, cache: str) -> str:
+    """A small ENS-MLP run on the tiny backbone (what ``--run`` defaults to): train.py as a user runs it."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "train.py"), "progress=false", "dataset.n_train=200",
+                    "dataset.n_eval=50", "dataset.n_ood=50", "metric.diagrams=false", f"paths.cache_dir={cache}",
+                    f"hydra.run.dir={folder}"], check=True, capture_output=True, cwd=folder.parent)
+    return str(folder)
 
 
 def texts(n: int, seed: int) -> tuple[list, list]:
@@ -61,13 +63,13 @@ def texts(n: int, seed: int) -> tuple[list, list]:
     return prompts[:n], [t for group in cand.texts for t in group][:n]
 
 
-def server_main(port: int, cache: str, ready, settings: dict) -> None:
+def server_main(port: int, run: str, cache: str, ready, settings: dict) -> None:
     import uvicorn
 
     from rewarduq_exp.serving.app import make_app
     from rewarduq_exp.serving.settings import ServeSettings
 
-    model = build_model(cache)
+    model = build_model(run, cache)
     model.score(["warm"], ["up"])
     app = make_app(model, ServeSettings.of({"port": port, **settings}))
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
@@ -130,6 +132,8 @@ def main() -> None:
     parser.add_argument("--latency-requests", type=int, default=64, help="requests per concurrency level")
     parser.add_argument("--requests", type=int, default=10_000, help="requests of the memory check")
     parser.add_argument("--max-seconds", type=float, default=300, help="the memory check stops here at the latest")
+    parser.add_argument("--run", default=None, help="a run folder to serve (default: a small ENS-MLP run trained "
+                        "here on the tiny backbone)")
     parser.add_argument("--cache-dir", default=None, help="where the tiny model is built (default: a temporary folder)")
     parser.add_argument("--repeats", type=int, default=3, help="saturation measured this often each way (best kept)")
     parser.add_argument("--max-batch", type=int, default=256, help="the server's serve.max_batch")
@@ -146,10 +150,11 @@ def main() -> None:
             port = sock.getsockname()[1]
         ctx = multiprocessing.get_context("spawn")
         ready = ctx.Event()
+        run = args.run or train_run(Path(temporary) / "run", cache)
         settings = {"max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms}
-        server = ctx.Process(target=server_main, args=(port, cache, ready, settings), daemon=True)
+        server = ctx.Process(target=server_main, args=(port, run, cache, ready, settings), daemon=True)
         server.start()
-        model = build_model(cache)
+        model = build_model(run, cache)
         model.score(["warm"], ["up"])
         ready.wait(300)
         url = f"http://127.0.0.1:{port}"
