@@ -20,7 +20,16 @@ log = logging.getLogger("rewarduq_exp")
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, whose signals end it gracefully and nothing more."""
+    """uvicorn's server, whose signals end it gracefully and nothing more; it says where it listens once it does
+    (``serve.port=0`` takes any free port)."""
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                log.info("listening on http://%s:%d: POST /get_reward (OpenRLHF), POST /score, GET /health, "
+                         "GET /info", host, port)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:
@@ -59,9 +68,8 @@ def serve(cfg) -> None:
     config = uvicorn.Config(app, host=settings.host, port=int(settings.port), log_level="warning",
                             timeout_graceful_shutdown=int(max(1, settings.request_timeout_s)), access_log=False)
     server = DrainingServer(config)
-    log.info("serving %s (%s on %s, %s) on http://%s:%d: POST /get_reward (OpenRLHF), POST /score, GET /health, "
-             "GET /info", model.run_dir, model.name, model.config.model.name,
-             "recalibrated" if model.recalibrated else "raw", settings.host, settings.port)
+    log.info("serving %s (%s on %s, %s)", model.run_dir, model.name, model.config.model.name,
+             "recalibrated" if model.recalibrated else "raw")
     try:
         server.run()
     except SystemExit:
