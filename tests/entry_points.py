@@ -49,6 +49,18 @@ def run_entry_point(script: Path, args: list, cwd: Path, env: dict | None = None
     return _run_in_process(cmd, cwd, env or {})
 
 
+def train_small_run(cwd: Path, cache, name: str = "ens_mlp") -> Path:
+    """A small finished run (the default method, 200 training pairs, no figures) in ``cwd/outputs/runs/<name>``:
+    what ``<run>`` stands for in a test of a command that reads one."""
+    root = Path(__file__).resolve().parents[1]
+    folder = Path(cwd) / "outputs" / "runs" / name
+    proc = run_entry_point(root / "train.py", ["progress=false", "dataset.n_train=200", "dataset.n_eval=60",
+                                               "dataset.n_ood=60", "metric.diagrams=false",
+                                               f"paths.cache_dir={cache}", f"hydra.run.dir={folder}"], Path(cwd))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder
+
+
 def run_ranks(script: Path, args: list, cwd: Path, nprocs: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node <nprocs> <script> <args>`` with the ranks in forkserver children: their
     stdout and stderr concatenated in rank order and the first non-zero exit status."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from entry_points import run_entry_point
+from entry_points import run_entry_point, train_small_run
 
 DEAD = "http://127.0.0.1:9"
 UNREACHABLE = {"HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": "", "http_proxy": DEAD, "https_proxy": DEAD,
@@ -133,12 +133,7 @@ def test_a_command_that_needs_the_network_says_what_to_pass_instead(tmp_path, sh
 def finished_run(tmp_path_factory, shared_cache) -> tuple[Path, Path]:
     """(working directory, a finished run under outputs/runs): what ``<run>`` in the docs stands for."""
     cwd = tmp_path_factory.mktemp("documented")
-    folder = cwd / "outputs" / "runs" / "ens_mlp"
-    proc = run_entry_point(ROOT / "train.py", ["progress=false", "dataset.n_train=200", "dataset.n_eval=60",
-                                               "dataset.n_ood=60", "metric.diagrams=false",
-                                               f"paths.cache_dir={shared_cache}", f"hydra.run.dir={folder}"], cwd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return cwd, folder
+    return cwd, train_small_run(cwd, shared_cache)
 
 
 def _with_placeholders(command: str, run: Path) -> str:

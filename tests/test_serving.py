@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import uvicorn
 from conftest import ROOT
-from entry_points import run_entry_point
+from entry_points import run_entry_point, train_small_run
 
 import rewarduq_exp as r
 from rewarduq_exp.serving.app import make_app
@@ -30,13 +30,7 @@ from rewarduq_exp.serving.settings import ServeSettings
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, shared_cache):
-    cwd = tmp_path_factory.mktemp("serving")
-    folder = cwd / "outputs" / "runs" / "ens_mlp"
-    proc = run_entry_point(ROOT / "train.py", ["progress=false", "dataset.n_train=200", "dataset.n_eval=60",
-                                               "dataset.n_ood=60", "metric.diagrams=false",
-                                               f"paths.cache_dir={shared_cache}", f"hydra.run.dir={folder}"], cwd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return folder
+    return train_small_run(tmp_path_factory.mktemp("serving"), shared_cache)
 
 
 @pytest.fixture(scope="module")

@@ -38,13 +38,7 @@ from rewarduq_exp.runner.evaluation import calibration_predictions, evaluate_met
 from rewarduq_exp.runner.loggers import NullLogger, make_logger
 from rewarduq_exp.runner.run_output import RunOutput
 from rewarduq_exp.runner.summary import summary_table
-from rewarduq_exp.runner.validation import (
-    check_before_folder,
-    check_data_kinds,
-    check_task,
-    require_complete,
-    validate_run_config,
-)
+from rewarduq_exp.runner.validation import check_data_kinds, check_task, require_complete, validate_run_config
 from rewarduq_exp.runs.run_folder import RunFolder, config_hash, write_json
 from rewarduq_exp.runs.run_identity import VALIDATION
 
@@ -62,13 +56,6 @@ def train(cfg: DictConfig) -> dict | None:
     out = Path(HydraConfig.get().runtime.output_dir)
     # torchrun / accelerate launch: every process trains and scores, only rank 0 writes the run folder.
     folder = RunFolder(out, writer=distributed.is_main())
-    try:
-        if not in_multirun():
-            check_before_folder(cfg)
-    except UserError as err:   # a single run: refused before its folder is used, and the folder Hydra made removed
-        remove_refused_run_folder(out)
-        report_user_error(err)
-        return None
     try:
         require_complete(cfg)
         incomplete, chash = None, config_hash(cfg)
@@ -114,7 +101,9 @@ def train(cfg: DictConfig) -> dict | None:
         job_signals.leave(err)
     except UserError as err:
         folder.fail(err, with_traceback=False)
-        refused = not in_multirun() and folder.stage == VALIDATION   # settings or data refused, nothing trained
+        # settings, or data they name, refused before anything was trained: a single run leaves no folder (a sweep
+        # records it in the job's folder, so that its summary lists it)
+        refused = not in_multirun() and folder.stage == VALIDATION
         report_user_error(err)
         return None
     except BaseException as err:
@@ -287,6 +276,9 @@ class RewardModelTask:
         self.eval_loaders = {es.name: self.loader if es.config is cfg.dataset else build_loader(es.config)
                              for es in self.eval_sets}
         check_data_kinds(self.loader, self.eval_loaders, self.method.task)
+        for loader in {id(x): x for x in [self.loader, *self.eval_loaders.values()]}.values():
+            if hasattr(loader, "check_memory"):   # a generated world: what all its rows take of the host's memory
+                loader.check_memory()
         from rewarduq_exp.recalibration import recalibrate_settings
 
         self.recalibrate = recalibrate_settings(cfg.get("recalibrate"))

@@ -56,39 +56,6 @@ def validate_run_config(cfg: DictConfig) -> None:
         check_model_limits(cfg)
 
 
-def check_before_folder(cfg: DictConfig) -> None:
-    """Every check of a training run's settings that needs no data, no weights and no run folder: the mandatory
-    values, the bounds and the backbone's limits (:func:`validate_run_config`), the method's kind against the
-    dataset's, the method's settings as its constructor checks them, and the datasets' own settings (their loaders
-    are built: a stat of a local file at most, never a download or a read), including what the generated data would
-    take of the host's memory. ``train.py`` runs it before a single run's folder is used, so a refused setting leaves
-    no ``failed`` folder behind (a sweep records it in the job's folder instead, and goes on)."""
-    from rewarduq_exp.data.registry import build, build_loader, resolve_eval_sets
-    from rewarduq_exp.methods.registry import method_class, method_name_of_target
-    from rewarduq_exp.runner.plan import checked_settings
-
-    require_complete(cfg)
-    validate_run_config(cfg)
-    task = check_task(cfg)
-    name = method_name_of_target(cfg.method.get("_target_"))
-    if name is not None:   # the settings alone: the method itself is constructed once, by the run
-        checked_settings(method_class(name), cfg.method)
-    if task == "label_ranking":
-        from rewarduq_exp.runner.label_ranking_run import validate_ranking_options
-
-        validate_ranking_options(cfg.metric)
-        build(cfg.dataset, "dataset")
-        return
-    loaders = [build_loader(cfg.dataset)]
-    for es in resolve_eval_sets(cfg.eval_datasets, cfg.dataset, int(cfg.seed), cfg.paths,
-                                cfg.get("also_evaluate") or ()):
-        if es.config is not cfg.dataset:
-            loaders.append(build_loader(es.config))
-    for loader in loaders:   # a generated world: what its rows will take of the host's memory
-        if hasattr(loader, "check_memory"):
-            loader.check_memory()
-
-
 # ------------------------------------------------------------------------------------------ limits of the backbone
 def model_shape(model_cfg, cache_dir) -> dict | None:
     """The backbone's ``config.json`` fields where they are known without downloading anything: a shipped shape

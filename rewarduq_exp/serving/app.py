@@ -78,10 +78,13 @@ def make_app(model, settings: ServeSettings, strip: tuple[str, ...] = ()) -> Sta
         given = request.headers.get("authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode())
 
+    def unauthorised() -> JSONResponse:
+        return error(401, "missing or wrong bearer token: send the header Authorization: Bearer <serve.token>",
+                     {"WWW-Authenticate": "Bearer"})
+
     async def answer(request: Request, parse) -> JSONResponse:
         if not authorised(request):
-            return error(401, "missing or wrong bearer token: send the header Authorization: Bearer <serve.token>",
-                         {"WWW-Authenticate": "Bearer"})
+            return unauthorised()
         try:
             scoring: Scoring = parse(await read_json(request, settings))
             reward, u = await asyncio.wait_for(batcher.score(scoring.prompts, scoring.completions),
@@ -115,8 +118,7 @@ def make_app(model, settings: ServeSettings, strip: tuple[str, ...] = ()) -> Sta
 
     async def info(request: Request) -> JSONResponse:
         if not authorised(request):
-            return error(401, "missing or wrong bearer token: send the header Authorization: Bearer <serve.token>",
-                         {"WWW-Authenticate": "Bearer"})
+            return unauthorised()
         calibration = model.calibration
         return JSONResponse({
             "run": str(model.run_dir), "method": model.name, "model": str(model.config.model.name), "beta": beta,
