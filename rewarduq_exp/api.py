@@ -24,13 +24,14 @@ import os
 import shutil
 import tempfile
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
-from rewarduq_exp.data.contract import as_messages, render, token_lengths
+from rewarduq_exp.data.contract import as_messages, joined_passes, render, render_all, rendering_pass, token_lengths
 from rewarduq_exp.methods.base import Scores
 from rewarduq_exp.models.feature_cache import MemoryFeatures
 from rewarduq_exp.runner.trained_run import load_trained_method
@@ -135,7 +136,7 @@ def fit_to_length(tokenizer, prompts: list, completions: list, max_length: int, 
     """The completions, with those whose conversation renders to more than ``max_length`` tokens cut at the end of
     their last message's text (``truncate``) or refused in one line. The chat template's closing tokens stay: the
     model scores a complete, shorter turn, as it saw them in training."""
-    lengths = token_lengths(tokenizer, [render(tokenizer, p, c) for p, c in zip(prompts, completions)])
+    lengths = token_lengths(tokenizer, render_all(tokenizer, prompts, completions))
     over = np.flatnonzero(lengths > max_length)
     if len(over) and not truncate:
         raise UserError(f"{len(over)} of {len(prompts)} conversations render to more than max_length={max_length} "
@@ -157,6 +158,22 @@ def fit_to_length(tokenizer, prompts: list, completions: list, max_length: int, 
             excess = int(token_lengths(tokenizer, [render(tokenizer, prompts[i], messages)])[0]) - max_length
         completions[i] = messages
     return completions
+
+
+@dataclass
+class PreparedTexts:
+    """Conversations ready for the model (:meth:`RewardModel.prepare`): message lists fitted to its length, and
+    what the rendering pass that fitted them remembers (their rendered texts and token ids)."""
+
+    prompts: list
+    completions: list
+    remembered: dict
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def rows(self, start: int, stop: int) -> PreparedTexts:
+        return PreparedTexts(self.prompts[start:stop], self.completions[start:stop], self.remembered)
 
 
 class RewardModel:
@@ -191,18 +208,32 @@ class RewardModel:
         return (f"RewardModel({self.name} on {self.config.model.name}, beta={self.beta:g}, {state}, "
                 f"run={self.run_dir})")
 
-    def _scores(self, prompts, completions, raw: bool = False) -> Scores:
+    def prepare(self, prompts, completions) -> PreparedTexts:
+        """The conversations checked and fitted to the model's length (``truncation``), with what that rendered and
+        tokenised: :meth:`score_prepared` scores them without rendering them again. A server prepares each request
+        as it arrives, while the model is busy with others."""
         prompts, completions = _messages(prompts, "user", "prompts"), _messages(completions, "assistant",
                                                                                  "completions")
         if len(prompts) != len(completions):
             raise UserError(f"prompts and completions differ in length ({len(prompts)} vs {len(completions)})")
+        with rendering_pass() as remembered:
+            if prompts and self.tokenizer is not None and self.max_length:
+                completions = fit_to_length(self.tokenizer, prompts, completions, self.max_length, self.truncation)
+        return PreparedTexts(prompts, completions, remembered)
+
+    def score_prepared(self, parts, raw: bool = False) -> Scores:
+        """Scores of prepared texts (:meth:`prepare`; several in one call of the model, in order)."""
+        _check_raw(raw)
+        prompts = [p for part in parts for p in part.prompts]
+        completions = [c for part in parts for c in part.completions]
         if not prompts:
             return Scores(np.empty(0), np.empty(0), self.beta)
-        if self.tokenizer is not None and self.max_length:
-            completions = fit_to_length(self.tokenizer, prompts, completions, self.max_length, self.truncation)
-        scores = self.method.score(prompts, completions)
-        _check_raw(raw)
+        with rendering_pass(joined_passes(part.remembered for part in parts)):   # nothing rendered twice
+            scores = self.method.score(prompts, completions)
         return scores if raw or self.calibration is None else self.calibration.apply(scores)
+
+    def _scores(self, prompts, completions, raw: bool = False) -> Scores:
+        return self.score_prepared([self.prepare(prompts, completions)], raw)
 
     def score(self, prompts, completions, raw: bool = False) -> pd.DataFrame:
         """One row per (prompt, completion): ``reward``, ``lower``, ``upper`` and ``uncertainty`` (u, with bounds

@@ -139,6 +139,21 @@ def test_batch_size_and_dtype_are_load_options(run_dirs, texts, model):
 
 
 # ---------------------------------------------------------------------------------------------------- item 4
+def test_a_score_call_renders_each_conversation_once(model, texts, monkeypatch):
+    """One call renders each conversation once (its length check and its features read the same text) and each
+    distinct prompt's head once, and scores each row as scoring it alone does."""
+    prompts, chosen, _ = texts
+    prompts = [prompts[i % 3] for i in range(len(chosen))]       # 3 distinct prompts, n completions each
+    completions = [c + " once" for c in chosen]                  # new texts: no stored features
+    tokenizer, renders = model.tokenizer, []
+    template = tokenizer.apply_chat_template
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda *a, **k: renders.append(1) or template(*a, **k))
+    table = model.score(prompts, completions)
+    assert len(renders) == len(completions) + 3
+    alone = [model.score([p], [c]).reward[0] for p, c in zip(prompts, completions)]
+    np.testing.assert_allclose(table.reward, alone, **OTHER_BATCHES)
+
+
 def test_scoring_new_texts_writes_nothing_to_disk(run_dirs, texts, model, shared_cache):
     # An RL loop scores new completions every step for days: 20 calls once wrote 60 feature files.
     prompts, chosen, rejected = texts

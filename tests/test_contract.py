@@ -12,9 +12,13 @@ from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import (
     as_messages,
     filter_by_length,
+    joined_passes,
     make_preference_frame,
     render,
     render_all,
+    render_prompt_heads,
+    rendering_pass,
+    token_ids,
     token_lengths,
     validate_preferences,
 )
@@ -93,6 +97,43 @@ def test_token_lengths_match_chat_template_tokenization(tokenizer):
     ids = chat_ids(tokenizer, user("x") + assistant("y"))
     assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 2
     assert ids.count(tokenizer.eos_token_id) == 2
+
+
+class CountingTokenizer:
+    """The tiny tokenizer, counting the chat-template renders and the tokenizer calls made through it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.renders, self.tokenised = tokenizer, 0, 0
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.renders += 1
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    def __call__(self, texts, **kwargs):
+        self.tokenised += len(texts)
+        return self.tokenizer(texts, **kwargs)
+
+
+def test_a_rendering_pass_renders_and_tokenises_each_conversation_once(tokenizer):
+    """Within a pass the length check, the features and the prompt heads read one rendering and one tokenisation
+    per conversation; what they read equals what rendering anew gives; outside a pass nothing is remembered."""
+    counting = CountingTokenizer(tokenizer)
+    prompts = [user(f"q{i % 2}") for i in range(6)]              # 2 distinct prompts, 6 distinct message lists
+    completions = [assistant(f"a{i}") for i in range(6)]
+    fresh = render_all(tokenizer, prompts, completions)
+    with rendering_pass() as remembered:
+        for _ in range(3):
+            assert render_all(counting, prompts, completions) == fresh
+            assert token_ids(counting, fresh) == tokenizer(fresh, add_special_tokens=False)["input_ids"]
+        heads = render_prompt_heads(counting, prompts)
+    assert (counting.renders, counting.tokenised) == (6 + 2, 6)   # 6 conversations, 2 distinct prompt heads
+    assert heads == [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    # equal messages in another list are another conversation (found by identity), rendered again, the same text
+    with rendering_pass(joined_passes([remembered])):
+        again = render_all(counting, prompts, completions) + render_all(counting, [user("q0")], [assistant("a0")])
+    assert again == fresh + fresh[:1] and counting.renders == 6 + 2 + 1
+    render_all(counting, prompts, completions)                    # outside a pass: rendered anew
+    assert counting.renders == 6 + 2 + 1 + 6
 
 
 # ---------------------------------------------------------------------------------------------- length filter

@@ -181,9 +181,10 @@ def test_a_full_queue_refuses_at_once_and_memory_stays_bounded():
     """The queue holds at most max_queue completions: one more request is refused (503 at the route), not queued."""
     release = threading.Event()
 
-    def slow(prompts, completions):
+    def slow(parts):
         release.wait(10)
-        return np.zeros(len(prompts)), np.ones(len(prompts))
+        n = sum(len(part) for part in parts)
+        return np.zeros(n), np.ones(n)
 
     async def scenario():
         batcher = ScoreBatcher(slow, max_batch=4, max_wait_s=0, max_queue=8)
@@ -202,6 +203,38 @@ def test_a_full_queue_refuses_at_once_and_memory_stays_bounded():
     (first, waiting), batcher = asyncio.run(scenario())
     assert len(first[0]) == 4 and len(waiting[0]) == 8 and batcher.queued == 0
     assert batcher.batches == 3   # the 8 waiting ones in two slices of max_batch=4
+
+
+def test_a_full_batch_does_not_wait_out_the_bound():
+    """The batch goes to the model once it is full, not after max_wait_s (here a minute)."""
+    def instant(parts):
+        n = sum(len(part) for part in parts)
+        return np.zeros(n), np.ones(n)
+
+    async def scenario():
+        batcher = ScoreBatcher(instant, max_batch=4, max_wait_s=60, max_queue=8)
+        batcher.start()
+        reward, _ = await asyncio.wait_for(batcher.score(["p"] * 4, ["c"] * 4), 20)
+        await batcher.stop()
+        return reward
+
+    assert len(asyncio.run(scenario())) == 4
+
+
+def test_a_request_the_model_refuses_fails_alone(trained):
+    """Requests are prepared (checked against the model's length) one by one as they arrive: an over-long text
+    without truncation is refused with 422, and the request batched beside it is still scored."""
+    strict = r.load_run(trained, device="cpu", progress=False, truncation=False)
+    too_long = "word " * (strict.max_length + 10)
+    with serve(strict, max_wait_ms=500) as server, httpx.Client() as client, ThreadPoolExecutor(2) as pool:
+        def call(completion):
+            return client.post(f"{server.url}/score", json={"prompts": ["Hi"], "completions": [completion]})
+
+        bad, good = pool.map(call, [too_long, "a fine answer"])
+    assert bad.status_code == 422 and f"max_length={strict.max_length}" in bad.json()["error"]
+    assert good.status_code == 200
+    np.testing.assert_allclose(good.json()["reward"], strict.score(["Hi"], ["a fine answer"]).reward, rtol=1e-6,
+                               atol=1e-7)
 
 
 def test_settings_are_checked_in_one_line():

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -137,24 +139,108 @@ def validate_preferences(frame: pd.DataFrame, source: str) -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------------------------------------------- rendering
+# A scoring call renders each conversation for its length check, its features and its prompt's head, and tokenises
+# the texts for each; within a rendering pass (:func:`rendering_pass`) each is made once and read again (on the CPU
+# the chat template was a third of a scoring call). Outside a pass nothing is kept.
+_PASS: ContextVar[dict | None] = ContextVar("rendering_pass", default=None)
+
+
+@contextmanager
+def rendering_pass(remembered: dict | None = None):
+    """Within it, each (prompt, completion) is rendered once, each prompt head once and each text tokenised once,
+    however often the steps of one call ask. Conversations are found by identity (the same message lists passed
+    along, not changed in place meanwhile) and prompts by their messages. Yields what the pass remembers, which a
+    later pass over the same conversations may continue (``remembered``; several joined by :func:`joined_passes`);
+    the memory lasts as long as that dict is kept."""
+    outer = _PASS.get()
+    if remembered is None and outer is not None:   # an outer pass already remembers
+        yield outer
+        return
+    token = _PASS.set({} if remembered is None else remembered)
+    try:
+        yield _PASS.get()
+    finally:
+        _PASS.reset(token)
+
+
+def joined_passes(passes) -> dict:
+    """What several rendering passes remember, as one (to continue them in a single pass)."""
+    joined: dict = {}
+    for remembered in passes:
+        for key, part in remembered.items():
+            into = joined.setdefault(key, {"tokenizer": part["tokenizer"], "texts": {}, "heads": {}, "ids": {}})
+            for kind in ("texts", "heads", "ids"):
+                into[kind].update(part[kind])
+    return joined
+
+
+def _remembered(tokenizer) -> dict | None:
+    """What the current rendering pass remembers for ``tokenizer``; None outside a pass."""
+    memo = _PASS.get()
+    if memo is None:
+        return None
+    # the tokenizer is kept with its memory: an id is only unique among living objects
+    return memo.setdefault(id(tokenizer), {"tokenizer": tokenizer, "texts": {}, "heads": {}, "ids": {}})
+
+
 def render(tokenizer, prompt: list[dict], completion: list[dict]) -> str:
     """One conversation rendered by the backbone's chat template (the same text the backbone is scored on)."""
     return tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
 
 
 def render_all(tokenizer, prompts, completions) -> list[str]:
-    return [render(tokenizer, p, c) for p, c in zip(prompts, completions)]
+    memo = _remembered(tokenizer)
+    if memo is None:
+        return [render(tokenizer, p, c) for p, c in zip(prompts, completions)]
+    texts, out = memo["texts"], []
+    for p, c in zip(prompts, completions):
+        seen = texts.get((id(p), id(c)))
+        if seen is None or seen[0] is not p or seen[1] is not c:   # the objects are kept and compared, as above
+            seen = texts[id(p), id(c)] = (p, c, render(tokenizer, p, c))
+        out.append(seen[2])
+    return out
+
+
+def _messages_key(messages) -> tuple | None:
+    """Plain {role, content} messages of strings as a hashable key; None for anything else (never shared then)."""
+    if all(isinstance(m, dict) and len(m) == 2 and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+           for m in messages):
+        return tuple((m["role"], m["content"]) for m in messages)
+    return None
 
 
 def render_prompt_heads(tokenizer, prompts) -> list[str]:
-    """Each prompt as the template opens the reply: the start that every text rendered with that prompt shares."""
-    return [tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True) for p in prompts]
+    """Each prompt as the template opens the reply: the start that every text rendered with that prompt shares.
+    Equal prompts (n completions of one prompt) are rendered once."""
+    memo = _remembered(tokenizer)
+    heads = {} if memo is None else memo["heads"]
+    out = []
+    for p in prompts:
+        key = _messages_key(p)
+        head = heads.get(key) if key is not None else None
+        if head is None:
+            head = tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True)
+            if key is not None:
+                heads[key] = head
+        out.append(head)
+    return out
+
+
+def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """The token ids of rendered texts; in a rendering pass, one batched call for the texts not tokenised yet."""
+    # The template already holds the special tokens; adding them again would change the text being scored.
+    memo = _remembered(tokenizer)
+    if memo is None:
+        return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    known = memo["ids"]
+    todo = list(dict.fromkeys(t for t in texts if t not in known))
+    if todo:
+        known.update(zip(todo, tokenizer(todo, add_special_tokens=False)["input_ids"]))
+    return [known[t] for t in texts]
 
 
 def token_lengths(tokenizer, texts: list[str]) -> np.ndarray:
-    # The template already holds the special tokens; adding them again would change the text being scored.
-    enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return np.fromiter((len(ids) for ids in enc), dtype=np.int64, count=len(texts))
+    return np.fromiter((len(ids) for ids in token_ids(tokenizer, texts)), dtype=np.int64, count=len(texts))
 
 
 def content_chars(column) -> np.ndarray:

@@ -21,7 +21,7 @@ import torch
 from rewarduq_exp.core import distributed
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.core.progress import progress
-from rewarduq_exp.data.contract import render_all, render_prompt_heads
+from rewarduq_exp.data.contract import render_all, render_prompt_heads, token_ids
 from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.conversation_index import ConversationIndex
 from rewarduq_exp.models.feature_cache import FeatureCache, MemoryFeatures
@@ -178,7 +178,7 @@ class FeatureEncoder:
         bookkeeping reads host tensors, and the pooled rows stay on the device until the end (one copy back)."""
         start = time.perf_counter()
         model = self._model_or_load()
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ids = token_ids(self.tokenizer, texts)
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
         if lengths.max() > self.max_length:
             raise UserError(f"a sequence of {lengths.max()} tokens exceeds max_length={self.max_length}; "

@@ -28,6 +28,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from rewarduq_exp.data.contract import token_ids
+
 PACKED_ATTENTION = ("sdpa", "eager")  # attention that takes a custom mask (with holes, or 4D)
 
 
@@ -75,7 +77,7 @@ def share_lengths(tokenizer, ids, heads) -> np.ndarray | None:
     renders it): the part that texts with the same prompt may share; ``None`` without heads."""
     if heads is None:
         return None
-    return common_prefix_lengths(ids, tokenizer(list(heads), add_special_tokens=False)["input_ids"])
+    return common_prefix_lengths(ids, token_ids(tokenizer, list(heads)))
 
 
 def _batch_positions(idx: np.ndarray, lengths: np.ndarray, keys: list, cut: np.ndarray) -> int:

@@ -65,11 +65,12 @@ async def read_json(request: Request, settings: ServeSettings) -> dict:
 def make_app(model, settings: ServeSettings, strip: tuple[str, ...] = ()) -> Starlette:
     """The server of ``model`` (a :class:`rewarduq_exp.api.RewardModel`)."""
 
-    def score_fn(prompts, completions):
-        table = model.score(prompts, completions)
-        return table["reward"].to_numpy(), table["uncertainty"].to_numpy()
+    def score_fn(parts):
+        scores = model.score_prepared(parts)
+        return scores.reward, scores.u
 
-    batcher = ScoreBatcher(score_fn, settings.max_batch, settings.max_wait_ms / 1000, settings.max_queue)
+    batcher = ScoreBatcher(score_fn, settings.max_batch, settings.max_wait_ms / 1000, settings.max_queue,
+                           prepare_fn=model.prepare)
     beta = model.beta
 
     def authorised(request: Request) -> bool:

@@ -1,13 +1,16 @@
 """Dynamic batching: the completions of concurrent requests are scored together.
 
-Each request's completions wait in one queue. A single worker takes what is waiting, waits at most ``max_wait_s``
-after the first arrival for more to join, and scores up to ``max_batch`` completions in one call of the model (in a
-worker thread, so the event loop goes on accepting requests meanwhile); each request gets back exactly the rows of its
-own completions, in its order. 32 clients sending 8 completions each thus cost one forward pass of 256 rows rather
-than 32 of 8. A request larger than ``max_batch`` is scored in slices of it.
+Each request is first prepared on arrival (checked, rendered by the chat template and tokenised: ``prepare_fn``, in a
+thread of its own, so this work overlaps the model's work on earlier requests and a request the model refuses fails
+alone), then waits in one queue. A single worker takes what is waiting, waits at most ``max_wait_s`` after the first
+arrival for more to join (never longer than it takes the batch to fill), and scores up to ``max_batch`` completions
+in one call of the model (``score_fn``, in a worker thread, so the event loop goes on accepting requests meanwhile);
+each request gets back exactly the rows of its own completions, in its order. 32 clients sending 8 completions each
+thus cost one forward pass of 256 rows rather than 32 of 8. A request larger than ``max_batch`` is scored in slices
+of it.
 
-The queue is bounded in completions (``max_queue``): a request that would grow it beyond is refused at once
-(:class:`QueueFull`, HTTP 503), so memory does not grow with the load.
+The queue is bounded in completions (``max_queue``, those being prepared included): a request that would grow it
+beyond is refused at once (:class:`QueueFull`, HTTP 503), so memory does not grow with the load.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -29,29 +33,47 @@ class QueueFull(Exception):
 
 
 @dataclass
-class _Job:
+class Rows:
+    """Prepared rows as they came (the default preparation): what ``score_fn`` receives where nothing is prepared."""
+
     prompts: list
     completions: list
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def rows(self, start: int, stop: int) -> Rows:
+        return Rows(self.prompts[start:stop], self.completions[start:stop])
+
+
+@dataclass
+class _Job:
+    prepared: Any                                     # sized, with .rows(start, stop)
     future: asyncio.Future
     done: int = 0                                     # completions of this job already scored
     parts: list = field(default_factory=list)        # their (reward, u) slices, in order
 
     @property
     def left(self) -> int:
-        return len(self.prompts) - self.done
+        return len(self.prepared) - self.done
 
 
 class ScoreBatcher:
-    """``await batcher.score(prompts, completions)`` -> (reward, u) arrays of that request, scored in shared batches
-    by ``score_fn(prompts, completions) -> (reward, u)`` (called in one worker thread, one call at a time)."""
+    """``await batcher.score(prompts, completions)`` -> (reward, u) arrays of that request: prepared by
+    ``prepare_fn(prompts, completions)`` (a sized object with ``.rows(start, stop)``; default :class:`Rows`) and
+    scored in shared batches by ``score_fn([prepared rows, ...]) -> (reward, u)`` of their rows in order (one worker
+    thread, one call at a time)."""
 
-    def __init__(self, score_fn, max_batch: int, max_wait_s: float, max_queue: int):
-        self.score_fn, self.max_batch, self.max_wait_s, self.max_queue = score_fn, max_batch, max_wait_s, max_queue
+    def __init__(self, score_fn, max_batch: int, max_wait_s: float, max_queue: int, prepare_fn=Rows):
+        self.score_fn, self.prepare_fn = score_fn, prepare_fn
+        self.max_batch, self.max_wait_s, self.max_queue = max_batch, max_wait_s, max_queue
         self._jobs: deque[_Job] = deque()
-        self._queued = 0
+        self._queued = 0          # completions admitted (being prepared or waiting): what max_queue bounds
+        self._ready = 0           # of them, prepared and waiting for the model
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
+        self._prepare = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self.batches = 0          # model calls made (for /info and the load test)
         self.received = 0         # completions accepted into the queue
         self.scored = 0           # completions scored
@@ -67,7 +89,7 @@ class ScoreBatcher:
 
     async def stop(self) -> None:
         """After the server stopped taking requests: let the queued ones finish, then end the worker."""
-        while self._jobs:
+        while self._queued or self._jobs:
             await asyncio.sleep(0.01)
         if self._worker is not None:
             self._worker.cancel()
@@ -76,6 +98,7 @@ class ScoreBatcher:
             except asyncio.CancelledError:
                 pass
         self._thread.shutdown(wait=True)
+        self._prepare.shutdown(wait=True)
 
     async def score(self, prompts: list, completions: list) -> tuple[np.ndarray, np.ndarray]:
         n = len(prompts)
@@ -84,9 +107,17 @@ class ScoreBatcher:
         if self._queued + n > self.max_queue:
             raise QueueFull(f"{self._queued} completions are waiting to be scored (serve.max_queue={self.max_queue}); "
                             "retry later")
-        job = _Job(prompts, completions, asyncio.get_running_loop().create_future())
-        self._jobs.append(job)
         self._queued += n
+        loop = asyncio.get_running_loop()
+        try:
+            prepared = await loop.run_in_executor(self._prepare, self.prepare_fn, prompts, completions)
+        except BaseException:   # refused (a text the model cannot take) or the caller gave up: only this request
+            self._queued -= n
+            self._wake.set()   # a batch waiting for it goes on
+            raise
+        job = _Job(prepared, loop.create_future())
+        self._jobs.append(job)
+        self._ready += n
         self.received += n
         self._wake.set()
         try:
@@ -95,6 +126,7 @@ class ScoreBatcher:
             if job in self._jobs and job.done == 0:
                 self._jobs.remove(job)
                 self._queued -= n
+                self._ready -= n
             raise
 
     async def _run(self) -> None:
@@ -103,21 +135,35 @@ class ScoreBatcher:
             await self._wake.wait()
             self._wake.clear()
             while self._jobs:
-                if self._queued < self.max_batch and self.max_wait_s > 0:
-                    await asyncio.sleep(self.max_wait_s)   # let concurrent requests join this batch
+                await self._fill()
                 batch = self._take()
-                prompts = [p for job, start, stop in batch for p in job.prompts[start:stop]]
-                completions = [c for job, start, stop in batch for c in job.completions[start:stop]]
+                parts = [job.prepared.rows(start, stop) for job, start, stop in batch]
                 started = time.perf_counter()
                 try:
-                    reward, u = await loop.run_in_executor(self._thread, self.score_fn, prompts, completions)
+                    reward, u = await loop.run_in_executor(self._thread, self.score_fn, parts)
                 except Exception as err:   # noqa: BLE001 (every caller of the batch gets it; the worker goes on)
                     self._fail(batch, err)
                     continue
                 self.batches += 1
-                self.scored += len(prompts)
+                self.scored += sum(stop - start for _, start, stop in batch)
                 self.busy_s += time.perf_counter() - started
                 self._deliver(batch, np.asarray(reward, dtype=float), np.asarray(u, dtype=float))
+
+    async def _fill(self) -> None:
+        """Let concurrent requests join the batch: until it is full or ``max_wait_s`` has passed, whichever comes
+        first (a full batch does not wait out the bound: the model would idle meanwhile), and past the bound for the
+        requests already received and being prepared (they are moments away; a batch without them would leave them
+        for the next one, half full)."""
+        deadline = time.perf_counter() + self.max_wait_s
+        while self._ready < self.max_batch:
+            left = deadline - time.perf_counter()
+            if left <= 0 and self._queued == self._ready:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left if left > 0 else None)
+            except TimeoutError:
+                pass
 
     def _take(self) -> list[tuple[_Job, int, int]]:
         """Up to ``max_batch`` completions from the front of the queue: (job, first, stop) slices, a job's rest left
@@ -130,6 +176,7 @@ class ScoreBatcher:
             job.done += take
             room -= take
             self._queued -= take
+            self._ready -= take
             if job.left == 0:
                 self._jobs.popleft()
         return batch
@@ -140,7 +187,7 @@ class ScoreBatcher:
             n = stop - start
             job.parts.append((reward[offset:offset + n], u[offset:offset + n]))
             offset += n
-            if stop == len(job.prompts) and not job.future.done():
+            if stop == len(job.prepared) and not job.future.done():
                 job.future.set_result((np.concatenate([p[0] for p in job.parts]),
                                        np.concatenate([p[1] for p in job.parts])))
 
@@ -149,5 +196,6 @@ class ScoreBatcher:
             if job in self._jobs:   # the rest of a sliced job is not scored either
                 self._jobs.remove(job)
                 self._queued -= job.left
+                self._ready -= job.left
             if not job.future.done():
                 job.future.set_exception(err)
