@@ -33,7 +33,7 @@ from rewarduq_exp.core.checks import check_positive
 from rewarduq_exp.core.errors import UserError
 from rewarduq_exp.data.contract import as_messages, joined_passes, render, render_all, rendering_pass, token_lengths
 from rewarduq_exp.methods.base import Scores
-from rewarduq_exp.models.feature_cache import MemoryFeatures
+from rewarduq_exp.models.memory_features import MemoryFeatures
 from rewarduq_exp.runner.trained_run import load_trained_method
 
 REWARD_KINDS = ("conservative", "optimistic", "mean")

@@ -23,8 +23,8 @@ from rewarduq_exp.data.synthetic import SyntheticWorld
 from rewarduq_exp.downstream.best_of_n import best_of_n_curves, powers_of_two
 from rewarduq_exp.methods.ens_mlp import EnsMLP
 from rewarduq_exp.models.backbone import Backbone
-from rewarduq_exp.models.feature_cache import MemoryFeatures
 from rewarduq_exp.models.features import FeatureEncoder
+from rewarduq_exp.models.memory_features import MemoryFeatures
 
 
 def make_method(backbone: Backbone, probe) -> EnsMLP:

@@ -37,8 +37,8 @@ from rewarduq_exp.downstream.rl.objectives import Objective, RunScorer
 from rewarduq_exp.downstream.rl.training import RLSettings, trainer_arguments
 from rewarduq_exp.methods.ens_mlp import EnsMLP
 from rewarduq_exp.models.backbone import Backbone
-from rewarduq_exp.models.feature_cache import MemoryFeatures
 from rewarduq_exp.models.features import FeatureEncoder
+from rewarduq_exp.models.memory_features import MemoryFeatures
 
 
 def make_method(backbone: Backbone, probe) -> EnsMLP:

@@ -15,7 +15,7 @@ import rewarduq_exp as r
 from rewarduq_exp.api import fit_to_length
 from rewarduq_exp.data.synthetic import SyntheticWorld
 from rewarduq_exp.models.backbone import Backbone
-from rewarduq_exp.models.feature_cache import MemoryFeatures
+from rewarduq_exp.models.memory_features import MemoryFeatures
 
 FEATURE_METHODS = ("bay_lin", "ens_mlp")
 

@@ -22,7 +22,7 @@ SMOKE = {
     "bench_probe.py": (["--smoke"], "fraction of ideal"),
     "bench_ranking.py": (["--smoke"], "speed-up"),
     "bench_rl.py": (["--smoke"], "ratio: per-step scoring / one-batch scoring"),
-    "bench_serve.py": (["--smoke", "--cache-dir", "{cache}"], "ratio served / in-process"),
+    "bench_serve.py": (["--smoke", "--cache-dir", "{cache}"], "served / in-process one call: median"),
     "bench_shared_prefix.py": (["--smoke"], "speed-up"),
     "bench_whole_process.py": (["--smoke", "--cache-dir", "{cache}"], "speed-up (baseline / this)"),
 }

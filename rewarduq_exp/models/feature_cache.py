@@ -1,4 +1,5 @@
-"""Where backbone features are kept: on disk for runs (shared by every run and process), in memory for the API.
+"""Where backbone features are kept on disk for runs (shared by every run and process); the API and the server keep
+theirs in memory (:mod:`rewarduq_exp.models.memory_features`).
 
 On disk, features are stored per TEXT: a request for any subset, order or regrouping of texts that were already
 extracted with the same backbone and probe costs no backbone pass. The rows of one (backbone, probe) pair live in
@@ -28,7 +29,6 @@ import hashlib
 import json
 import os
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -227,53 +227,3 @@ class FeatureCache:
                                                                  "dtype": str(tensor.dtype)}, indent=1, default=str))
             self._save_tensor(tensor, self.path(key))
             return tensor, False
-
-
-
-class MemoryFeatures:
-    """A bounded in-memory store of feature ROWS, for scoring through the Python API.
-
-    An RL loop scores new texts at every step, for days: one disk entry per call would grow without bound and each
-    call's entry is never read again. Rows are keyed by (how they are read, the text) and the least recently used
-    rows leave once ``max_bytes`` is exceeded, so a repeated text (a prompt's reference answer, a best-of-n candidate
-    scored under several k) is computed once. Lookups are local to the calling process: under torchrun each process
-    scores its own texts and never waits for another.
-    """
-
-    def __init__(self, max_bytes: int = 256 * 2**20):
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes={max_bytes} must be >= 0")
-        self.max_bytes = int(max_bytes)
-        self.rows: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.nbytes = 0
-
-    def lookup(self, meta: dict, texts: list[str], compute_rows: Callable[[np.ndarray], torch.Tensor],
-               ) -> tuple[torch.Tensor, bool]:
-        prefix = stable_hash(meta, n=24)
-        keys = [hashlib.sha256(f"{prefix}\0{t}".encode()).hexdigest() for t in texts]
-        first_of = {}  # a text repeated in one call is computed once
-        for i, key in enumerate(keys):
-            if key not in self.rows:
-                first_of.setdefault(key, i)
-        computed = {}
-        if first_of:
-            missing = np.fromiter(first_of.values(), dtype=np.int64, count=len(first_of))
-            block = compute_rows(missing)
-            computed = {keys[i]: block[j] for j, i in enumerate(missing)}
-        out = torch.stack([computed[k] if k in computed else self.rows[k] for k in keys]) if keys else torch.empty(0)
-        for key in keys:
-            if key in self.rows:
-                self.rows.move_to_end(key)
-        for key, row in computed.items():
-            self._put(key, row.clone())  # a view would keep the whole computed block alive
-        return out, not first_of
-
-    def _put(self, key: str, row: torch.Tensor) -> None:
-        size = row.numel() * row.element_size()
-        if size > self.max_bytes:
-            return
-        self.rows[key] = row
-        self.nbytes += size
-        while self.nbytes > self.max_bytes:
-            _, old = self.rows.popitem(last=False)
-            self.nbytes -= old.numel() * old.element_size()

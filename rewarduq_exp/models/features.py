@@ -24,7 +24,8 @@ from rewarduq_exp.core.progress import progress
 from rewarduq_exp.data.contract import render_all, render_prompt_heads, token_ids
 from rewarduq_exp.models.backbone import Backbone
 from rewarduq_exp.models.conversation_index import ConversationIndex
-from rewarduq_exp.models.feature_cache import FeatureCache, MemoryFeatures
+from rewarduq_exp.models.feature_cache import FeatureCache
+from rewarduq_exp.models.memory_features import MemoryFeatures
 from rewarduq_exp.models.shared_prefix import share_lengths, shared_prefix_hidden, token_batches
 from rewarduq_exp.models.token_budget import check_setting
 

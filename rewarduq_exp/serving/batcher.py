@@ -70,8 +70,11 @@ class ScoreBatcher:
         self._jobs: deque[_Job] = deque()
         self._queued = 0          # completions admitted (being prepared or waiting): what max_queue bounds
         self._ready = 0           # of them, prepared and waiting for the model
-        self._wake: asyncio.Event | None = None
+        self._arrivals: deque[tuple[list, list, asyncio.Future]] = deque()   # waiting to be prepared
+        self._wake: asyncio.Event | None = None      # set when a prepared request joins the queue
+        self._arrived: asyncio.Event | None = None   # set when a request arrives to be prepared
         self._worker: asyncio.Task | None = None
+        self._preparer: asyncio.Task | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
         self._prepare = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self.batches = 0          # model calls made (for /info and the load test)
@@ -84,19 +87,22 @@ class ScoreBatcher:
         return self._queued
 
     def start(self) -> None:
-        self._wake = asyncio.Event()
-        self._worker = asyncio.get_running_loop().create_task(self._run())
+        self._wake, self._arrived = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._worker = loop.create_task(self._run())
+        self._preparer = loop.create_task(self._prepare_arrivals())
 
     async def stop(self) -> None:
         """After the server stopped taking requests: let the queued ones finish, then end the worker."""
         while self._queued or self._jobs:
             await asyncio.sleep(0.01)
-        if self._worker is not None:
-            self._worker.cancel()
-            try:
-                await self._worker
-            except asyncio.CancelledError:
-                pass
+        for task in (self._worker, self._preparer):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         self._thread.shutdown(wait=True)
         self._prepare.shutdown(wait=True)
 
@@ -109,8 +115,11 @@ class ScoreBatcher:
                             "retry later")
         self._queued += n
         loop = asyncio.get_running_loop()
+        arrival = (prompts, completions, loop.create_future())
+        self._arrivals.append(arrival)
+        self._arrived.set()
         try:
-            prepared = await loop.run_in_executor(self._prepare, self.prepare_fn, prompts, completions)
+            prepared = await arrival[2]
         except BaseException:   # refused (a text the model cannot take) or the caller gave up: only this request
             self._queued -= n
             self._wake.set()   # a batch waiting for it goes on
@@ -128,6 +137,46 @@ class ScoreBatcher:
                 self._queued -= n
                 self._ready -= n
             raise
+
+    async def _prepare_arrivals(self) -> None:
+        """Prepare what has arrived, all of it together, while the model works on earlier batches."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._arrived.wait()
+            self._arrived.clear()
+            while self._arrivals:
+                arrivals = [a for a in self._arrivals if not a[2].done()]   # not those whose caller gave up
+                self._arrivals.clear()
+                results = await loop.run_in_executor(self._prepare, self._prepare_together,
+                                                     [(prompts, completions) for prompts, completions, _ in arrivals])
+                for (_, _, future), result in zip(arrivals, results):
+                    if future.done():
+                        continue
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+
+    def _prepare_together(self, requests: list[tuple[list, list]]) -> list:
+        """Each request prepared (or the exception refusing it): one call of ``prepare_fn`` for all of them (one
+        rendering and tokenizer pass, not one per request); where that refuses, each request alone, so that a
+        refusal stays with the request that caused it."""
+        if len(requests) > 1:
+            try:
+                whole = self.prepare_fn([p for prompts, _ in requests for p in prompts],
+                                        [c for _, completions in requests for c in completions])
+            except Exception:   # noqa: BLE001 (found out below, request by request)
+                pass
+            else:
+                starts = np.cumsum([0] + [len(prompts) for prompts, _ in requests])
+                return [whole.rows(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+        results = []
+        for prompts, completions in requests:
+            try:
+                results.append(self.prepare_fn(prompts, completions))
+            except Exception as err:   # noqa: BLE001 (this request's answer)
+                results.append(err)
+        return results
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
