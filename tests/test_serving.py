@@ -24,7 +24,7 @@ from entry_points import run_entry_point, train_small_run
 
 import rewarduq_exp as r
 from rewarduq_exp.serving.app import make_app
-from rewarduq_exp.serving.batcher import QueueFull, ScoreBatcher
+from rewarduq_exp.serving.batcher import QueueFull, Rows, ScoreBatcher
 from rewarduq_exp.serving.settings import ServeSettings
 
 
@@ -219,6 +219,24 @@ def test_a_full_batch_does_not_wait_out_the_bound():
         return reward
 
     assert len(asyncio.run(scenario())) == 4
+
+
+def test_requests_that_arrive_together_are_prepared_in_one_call_and_a_refusal_stays_with_its_request():
+    calls = []
+
+    def prepare(prompts, completions):
+        calls.append(len(prompts))
+        if "bad" in completions:
+            raise ValueError("bad text")
+        return Rows(prompts, completions)
+
+    batcher = ScoreBatcher(lambda parts: None, max_batch=8, max_wait_s=0, max_queue=64, prepare_fn=prepare)
+    together = batcher._prepare_together([(["p"] * 2, ["a", "b"]), (["p"], ["c"])])
+    assert calls == [3] and [r.completions for r in together] == [["a", "b"], ["c"]]
+    calls.clear()
+    mixed = batcher._prepare_together([(["p"], ["a"]), (["p"], ["bad"]), (["p"], ["c"])])
+    assert calls == [3, 1, 1, 1] and isinstance(mixed[1], ValueError)
+    assert mixed[0].completions == ["a"] and mixed[2].completions == ["c"]
 
 
 def test_a_request_the_model_refuses_fails_alone(trained):

@@ -1,8 +1,9 @@
 """Dynamic batching: the completions of concurrent requests are scored together.
 
 Each request is first prepared on arrival (checked, rendered by the chat template and tokenised: ``prepare_fn``, in a
-thread of its own, so this work overlaps the model's work on earlier requests and a request the model refuses fails
-alone), then waits in one queue. A single worker takes what is waiting, waits at most ``max_wait_s`` after the first
+thread of its own, so this work overlaps the model's work on earlier requests; the requests that arrived together in
+one call, and where that call refuses, each alone, so a request the model refuses fails alone), then waits in one
+queue. A single worker takes what is waiting, waits at most ``max_wait_s`` after the first
 arrival for more to join (never longer than it takes the batch to fill), and scores up to ``max_batch`` completions
 in one call of the model (``score_fn``, in a worker thread, so the event loop goes on accepting requests meanwhile);
 each request gets back exactly the rows of its own completions, in its order. 32 clients sending 8 completions each
