@@ -162,6 +162,20 @@ def test_identity_includes_build_spec(tiny_backbone, tiny_model_cfg):
     assert ident["build"] == build_spec(**build_kwargs(tiny_model_cfg))
 
 
+def test_identity_is_read_once_per_dtype_and_callers_cannot_change_it(cache_dir, tiny_model_cfg, monkeypatch):
+    """Every scoring call asks for the identity: the checkpoint's record is read once, again only when the dtype
+    changes, and a caller editing the dict it got changes nothing."""
+    backbone = Backbone(tiny_model_cfg, cache_dir=cache_dir, device="cpu")
+    first = backbone.identity()
+    reads = []
+    read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self) or read_text(self, *a, **k))
+    first["build"]["seed"] = -1
+    assert backbone.identity() == {**first, "build": build_spec(**build_kwargs(tiny_model_cfg))} and reads == []
+    backbone.dtype = torch.float64
+    assert backbone.identity()["dtype"] == "torch.float64" and len(reads) == 1
+
+
 @pytest.mark.parametrize("change", [{"seed": 1}, {"attention_temperature": 0.5}, {"num_layers": 2}])
 def test_identity_changes_with_build_parameters(cache_dir, tiny_model_cfg, tiny_backbone, change):
     """Any build parameter that changes the numbers changes the identity (so stale features are never reused);

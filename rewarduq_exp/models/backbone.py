@@ -9,6 +9,7 @@ back, its config's flag counts only if the caller allowed it (``load_run(..., tr
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
 from functools import cached_property
@@ -96,7 +97,14 @@ class Backbone:
         return Path(found).parent if isinstance(found, str) else None
 
     def identity(self) -> dict:
-        """Everything about the backbone that changes its numbers (part of every feature-cache key)."""
+        """Everything about the backbone that changes its numbers (part of every feature-cache key). Made once per
+        dtype (it reads the checkpoint's record files, and every scoring call asks for it)."""
+        made = self.__dict__.get("_identity")
+        if made is None or made[0] != self.dtype:
+            made = self._identity = (self.dtype, self._make_identity())
+        return copy.deepcopy(made[1])
+
+    def _make_identity(self) -> dict:
         ident = {
             "name": self.name,
             "source": self.cfg.get("hub_id") or self.cfg.get("path") or self.cfg.get("builder"),

@@ -77,6 +77,7 @@ class FeatureEncoder:
         self.conversations = conversations if hasattr(self.store, "lookup_keys") else None
         self.show_progress = show_progress and not os.environ.get("TQDM_DISABLE")
         self._model = None
+        self._architecture = (None, None)   # (the loaded model, its Architecture): batch_tokens's per-token cost
         self.stats = {"backbone_forward_passes": 0, "cache_hits": 0, "cache_misses": 0}
 
     @property
@@ -163,7 +164,9 @@ class FeatureEncoder:
         if self.batch_tokens_setting != "auto":
             return int(self.batch_tokens_setting)
         device = self.backbone.device
-        per_token = inference_token_bytes(architecture_of_model(self.backbone.name, model), width,
+        if self._architecture[0] is not model:   # its sizes, counted once per loaded model (every call asks)
+            self._architecture = (model, architecture_of_model(self.backbone.name, model))
+        per_token = inference_token_bytes(self._architecture[1], width,
                                           torch.finfo(self.backbone.dtype).bits // 8, math_kernel=device.type == "cpu",
                                           all_hidden_states=self.layer != -1, kv_cache=shared)
         return resolve_tokens("auto", "probe.batch_tokens", device, per_token)
