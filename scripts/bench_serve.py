@@ -12,7 +12,8 @@ world's generator), so no feature-cache hit flatters either side. Prints:
 
 1. **Throughput at saturation**: 32 clients sending 8 completions per request, as fast as answers come, against one
    in-process ``RewardModel.score`` call on as many completions, measured in pairs one right after the other (this
-   machine's speed drifts by +-15 % within minutes): the median ratio and its range (goal: at least 0.8).
+   machine's speed drifts by +-15 % within minutes): the median ratio, its range and the geometric mean with its
+   95 % paired t-interval over the pairs (goal: at least 0.8).
 2. **Latency** p50 / p99 per request at 1, 8 and 32 concurrent clients (8 completions a request).
 3. **Memory**: the server's resident memory (VmRSS) after a warm-up and after ``--requests`` more requests of 8
    completions drawn from a fixed pool (bounded feature store: the growth should be ~0).
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from rewarduq_exp.data.synthetic import SyntheticWorld
+from rewarduq_exp.downstream.statistics import paired_t_interval
 
 ITEMS = 8   # completions per request (the issue's "32 clients sending 8 items each")
 
@@ -188,11 +190,16 @@ def main() -> None:
                 busy.append((after["busy_s"] - before["busy_s"]) / wall)
                 per_call.append((after["scored"] - before["scored"]) / max(1, after["batches"] - before["batches"]))
             middle = int(np.argsort(ratios)[len(ratios) // 2])
+            # the pairs' log ratios: a paired t-interval, back on the ratio scale (a geometric mean)
+            log_ratio = paired_t_interval(np.log(ratios))
+            interval = ("" if len(ratios) < 2 else
+                        f", geometric mean {np.exp(log_ratio.mean):.2f} [95 % CI {np.exp(log_ratio.lo):.2f}, "
+                        f"{np.exp(log_ratio.hi):.2f}]")
             print(f"throughput at saturation ({n} completions, 32 clients x {ITEMS} per request, {args.repeats} "
                   f"pairs): served / in-process one call: median {ratios[middle]:.2f} (goal >= 0.8), range "
-                  f"{min(ratios):.2f}-{max(ratios):.2f}; that pair: served {rates[middle][0]:.0f}/s, in-process "
-                  f"{rates[middle][1]:.0f}/s, {per_call[middle]:.0f} completions per model call, the model busy "
-                  f"{busy[middle]:.0%} of the time")
+                  f"{min(ratios):.2f}-{max(ratios):.2f}{interval}; the median pair: served {rates[middle][0]:.0f}/s, "
+                  f"in-process {rates[middle][1]:.0f}/s, {per_call[middle]:.0f} completions per model call, the model "
+                  f"busy {busy[middle]:.0%} of the time")
 
             for level, clients in enumerate((1, 8, 32)):
                 m = args.latency_requests * ITEMS * max(1, clients // 4)
