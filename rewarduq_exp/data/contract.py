@@ -141,8 +141,8 @@ def validate_preferences(frame: pd.DataFrame, source: str) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------------- rendering
 # A scoring call renders each conversation for its length check, its features and its prompt's head, and tokenises
 # the texts for each; within a rendering pass (:func:`rendering_pass`) each is made once and read again (three
-# renders and two tokenisations per conversation made a CPU scoring call 1.5-1.7x slower). Outside a pass nothing is
-# kept.
+# renders and two tokenisations per conversation made a CPU scoring call 1.18x [95 % CI 1.06, 1.32] slower).
+# Outside a pass nothing is kept.
 _PASS: ContextVar[dict | None] = ContextVar("rendering_pass", default=None)
 
 
